@@ -1,0 +1,262 @@
+"""The compressor contract, the registry, and spec parsing.
+
+A compressor turns one gradient tensor into one wire :class:`~hvdcomp.wire.Message`
+(``encode``) and adds a message's contribution into a float32 accumulator (``decode``).
+Everything it remembers between steps (levels, residuals, momentum) lives in the compressor
+and round-trips through ``state_dict`` / ``load_state_dict``.
+
+Data flows one way: gradient -> encode -> Message -> bytes -> transport -> bytes ->
+Message -> decode (into the accumulator) -> finalize (average) -> gradient.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, WireFormatError
+from ..wire import FLAG_NONFINITE, Message, dtype_code
+
+__all__ = ["Compressor", "TensorKey", "register", "get", "parse_spec", "available",
+           "REGISTRY"]
+
+REGISTRY: Dict[str, type] = {}
+
+
+def register(name: str):
+    """Class decorator: make a compressor available as ``hvdcomp.get(name)``."""
+    def deco(cls):
+        if name in REGISTRY:
+            raise ValueError(f"compressor name {name!r} registered twice")
+        cls.name = name
+        REGISTRY[name] = cls
+        return cls
+    return deco
+
+
+@dataclass(frozen=True)
+class TensorKey:
+    """Identifies one tensor in one step on one rank; feeds the header and the Philox key.
+
+    name: stable parameter name; tensor_id: its index in the fixed (name-sorted) order;
+    step: optimizer step; rank / world_size: sender and group size; seed: shared seed.
+    """
+    name: str
+    tensor_id: int
+    step: int
+    rank: int
+    world_size: int
+    seed: int = 0
+
+
+class Compressor:
+    """Base class.  Subclasses set ``codec`` (wire id), implement ``_encode`` and ``_decode``.
+
+    Class attributes:
+      summable  -- the encoding can be summed by an allreduce (dtype casts); such tensors
+                   may travel through Horovod's allreduce instead of the allgather path.
+      prescaled -- encode already divides by the world size (fp16), so the average is the
+                   plain sum of the decoded contributions.
+    """
+    name: ClassVar[str] = "?"
+    codec: ClassVar[int] = 0
+    summable: ClassVar[bool] = False
+    prescaled: ClassVar[bool] = False
+
+    # --- the contract -----------------------------------------------------------------
+    def encode(self, grad: torch.Tensor, key: TensorKey) -> Message:
+        """Encode ``grad`` (any shape and layout, floating dtype; read, not modified).
+
+        A tensor holding NaN or Inf is sent as a payload-free NONFINITE message; every
+        receiver then turns the whole averaged tensor into NaN (docs/design.md, "NaN").
+        Raises TypeError for non-floating tensors in codecs that need floats.
+        """
+        if grad.is_floating_point() and grad.numel() and not bool(torch.isfinite(grad).all()):
+            return Message(codec=self.codec, dtype=dtype_code(grad.dtype),
+                           shape=tuple(grad.shape), flags=FLAG_NONFINITE,
+                           tensor_id=key.tensor_id, rank=key.rank, seed=key.seed,
+                           step=key.step, **self._header_fields())
+        return self._encode(grad, key)
+
+    def decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> bool:
+        """Validate ``msg`` against ``key`` and add its contribution to ``out``.
+
+        out: flat float32 accumulator with ``numel`` elements (numel of the parameter).
+        Returns False if the message is NONFINITE (nothing added), True otherwise.
+        Raises WireFormatError for any mismatch or malformed section.
+        """
+        hf = self._header_fields()
+        msg.expect(codec=self.codec, tensor_id=key.tensor_id, step=key.step, rank=key.rank,
+                   bits=hf.get("bits"), bucket_size=hf.get("bucket_size"),
+                   level_version=hf.get("level_version"))
+        if msg.numel != out.numel():
+            raise WireFormatError(f"numel mismatch: message has {msg.numel}, receiver "
+                                  f"expects {out.numel()}")
+        if msg.flags & FLAG_NONFINITE:
+            return False
+        self._decode(msg, key, out)
+        return True
+
+    def finalize(self, acc: torch.Tensor, world_size: int) -> torch.Tensor:
+        """Turn the sum of decoded contributions into the average (in place)."""
+        if not self.prescaled:
+            acc.div_(world_size)
+        return acc
+
+    # --- for subclasses ---------------------------------------------------------------
+    def _header_fields(self) -> Dict[str, int]:
+        return {}
+
+    def _encode(self, grad: torch.Tensor, key: TensorKey) -> Message:
+        raise NotImplementedError
+
+    def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    # --- adaptive compressors (ALQ, AMQ) override these -------------------------------
+    def wants_stats(self, step: int) -> bool:
+        """Whether the optimizer should collect statistics during ``step``'s encoding."""
+        return False
+
+    def observe(self, grad: torch.Tensor) -> None:
+        """Accumulate statistics of one gradient (called only when wants_stats)."""
+
+    def pending_stats(self) -> Optional[np.ndarray]:
+        """Statistics gathered this step, to be summed across ranks, or None."""
+        return None
+
+    def update(self, summed_stats: np.ndarray, step: int) -> Optional[np.ndarray]:
+        """Fit new state from the rank-summed statistics; return what rank 0 broadcasts."""
+        return None
+
+    def adopt(self, payload: np.ndarray) -> None:
+        """Install what rank 0 broadcast (identical state on every rank)."""
+
+    # --- state ------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{self.name} has no state, got keys {sorted(state)}")
+
+    # --- settings ---------------------------------------------------------------------
+    def settings(self) -> Dict[str, Any]:
+        """The constructor arguments of this instance (what ``spec()`` prints)."""
+        sig = inspect.signature(type(self).__init__)
+        return {p: getattr(self, p) for p in sig.parameters if p != "self"}
+
+    def spec(self) -> str:
+        """The one-line spec that ``hvdcomp.get`` turns back into an equal compressor."""
+        def fmt(v):
+            return "/".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+        s = self.settings()
+        return self.name + (":" + ",".join(f"{k}={fmt(v)}" for k, v in s.items()) if s else "")
+
+    def __repr__(self) -> str:
+        return f"hvdcomp.get({self.spec()!r})"
+
+    # --- Horovod's own Compression contract -------------------------------------------
+    # Horovod's DistributedOptimizer and hvd.allreduce call compress(), SUM the result
+    # across ranks, then call decompress().  Only summable encodings survive that.
+    def compress(self, tensor: torch.Tensor):
+        raise TypeError(
+            f"hvdcomp compressor {self.spec()!r} sends packed per-rank codes that Horovod's "
+            f"allreduce would sum into garbage. Use hvdcomp.torch.DistributedOptimizer "
+            f"(import hvdcomp.torch as hvd) instead of horovod.torch's, and do not pass it "
+            f"to hvd.allreduce.")
+
+    def decompress(self, tensor: torch.Tensor, ctx):
+        raise TypeError("decompress() without compress(): see compress()")
+
+
+def available() -> List[str]:
+    """Names of all registered compressors."""
+    return sorted(REGISTRY)
+
+
+def _describe(cls) -> str:
+    sig = inspect.signature(cls.__init__)
+    parts = [f"{p.name}={p.default!r}" for p in sig.parameters.values() if p.name != "self"]
+    return f"{cls.name}({', '.join(parts)})"
+
+
+def _convert(cls, pname: str, raw: str, default: Any) -> Any:
+    try:
+        if isinstance(default, bool):
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+        if isinstance(default, tuple):
+            return tuple(int(v) for v in raw.replace("/", " ").replace("+", " ").split())
+        return raw
+    except ValueError:
+        raise ConfigError(f"{cls.name}: setting {pname}={raw!r} is not a valid "
+                          f"{type(default).__name__}; valid: {_describe(cls)}") from None
+
+
+def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
+    """Parse ``"name:key=value,key=value"`` into ``(name, kwargs)`` with typed values.
+
+    Raises ConfigError for an unknown name or setting, listing what is valid.
+    """
+    spec = spec.strip()
+    name, _, rest = spec.partition(":")
+    name = name.strip().lower()
+    cls = _lookup(name)
+    sig = inspect.signature(cls.__init__)
+    kwargs: Dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        k, eq, v = item.partition("=")
+        k = k.strip()
+        if not eq:
+            raise ConfigError(f"{name}: setting {item!r} needs the form key=value; "
+                              f"valid: {_describe(cls)}")
+        if k not in sig.parameters or k == "self":
+            raise ConfigError(f"{name}: unknown setting {k!r}; valid: {_describe(cls)}")
+        kwargs[k] = _convert(cls, k, v, sig.parameters[k].default)
+    return name, kwargs
+
+
+def _lookup(name: str):
+    if name not in REGISTRY:
+        raise ConfigError(f"unknown compressor {name!r}; valid: "
+                          + "; ".join(_describe(REGISTRY[n]) for n in available()))
+    return REGISTRY[name]
+
+
+def get(spec, **kwargs) -> Compressor:
+    """A compressor from a name or a one-line spec, e.g. ``get("alq", bits=3)`` or
+    ``get("alq:bits=3,bucket_size=8192")``.  A Compressor instance is returned as is.
+
+    Raises ConfigError for unknown names or settings and for invalid values.
+    """
+    if isinstance(spec, Compressor):
+        if kwargs:
+            raise ConfigError("settings cannot be given together with a compressor instance")
+        return spec
+    if not isinstance(spec, str):
+        raise ConfigError(f"expected a compressor name, spec string or instance, got {spec!r}")
+    name, parsed = parse_spec(spec)
+    cls = _lookup(name)
+    sig = inspect.signature(cls.__init__)
+    for k in kwargs:
+        if k not in sig.parameters or k == "self":
+            raise ConfigError(f"{name}: unknown setting {k!r}; valid: {_describe(cls)}")
+    parsed.update(kwargs)
+    try:
+        return cls(**parsed)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{name}: {e}; valid: {_describe(cls)}") from None

@@ -1,0 +1,138 @@
+"""Uncompressed and cast compressors: ``none``, ``fp16``, ``bf16``.
+
+Their encodings can be summed, so the drop-in optimizer sends them through Horovod's
+allreduce by default; through the allgather path they travel as wire messages with one
+section holding the raw element bytes (little-endian, in the wire dtype).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..wire import CODECS, Message, dtype_code
+from .base import Compressor, TensorKey, register
+
+__all__ = ["NoneCompressor", "FP16", "BF16"]
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous().reshape(-1).cpu()
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.view(torch.int16)            # numpy has no bfloat16: move the raw 2-byte words
+    elif t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    return t.numpy().view(np.uint8)
+
+
+def _from_raw(sec: np.ndarray, dtype: torch.dtype, n: int) -> torch.Tensor:
+    buf = torch.from_numpy(np.array(sec))    # a writable copy, suitably aligned
+    return buf.view(dtype)[:n] if n else torch.empty(0, dtype=dtype)
+
+
+@register("none")
+class NoneCompressor(Compressor):
+    """No compression: the gradient's own bytes.
+
+    grad: any shape and dtype.  Message payload: numel * itemsize bytes.
+    """
+    codec = CODECS["none"]
+    summable = True
+
+    def __init__(self):
+        pass
+
+    def _encode(self, grad, key):
+        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
+                       sections=(_raw(grad),), tensor_id=key.tensor_id, rank=key.rank,
+                       seed=key.seed, step=key.step)
+
+    def _decode(self, msg, key, out):
+        from ..wire import code_dtype
+        dt = code_dtype(msg.dtype)
+        msg.expect(nsections=1)
+        msg.section_size_check(0, msg.numel * torch.empty(0, dtype=dt).element_size(), "values")
+        out.add_(_from_raw(msg.sections[0], dt, msg.numel).to(out.device, torch.float32))
+
+    def compress(self, tensor):
+        return tensor, None
+
+    def decompress(self, tensor, ctx):
+        return tensor
+
+
+class _Cast(Compressor):
+    wire_dtype: torch.dtype
+
+    def __init__(self):
+        pass
+
+    def _scale(self, key: TensorKey) -> float:
+        return 1.0
+
+    def _encode(self, grad, key):
+        if not grad.is_floating_point():
+            raise TypeError(f"{self.name} casts floating-point gradients only, got {grad.dtype}")
+        x = grad.detach()
+        s = self._scale(key)
+        if s != 1.0:
+            x = x.to(torch.float32) / s     # divide before the cast so sums cannot overflow
+        y = x.to(self.wire_dtype)
+        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
+                       sections=(_raw(y),), tensor_id=key.tensor_id, rank=key.rank,
+                       seed=key.seed, step=key.step)
+
+    def _decode(self, msg, key, out):
+        msg.expect(nsections=1)
+        msg.section_size_check(0, 2 * msg.numel, "values")
+        out.add_(_from_raw(msg.sections[0], self.wire_dtype, msg.numel).to(out.device,
+                                                                            torch.float32))
+
+    # Horovod's contract (hvd.allreduce / horovod.torch.DistributedOptimizer): the cast
+    # is summable, so this works there too.
+    def compress(self, tensor):
+        if not tensor.is_floating_point():
+            return tensor, None
+        s = _horovod_size() if self.prescaled else 1
+        x = tensor.to(torch.float32) / s if s != 1 else tensor
+        return x.to(self.wire_dtype), (tensor.dtype, s)
+
+    def decompress(self, tensor, ctx):
+        if ctx is None:
+            return tensor
+        dtype, s = ctx
+        x = tensor.to(torch.float32)
+        return (x * s if s != 1 else x).to(dtype)
+
+
+def _horovod_size() -> int:
+    try:
+        import horovod.torch as hvd
+        return hvd.size() if hvd.is_initialized() else 1
+    except ImportError:
+        return 1
+
+
+@register("fp16")
+class FP16(_Cast):
+    """IEEE half precision.  Each rank sends fp16(grad / world_size), so the sum over ranks is
+    the average and stays within fp16 range whenever every |grad| does; a value whose
+    grad / world_size exceeds 65504 becomes Inf and the tensor follows the NaN policy.
+    Payload: 2 bytes per element.  (Same scaling as PyTorch DDP's fp16 hook.)
+    """
+    codec = CODECS["fp16"]
+    summable = True
+    prescaled = True
+    wire_dtype = torch.float16
+
+    def _scale(self, key):
+        return float(key.world_size)
+
+
+@register("bf16")
+class BF16(_Cast):
+    """bfloat16: fp32's range with 8 bits of mantissa.  Payload: 2 bytes per element."""
+    codec = CODECS["bf16"]
+    # Mathematically summable, but Horovod 0.28.1's CPU allreduce rejects bfloat16, so the
+    # drop-in optimizer sends it through the allgather path and averages in float32.
+    summable = False
+    wire_dtype = torch.bfloat16

@@ -1,0 +1,333 @@
+"""The gradient exchange behind the drop-in optimizer: fusion buckets, routing, overlap.
+
+One :class:`Exchange` per optimizer.  It owns
+  * the fixed order: parameters sorted by name give the tensor ids; fusion buckets are
+    filled in reverse registration order (the order backward produces gradients) and are
+    always communicated in bucket order, so every rank issues the same collectives in the
+    same order whatever order its hooks fire in;
+  * the routing: which compressor each tensor uses (non-float, 1-D and small tensors go
+    uncompressed by default);
+  * a worker thread that, for each bucket as soon as all its gradients are ready, encodes,
+    communicates and decodes, while backward goes on computing earlier layers;
+  * per-step statistics (:class:`StepStats`).
+
+Summable tensors (``none``, ``fp16``) travel through Horovod's allreduce when Horovod is
+initialized; all others travel as wire messages through the transport's allgather, are
+decoded on every rank in rank order and averaged in float32.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..compressors import Compressor, NoneCompressor, TensorKey
+from ..transport import Transport, join_frames, split_frames
+from ..wire import Message
+
+__all__ = ["Exchange", "StepStats"]
+
+_HVD_ALLREDUCE_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+@dataclass
+class StepStats:
+    """What one rank sent in one step.
+
+    bytes_sent:   bytes of this rank's encoded payload (wire messages with their headers,
+                  plus allreduced buffers), i.e. what it contributes to the collectives.
+    fp32_bytes:   4 * elements of every gradient exchanged: the uncompressed fp32 payload.
+    ratio:        fp32_bytes / bytes_sent.
+    traffic_bytes: estimate of bytes this rank puts on the network with ring algorithms:
+                  allgather (N-1)/N of all ranks' messages, allreduce 2(N-1)/N of the buffer.
+    compressors:  parameter name -> name of the compressor applied to it.
+    nonfinite:    names of tensors that held NaN/Inf on some rank (their average is NaN).
+    encode_s, comm_s, decode_s: seconds spent in each phase (worker thread).
+    """
+    step: int = 0
+    bytes_sent: int = 0
+    fp32_bytes: int = 0
+    traffic_bytes: float = 0.0
+    compressors: Dict[str, str] = field(default_factory=dict)
+    nonfinite: List[str] = field(default_factory=list)
+    encode_s: float = 0.0
+    comm_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.fp32_bytes / self.bytes_sent if self.bytes_sent else float("inf")
+
+
+@dataclass
+class _Entry:
+    name: str
+    param: torch.Tensor
+    tensor_id: int
+    compressor: Compressor
+    allreduce: bool          # summable and carried by Horovod's allreduce
+
+
+class Exchange:
+    """Averages gradients across ranks with real encoded bytes (see module docstring).
+
+    named_params: [(name, parameter)] in registration order; names unique.
+    compression: the compressor for tensors that qualify; ``none`` for the rest.
+    transport: carrier of the allgather path; hvd: the horovod.torch module or None.
+    """
+
+    def __init__(self, named_params: Sequence[Tuple[str, torch.Tensor]],
+                 compression: Compressor, transport: Transport, *, hvd=None,
+                 fusion_bytes: int = 25 * 2**20, min_compress_numel: int = 1024,
+                 compress_1d: bool = False, seed: int = 0, average: bool = True,
+                 predivide: float = 1.0, allreduce_summable: bool = True):
+        names = [n for n, _ in named_params]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"parameter names must be unique, repeated: {dup}")
+        if fusion_bytes < 1:
+            raise ValueError("fusion_bytes must be >= 1")
+        self.compression = compression
+        self.transport = transport
+        self.hvd = hvd
+        self.rank, self.size = transport.rank, transport.size
+        self.seed = int(seed) & 0xFFFFFFFF
+        self.average = average
+        self.predivide = float(predivide)
+        self._none = NoneCompressor()
+        order = {n: i for i, n in enumerate(sorted(names))}
+        self.entries: Dict[str, _Entry] = {}
+        for name, p in named_params:
+            comp = self._route(p, compression, min_compress_numel, compress_1d)
+            ar = (allreduce_summable and hvd is not None and comp.summable
+                  and _wire_dtype(comp, p.dtype) in _HVD_ALLREDUCE_DTYPES)
+            self.entries[name] = _Entry(name, p, order[name], comp, ar)
+        # Fusion buckets in backward order.
+        self.buckets: List[List[str]] = []
+        cur, cur_bytes = [], 0
+        for name, p in reversed(list(named_params)):
+            cur.append(name)
+            cur_bytes += p.numel() * p.element_size()
+            if cur_bytes >= fusion_bytes:
+                self.buckets.append(cur)
+                cur, cur_bytes = [], 0
+        if cur:
+            self.buckets.append(cur)
+        self.bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b}
+        self._handshake()
+        self._q: "queue.Queue" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._reset(0)
+
+    # --- set-up ---------------------------------------------------------------------
+    @staticmethod
+    def _route(p, compression, min_numel, compress_1d) -> Compressor:
+        if not p.is_floating_point():
+            return NoneCompressor()
+        if p.dim() <= 1 and not compress_1d:
+            return NoneCompressor()
+        if p.numel() < min_numel:
+            return NoneCompressor()
+        return compression
+
+    def _handshake(self) -> None:
+        """Refuse to start if ranks disagree on the model, the routing or the settings
+        (they would otherwise issue mismatched collectives or decode garbage)."""
+        desc = json.dumps([self.seed, self.average, self.predivide, self.buckets,
+                           [(e.name, list(e.param.shape), str(e.param.dtype), e.compressor.spec(),
+                             e.allreduce) for e in self.entries.values()]])
+        digest = np.frombuffer(hashlib.sha256(desc.encode()).digest(), dtype=np.uint8)
+        got = self.transport.allgather(digest)
+        bad = [r for r, d in enumerate(got) if not np.array_equal(d, digest)]
+        if bad:
+            raise RuntimeError(
+                f"hvdcomp: ranks {bad} disagree with rank {self.rank} on the parameters "
+                f"(names, shapes, dtypes), the compressor settings or the seed; every rank "
+                f"must build the same model and optimizer. This rank has: {desc[:2000]}")
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._worker, name="hvdcomp-exchange",
+                                            daemon=True)
+            self._thread.start()
+
+    # --- per step -------------------------------------------------------------------
+    def _reset(self, step: int) -> None:
+        self.step = step
+        self._pending = {k: len(b) for k, b in enumerate(self.buckets)}
+        self._submitted = set()
+        self._results: Dict[str, torch.Tensor] = {}
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._stats = StepStats(step=step)
+        self._active = False
+
+    def begin(self, step: int) -> None:
+        """Start a step (called on the first ready gradient or by ``finish``)."""
+        self._reset(step)
+        self._active = True
+        self._start()
+        self._q.put(("step", step))
+
+    def ready(self, name: str) -> None:
+        """The gradient of ``name`` is final for this step; submit its bucket when complete."""
+        if not self._active:
+            raise RuntimeError("ready() outside a step: call begin(step) first")
+        k = self.bucket_of[name]
+        self._pending[k] -= 1
+        if self._pending[k] == 0:
+            self._submit(k)
+
+    def _submit(self, k: int) -> None:
+        if k not in self._submitted:
+            self._submitted.add(k)
+            self._q.put(("bucket", k))
+
+    def finish(self) -> Tuple[Dict[str, torch.Tensor], StepStats]:
+        """Submit what is left (gradients never produced count as zeros), wait, and return
+        {name: averaged gradient (float32, flat)} and the step's statistics.
+        Re-raises any error of the worker (e.g. WireFormatError) on the calling thread."""
+        if not self._active:
+            raise RuntimeError("finish() outside a step")
+        for k in range(len(self.buckets)):
+            self._submit(k)
+        self._done.wait()
+        self._active = False
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        return self._results, self._stats
+
+    # --- worker ---------------------------------------------------------------------
+    def _worker(self) -> None:
+        ready, nxt, step = set(), 0, 0
+        while True:
+            kind, val = self._q.get()
+            if kind == "step":
+                ready, nxt, step = set(), 0, val
+                continue
+            ready.add(val)
+            # Fixed bucket order on every rank: wait for bucket `nxt` even if later ones
+            # are ready first.
+            while nxt in ready:
+                if self._error is None:
+                    try:
+                        self._process(nxt, step)
+                    except BaseException as e:  # surfaced by finish()
+                        self._error = e
+                nxt += 1
+            if nxt == len(self.buckets):
+                self._done.set()
+
+    def _grad(self, e: _Entry) -> torch.Tensor:
+        g = e.param.grad
+        if g is None:
+            g = torch.zeros_like(e.param)
+        if g.is_sparse:
+            g = g.to_dense()
+        if self.predivide != 1.0:
+            g = g / self.predivide
+        return g
+
+    def _key(self, e: _Entry, rank: int) -> TensorKey:
+        return TensorKey(e.name, e.tensor_id, self.step, rank, self.size, self.seed)
+
+    def _process(self, k: int, step: int) -> None:
+        st = self._stats
+        names = self.buckets[k]
+        ents = [self.entries[n] for n in names]
+        ar = [e for e in ents if e.allreduce]
+        ag = [e for e in ents if not e.allreduce]
+        for e in ents:
+            st.compressors[e.name] = e.compressor.name
+            st.fp32_bytes += 4 * e.param.numel()
+        t0 = time.perf_counter()
+        # 1. allreduce path (summable): launch first, it runs in Horovod's thread
+        handles = []
+        by_dtype: Dict[torch.dtype, List[_Entry]] = {}
+        for e in ar:
+            by_dtype.setdefault(_wire_dtype(e.compressor, e.param.dtype), []).append(e)
+        for dt, es in by_dtype.items():
+            flat, groups = self._flatten_summable(es, dt)
+            h = self.hvd.allreduce_async_(flat, name=f"hvdcomp.ar.{k}.{str(dt)[6:]}",
+                                          op=self.hvd.Sum)
+            handles.append((h, flat, groups))
+            nbytes = flat.numel() * flat.element_size()
+            st.bytes_sent += nbytes
+            st.traffic_bytes += 2 * (self.size - 1) / self.size * nbytes
+        # 2. allgather path: encode every tensor of the bucket into one frame
+        msgs = []
+        for e in ag:
+            g = self._grad(e)
+            comp = e.compressor
+            if comp.wants_stats(step) and g.is_floating_point() and bool(torch.isfinite(g).all()):
+                comp.observe(g)
+            msgs.append(comp.encode(g, self._key(e, self.rank)).to_bytes())
+        frame = join_frames(msgs) if ag else None
+        t1 = time.perf_counter()
+        st.encode_s += t1 - t0
+        frames = None
+        if ag:
+            frames = self.transport.allgather(frame)
+            st.bytes_sent += len(frame)
+            st.traffic_bytes += (self.size - 1) / self.size * sum(len(f) for f in frames)
+        for h, _, _ in handles:
+            self.hvd.synchronize(h)
+        t2 = time.perf_counter()
+        st.comm_s += t2 - t1
+        # 3. decode every rank's messages in rank order and average
+        for _, flat, groups in handles:
+            self._unflatten_summable(flat, groups)
+        if ag:
+            per_rank = [split_frames(f, len(ag)) for f in frames]
+            for i, e in enumerate(ag):
+                acc = torch.zeros(e.param.numel(), dtype=torch.float32)
+                finite = True
+                for r in range(self.size):
+                    msg = Message.from_bytes(per_rank[r][i])
+                    finite &= e.compressor.decode(msg, self._key(e, r), acc)
+                self._finish_tensor(e, acc, finite)
+        st.decode_s += time.perf_counter() - t2
+
+    def _finish_tensor(self, e: _Entry, acc: torch.Tensor, finite: bool) -> None:
+        if finite:
+            e.compressor.finalize(acc, self.size)
+            if not self.average:
+                acc.mul_(self.size)
+            if self.predivide != 1.0:
+                acc.mul_(self.predivide)
+            finite = bool(torch.isfinite(acc).all())
+        if not finite:
+            # NaN policy: a tensor that was non-finite on any rank is NaN on every rank.
+            acc.fill_(float("nan"))
+            self._stats.nonfinite.append(e.name)
+        self._results[e.name] = acc
+
+    def _flatten_summable(self, ents: List[_Entry], dt: torch.dtype):
+        parts, groups = [], []
+        for e in ents:
+            x = self._grad(e).reshape(-1).to(torch.float32)
+            if e.compressor.prescaled:
+                x = x / self.size           # divide before the cast so sums cannot overflow
+            parts.append(x.to(dt))
+            groups.append((e, x.numel()))
+        return torch.cat(parts), groups
+
+    def _unflatten_summable(self, flat: torch.Tensor, groups) -> None:
+        off = 0
+        for e, n in groups:
+            acc = flat[off:off + n].to(torch.float32).clone()
+            off += n
+            self._finish_tensor(e, acc, True)
+
+
+def _wire_dtype(comp: Compressor, dtype: torch.dtype) -> torch.dtype:
+    # none is allreduced in float32 (averages are float32 everywhere in hvdcomp)
+    return getattr(comp, "wire_dtype", torch.float32)

@@ -1,0 +1,54 @@
+"""The Horovod carrier: hvd.allgather of uint8 tensors (counts gathered first, since
+Horovod's allgather does not return the per-rank sizes)."""
+from __future__ import annotations
+
+import itertools
+from typing import List, Sequence
+
+import numpy as np
+import torch
+
+from .base import Transport
+
+__all__ = ["HorovodTransport"]
+
+
+class HorovodTransport(Transport):
+    """Needs ``horovod.torch`` initialized.  Collective names carry a counter that advances
+    identically on every rank (Horovod matches collectives by name)."""
+    name = "horovod"
+
+    def __init__(self, max_chunk: int = 0, prefix: str = "hvdcomp"):
+        super().__init__(max_chunk)
+        import horovod.torch as hvd
+        if not hvd.is_initialized():
+            raise RuntimeError("HorovodTransport needs hvd.init() first")
+        self.hvd = hvd
+        self.rank = hvd.rank()
+        self.size = hvd.size()
+        self._prefix = prefix
+        self._n = itertools.count()
+
+    def _name(self, what: str) -> str:
+        return f"{self._prefix}.{what}.{next(self._n)}"
+
+    def _allgather_counts(self, n: int) -> List[int]:
+        got = self.hvd.allgather(torch.tensor([n], dtype=torch.int64), name=self._name("n"))
+        return [int(c) for c in got]
+
+    def _allgatherv(self, data: np.ndarray, counts: Sequence[int]) -> List[np.ndarray]:
+        t = torch.from_numpy(np.array(data, dtype=np.uint8))
+        got = self.hvd.allgather(t, name=self._name("ag")).numpy()
+        out, off = [], 0
+        for c in counts:
+            out.append(got[off:off + c])
+            off += c
+        return out
+
+    def allreduce_sum(self, arr):
+        t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float64).copy())
+        return self.hvd.allreduce(t, op=self.hvd.Sum, name=self._name("ar")).numpy()
+
+    def broadcast(self, arr, root=0):
+        t = torch.from_numpy(np.ascontiguousarray(arr).copy())
+        return self.hvd.broadcast(t, root_rank=root, name=self._name("bc")).numpy()

@@ -1,0 +1,242 @@
+"""Wire format v1: one self-describing message per tensor per rank per step.
+
+Layout (all integers little-endian; see docs/wire-format.md for the full description):
+
+    offset  size  field
+    0       4     magic b"HVDC"
+    4       1     format version (1)
+    5       1     codec id                 (hvdcomp.wire.CODECS)
+    6       1     dtype code of the gradient (hvdcomp.wire.DTYPES)
+    7       1     flags                    bit 0: NONFINITE (no payload, see docs)
+    8       1     bits per coordinate      (0 for codecs without a bit width)
+    9       1     ndim                     (0..8)
+    10      1     number of sections       (0..8)
+    11      1     reserved, must be 0
+    12      4     bucket size              (coordinates per quantization bucket, 0 if unused)
+    16      4     level-table version
+    20      4     tensor id                (index of the parameter in the fixed name order)
+    24      4     rank of the sender
+    28      4     seed
+    32      8     step
+    40      8     numel                    (must equal the product of the shape)
+    48      8*ndim          shape
+    ..      8*nsections     section lengths in bytes
+    ..      sum(lengths)    sections, back to back
+    end-4   4     CRC-32 (zlib) of every byte before it
+
+A message is decoded only after every field has been validated; anything else raises
+:class:`hvdcomp.WireFormatError` naming the field.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .errors import WireFormatError
+
+__all__ = ["Message", "MAGIC", "VERSION", "CODECS", "DTYPES", "FLAG_NONFINITE",
+           "dtype_code", "code_dtype", "HEADER_SIZE", "MAX_NDIM", "MAX_SECTIONS"]
+
+MAGIC = b"HVDC"
+VERSION = 1
+MAX_NDIM = 8
+MAX_SECTIONS = 8
+FLAG_NONFINITE = 0x01
+_KNOWN_FLAGS = FLAG_NONFINITE
+
+_FIXED = struct.Struct("<4sBBBBBBBBIIIIIQQ")
+HEADER_SIZE = _FIXED.size  # 48
+_CRC = struct.Struct("<I")
+
+# Codec ids are part of the wire format: never renumber, only append.
+CODECS = {
+    "none": 1,
+    "fp16": 2,
+    "bf16": 3,
+    "qsgd": 10,
+    "qsgdinf": 11,
+    "nuqsgd": 12,
+    "alq": 13,
+    "amq": 14,
+}
+_CODEC_NAMES = {v: k for k, v in CODECS.items()}
+
+DTYPES = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+    torch.uint8: 5,
+    torch.int8: 6,
+    torch.int16: 7,
+    torch.int32: 8,
+    torch.int64: 9,
+    torch.bool: 10,
+}
+_DTYPE_OF = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise TypeError(f"hvdcomp cannot send tensors of dtype {dtype}; "
+                        f"supported: {', '.join(str(d) for d in DTYPES)}") from None
+
+
+def code_dtype(code: int) -> torch.dtype:
+    try:
+        return _DTYPE_OF[code]
+    except KeyError:
+        raise WireFormatError(f"unknown dtype code {code}") from None
+
+
+@dataclass(frozen=True)
+class Message:
+    """One encoded tensor: header fields plus a tuple of byte sections.
+
+    ``sections`` hold the payload as ``numpy.uint8`` arrays (or anything ``bytes()`` accepts);
+    what each section means is defined by the codec (see docs/wire-format.md).
+    """
+    codec: int
+    dtype: int
+    shape: Tuple[int, ...]
+    sections: Tuple = ()
+    flags: int = 0
+    bits: int = 0
+    bucket_size: int = 0
+    level_version: int = 0
+    tensor_id: int = 0
+    rank: int = 0
+    seed: int = 0
+    step: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def codec_name(self) -> str:
+        return _CODEC_NAMES.get(self.codec, f"<unknown {self.codec}>")
+
+    def to_bytes(self) -> bytes:
+        """Serialize; the length is ``48 + 8*ndim + 8*nsections + sum(section lengths) + 4``."""
+        if len(self.shape) > MAX_NDIM:
+            raise ValueError(f"tensors of more than {MAX_NDIM} dimensions are not supported "
+                             f"(got {len(self.shape)}); reshape before compressing")
+        if len(self.sections) > MAX_SECTIONS:
+            raise ValueError(f"at most {MAX_SECTIONS} sections, got {len(self.sections)}")
+        secs = [np.frombuffer(memoryview(s), dtype=np.uint8) if not isinstance(s, np.ndarray)
+                else s.view(np.uint8).reshape(-1) for s in self.sections]
+        head = _FIXED.pack(MAGIC, VERSION, self.codec, self.dtype, self.flags, self.bits,
+                           len(self.shape), len(secs), 0, self.bucket_size,
+                           self.level_version & 0xFFFFFFFF, self.tensor_id & 0xFFFFFFFF,
+                           self.rank, self.seed & 0xFFFFFFFF, self.step, self.numel)
+        head += struct.pack(f"<{len(self.shape)}Q", *self.shape)
+        head += struct.pack(f"<{len(secs)}Q", *(s.size for s in secs))
+        body = b"".join([head] + [s.tobytes() for s in secs])
+        return body + _CRC.pack(zlib.crc32(body))
+
+    @staticmethod
+    def from_bytes(buf) -> "Message":
+        """Parse and validate the framing of one message (header, lengths, checksum).
+
+        ``buf``: bytes, bytearray, memoryview or a 1-D uint8 numpy array.
+        Raises WireFormatError for any truncated, corrupted or unknown field.
+        Codec-specific checks (section sizes, levels) are the compressor's ``decode``.
+        """
+        mv = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else memoryview(
+            np.ascontiguousarray(buf, dtype=np.uint8))
+        n = len(mv)
+        if n < HEADER_SIZE + _CRC.size:
+            raise WireFormatError(f"message truncated: {n} bytes, a header needs at least "
+                                  f"{HEADER_SIZE + _CRC.size}")
+        (magic, version, codec, dtype, flags, bits, ndim, nsec, reserved, bucket_size,
+         level_version, tensor_id, rank, seed, step, numel) = _FIXED.unpack_from(mv, 0)
+        if magic != MAGIC:
+            raise WireFormatError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+        if version != VERSION:
+            raise WireFormatError(f"unsupported wire format version {version}; "
+                                  f"this hvdcomp reads version {VERSION}")
+        if codec not in _CODEC_NAMES:
+            raise WireFormatError(f"unknown codec id {codec}")
+        code_dtype(dtype)
+        if flags & ~_KNOWN_FLAGS:
+            raise WireFormatError(f"unknown flag bits 0x{flags & ~_KNOWN_FLAGS:02x}")
+        if ndim > MAX_NDIM:
+            raise WireFormatError(f"ndim {ndim} exceeds {MAX_NDIM}")
+        if nsec > MAX_SECTIONS:
+            raise WireFormatError(f"{nsec} sections exceed {MAX_SECTIONS}")
+        if reserved != 0:
+            raise WireFormatError(f"reserved byte is {reserved}, must be 0")
+        if bits > 32:
+            raise WireFormatError(f"bits {bits} out of range 0..32")
+        var = HEADER_SIZE + 8 * ndim + 8 * nsec
+        if n < var + _CRC.size:
+            raise WireFormatError(f"message truncated inside the header: {n} bytes, "
+                                  f"need {var + _CRC.size}")
+        (crc,) = _CRC.unpack_from(mv, n - _CRC.size)
+        if zlib.crc32(mv[:n - _CRC.size]) != crc:
+            raise WireFormatError("checksum mismatch: the message is corrupted or truncated")
+        shape = struct.unpack_from(f"<{ndim}Q", mv, HEADER_SIZE)
+        lengths = struct.unpack_from(f"<{nsec}Q", mv, HEADER_SIZE + 8 * ndim)
+        prod = 1
+        for s in shape:
+            prod *= s
+        if prod != numel:
+            raise WireFormatError(f"numel {numel} does not match shape {tuple(shape)}")
+        if var + sum(lengths) + _CRC.size != n:
+            raise WireFormatError(f"section lengths {list(lengths)} sum to "
+                                  f"{sum(lengths)} bytes but the message carries "
+                                  f"{n - var - _CRC.size}")
+        if flags & FLAG_NONFINITE and sum(lengths) != 0:
+            raise WireFormatError("a NONFINITE message must carry no payload")
+        arr = np.frombuffer(mv, dtype=np.uint8)
+        secs = []
+        off = var
+        for ln in lengths:
+            secs.append(arr[off:off + ln])
+            off += ln
+        return Message(codec=codec, dtype=dtype, shape=tuple(shape), sections=tuple(secs),
+                       flags=flags, bits=bits, bucket_size=bucket_size,
+                       level_version=level_version, tensor_id=tensor_id, rank=rank,
+                       seed=seed, step=step)
+
+    def expect(self, *, codec: Optional[int] = None, shape: Optional[Sequence[int]] = None,
+               tensor_id: Optional[int] = None, step: Optional[int] = None,
+               rank: Optional[int] = None, bits: Optional[int] = None,
+               bucket_size: Optional[int] = None, level_version: Optional[int] = None,
+               nsections: Optional[int] = None) -> None:
+        """Check header fields against what the receiver expects; raise WireFormatError."""
+        checks = (("codec", codec, self.codec), ("tensor id", tensor_id, self.tensor_id),
+                  ("step", step, self.step), ("rank", rank, self.rank),
+                  ("bits", bits, self.bits), ("bucket size", bucket_size, self.bucket_size),
+                  ("level-table version", level_version, self.level_version))
+        for what, want, got in checks:
+            if want is not None and want != got:
+                if what == "codec":
+                    want = _CODEC_NAMES.get(want, want)
+                    got = _CODEC_NAMES.get(got, got)
+                raise WireFormatError(f"{what} mismatch: message has {got}, receiver "
+                                      f"expects {want}")
+        if shape is not None and tuple(shape) != tuple(self.shape):
+            raise WireFormatError(f"shape mismatch: message has {tuple(self.shape)}, "
+                                  f"receiver expects {tuple(shape)}")
+        if (nsections is not None and not self.flags & FLAG_NONFINITE
+                and len(self.sections) != nsections):
+            raise WireFormatError(f"{self.codec_name} expects {nsections} sections, "
+                                  f"message has {len(self.sections)}")
+
+    def section_size_check(self, i: int, expected: int, what: str) -> None:
+        got = len(self.sections[i])
+        if got != expected:
+            raise WireFormatError(f"{self.codec_name} section {i} ({what}) has {got} bytes, "
+                                  f"expected {expected}")
