@@ -10,6 +10,7 @@ bytes each rank sent and the compression ratio against fp32.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -28,9 +29,9 @@ def main(argv=None):
     ap.add_argument("--compression", default="alq:bits=3",
                     help="compressor spec, e.g. none, fp16, qsgd:bits=4, alq:bits=3 "
                          "(default: %(default)s)")
-    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--lr", type=float, default=0.1, help="peak learning rate (cosine decay)")
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--transport", default="mpi", choices=["mpi", "horovod"])
@@ -59,6 +60,10 @@ def main(argv=None):
     except ImportError:
         show = False
     history = []
+    steps_per_epoch = (len(x_tr) // size + args.batch_size - 1) // args.batch_size
+    total = args.epochs * steps_per_epoch
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, total) / total)))
     for epoch in range(1, args.epochs + 1):
         model.train()
         g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
@@ -71,6 +76,7 @@ def main(argv=None):
             loss = F.cross_entropy(model(x_tr[idx]), y_tr[idx])
             loss.backward()
             opt.step()
+            sched.step()
             st = opt.last_stats
             sent += st.bytes_sent
             fp32 += st.fp32_bytes

@@ -140,7 +140,8 @@ class Exchange:
     def _handshake(self) -> None:
         """Refuse to start if ranks disagree on the model, the routing or the settings
         (they would otherwise issue mismatched collectives or decode garbage)."""
-        desc = json.dumps([self.seed, self.average, self.predivide, self.buckets,
+        desc = json.dumps([self.seed, self.average, self.predivide, self.compression.spec(),
+                           self.buckets,
                            [(e.name, list(e.param.shape), str(e.param.dtype), e.compressor.spec(),
                              e.allreduce) for e in self.entries.values()]])
         digest = np.frombuffer(hashlib.sha256(desc.encode()).digest(), dtype=np.uint8)

@@ -25,7 +25,7 @@ _STATE_KEY = "hvdcomp"
 
 def _as_compressor(compression) -> Compressor:
     if compression is None:
-        return compressors.get(os.environ.get("HVDCOMP_COMPRESSION", "none"))
+        return compressors.get(os.environ.get("HVDCOMP_COMPRESSION") or "none")
     if isinstance(compression, (str, Compressor)):
         return compressors.get(compression)
     # Horovod's own Compression.none / Compression.fp16

@@ -13,9 +13,14 @@ from .base import Transport
 __all__ = ["HorovodTransport"]
 
 
+_instances = itertools.count()
+
+
 class HorovodTransport(Transport):
-    """Needs ``horovod.torch`` initialized.  Collective names carry a counter that advances
-    identically on every rank (Horovod matches collectives by name)."""
+    """Needs ``horovod.torch`` initialized.  Horovod matches collectives by name: each
+    transport's names carry its creation index (the same on every rank, since every rank
+    builds the same optimizers in the same order); its calls are sequential, so the names
+    can repeat from call to call (which keeps Horovod's response cache small)."""
     name = "horovod"
 
     def __init__(self, max_chunk: int = 0, prefix: str = "hvdcomp"):
@@ -26,11 +31,10 @@ class HorovodTransport(Transport):
         self.hvd = hvd
         self.rank = hvd.rank()
         self.size = hvd.size()
-        self._prefix = prefix
-        self._n = itertools.count()
+        self._prefix = f"{prefix}.{next(_instances)}"
 
     def _name(self, what: str) -> str:
-        return f"{self._prefix}.{what}.{next(self._n)}"
+        return f"{self._prefix}.{what}"
 
     def _allgather_counts(self, n: int) -> List[int]:
         got = self.hvd.allgather(torch.tensor([n], dtype=torch.int64), name=self._name("n"))
