@@ -63,6 +63,17 @@ CODECS = {
     "nuqsgd": 12,
     "alq": 13,
     "amq": 14,
+    # reserved for the compressors being added (issues #3 and #4)
+    "terngrad": 15,
+    "signef": 16,
+    "psq": 17,
+    "bhq": 18,
+    "dqsg": 19,
+    "ndqsg": 20,
+    "dgc": 21,
+    "topk": 22,
+    "randk": 23,
+    "laq": 24,
 }
 _CODEC_NAMES = {v: k for k, v in CODECS.items()}
 
@@ -153,8 +164,11 @@ class Message:
         Raises WireFormatError for any truncated, corrupted or unknown field.
         Codec-specific checks (section sizes, levels) are the compressor's ``decode``.
         """
-        mv = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else memoryview(
-            np.ascontiguousarray(buf, dtype=np.uint8))
+        try:
+            mv = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else memoryview(
+                np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1))
+        except (TypeError, ValueError) as e:
+            raise WireFormatError(f"not a contiguous byte buffer: {e}") from None
         n = len(mv)
         if n < HEADER_SIZE + _CRC.size:
             raise WireFormatError(f"message truncated: {n} bytes, a header needs at least "
@@ -212,12 +226,14 @@ class Message:
 
     def expect(self, *, codec: Optional[int] = None, shape: Optional[Sequence[int]] = None,
                tensor_id: Optional[int] = None, step: Optional[int] = None,
-               rank: Optional[int] = None, bits: Optional[int] = None,
+               rank: Optional[int] = None, seed: Optional[int] = None,
+               bits: Optional[int] = None,
                bucket_size: Optional[int] = None, level_version: Optional[int] = None,
                nsections: Optional[int] = None) -> None:
         """Check header fields against what the receiver expects; raise WireFormatError."""
         checks = (("codec", codec, self.codec), ("tensor id", tensor_id, self.tensor_id),
                   ("step", step, self.step), ("rank", rank, self.rank),
+                  ("seed", None if seed is None else seed & 0xFFFFFFFF, self.seed),
                   ("bits", bits, self.bits), ("bucket size", bucket_size, self.bucket_size),
                   ("level-table version", level_version, self.level_version))
         for what, want, got in checks:

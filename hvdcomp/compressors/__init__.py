@@ -1,7 +1,16 @@
-"""Compressors: one module per family; all register themselves by name."""
+"""Compressors: one module per method family; each registers its classes by name.
+
+Every module in this package is imported here, so adding a family means adding a file.
+"""
+import importlib as _importlib
+import pkgutil as _pkgutil
+
 from .base import Compressor, TensorKey, available, get, parse_spec, register
 from .cast import BF16, FP16, NoneCompressor
 from .quantizers import ALQ, AMQ, NUQSGD, QSGD, BucketQuantizer, QSGDInf
+
+for _m in _pkgutil.iter_modules(__path__):
+    _importlib.import_module(f"{__name__}.{_m.name}")
 
 __all__ = ["Compressor", "TensorKey", "available", "get", "parse_spec", "register",
            "NoneCompressor", "FP16", "BF16", "BucketQuantizer", "QSGD", "QSGDInf", "NUQSGD",

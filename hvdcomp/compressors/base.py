@@ -90,6 +90,7 @@ class Compressor:
         """
         hf = self._header_fields()
         msg.expect(codec=self.codec, tensor_id=key.tensor_id, step=key.step, rank=key.rank,
+                   seed=key.seed,
                    bits=hf.get("bits"), bucket_size=hf.get("bucket_size"),
                    level_version=hf.get("level_version"))
         if msg.numel != out.numel():
@@ -100,10 +101,27 @@ class Compressor:
         self._decode(msg, key, out)
         return True
 
-    def finalize(self, acc: torch.Tensor, world_size: int) -> torch.Tensor:
-        """Turn the sum of decoded contributions into the average (in place)."""
+    def combine(self, msgs: List[Message], keys: List[TensorKey], out: torch.Tensor) -> bool:
+        """Decode every rank's message for one tensor into ``out`` (the sum of the
+        contributions).  ``msgs[r]`` came from rank ``r``; ``keys[r]`` is its key.
+
+        Default: decode in rank order 0..N-1 (the same float32 order on every rank).
+        Compressors whose receivers need a decode order (NDQSG's side information) override
+        this.  Returns False if any message was NONFINITE.
+        """
+        finite = True
+        for msg, key in zip(msgs, keys):
+            finite &= self.decode(msg, key, out)
+        return finite
+
+    def finalize(self, acc: torch.Tensor, key: TensorKey) -> torch.Tensor:
+        """Turn the sum of decoded contributions into the average, in place.
+
+        ``key`` names the tensor (stateful receivers, e.g. a running aggregate, keep
+        per-name state here); ``key.world_size`` is the number of ranks.
+        """
         if not self.prescaled:
-            acc.div_(world_size)
+            acc.div_(key.world_size)
         return acc
 
     # --- for subclasses ---------------------------------------------------------------
@@ -115,6 +133,16 @@ class Compressor:
 
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def drain_events(self) -> List[str]:
+        """Notable events since the last call (e.g. NDQSG side information too far off),
+        reported by the optimizer in ``StepStats.events``.  Subclasses append to
+        ``self._events``."""
+        ev = getattr(self, "_events", None)
+        if not ev:
+            return []
+        self._events = []
+        return ev
 
     # --- adaptive compressors (ALQ, AMQ) override these -------------------------------
     def wants_stats(self, step: int) -> bool:

@@ -49,6 +49,7 @@ class StepStats:
                   allgather (N-1)/N of all ranks' messages, allreduce 2(N-1)/N of the buffer.
     compressors:  parameter name -> name of the compressor applied to it.
     nonfinite:    names of tensors that held NaN/Inf on some rank (their average is NaN).
+    events:       notable events reported by compressors (e.g. side information too far).
     encode_s, comm_s, decode_s: seconds spent in each phase (worker thread).
     """
     step: int = 0
@@ -57,6 +58,7 @@ class StepStats:
     traffic_bytes: float = 0.0
     compressors: Dict[str, str] = field(default_factory=dict)
     nonfinite: List[str] = field(default_factory=list)
+    events: List[str] = field(default_factory=list)
     encode_s: float = 0.0
     comm_s: float = 0.0
     decode_s: float = 0.0
@@ -290,16 +292,16 @@ class Exchange:
             per_rank = [split_frames(f, len(ag)) for f in frames]
             for i, e in enumerate(ag):
                 acc = torch.zeros(e.param.numel(), dtype=torch.float32)
-                finite = True
-                for r in range(self.size):
-                    msg = Message.from_bytes(per_rank[r][i])
-                    finite &= e.compressor.decode(msg, self._key(e, r), acc)
+                msgs = [Message.from_bytes(per_rank[r][i]) for r in range(self.size)]
+                keys = [self._key(e, r) for r in range(self.size)]
+                finite = e.compressor.combine(msgs, keys, acc)
+                st.events.extend(f"{e.name}: {ev}" for ev in e.compressor.drain_events())
                 self._finish_tensor(e, acc, finite)
         st.decode_s += time.perf_counter() - t2
 
     def _finish_tensor(self, e: _Entry, acc: torch.Tensor, finite: bool) -> None:
         if finite:
-            e.compressor.finalize(acc, self.size)
+            e.compressor.finalize(acc, self._key(e, self.rank))
             if not self.average:
                 acc.mul_(self.size)
             if self.predivide != 1.0:

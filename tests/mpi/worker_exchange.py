@@ -31,7 +31,7 @@ def expected(ex: Exchange, step: int):
                                              .to_bytes())
             finite &= e.compressor.decode(msg, key, acc)
         if finite:
-            e.compressor.finalize(acc, ex.size)
+            e.compressor.finalize(acc, hvdcomp.TensorKey(name, e.tensor_id, step, ex.rank, ex.size, ex.seed))
             finite = bool(torch.isfinite(acc).all())
         out[name] = acc if finite else torch.full_like(acc, math.nan)
     return out

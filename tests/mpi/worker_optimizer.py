@@ -47,7 +47,7 @@ def expected_step(model, opt, step, size, bpps=1):
             key = hvdcomp.TensorKey(name, e.tensor_id, step, r, size, ex.seed)
             e.compressor.decode(hvdcomp.Message.from_bytes(
                 e.compressor.encode(grads[r][name], key).to_bytes()), key, acc)
-        e.compressor.finalize(acc, size)
+        e.compressor.finalize(acc, hvdcomp.TensorKey(name, e.tensor_id, step, hvd.rank(), size, ex.seed))
         new[name] = p.detach().clone().add_(acc.view(p.shape), alpha=-LR)  # SGD: p += -lr*g
     return new
 

@@ -87,7 +87,7 @@ def test_none_decode_adds_and_finalize_averages(rng, make_key):
     for g in grads:
         expected = expected + g.numpy()
     assert np.array_equal(acc.numpy(), expected)
-    c.finalize(acc, ws)
+    c.finalize(acc, make_key(world_size=ws))
     assert np.array_equal(acc.numpy(), expected / np.float32(ws))
 
 
@@ -112,7 +112,7 @@ def test_fp16_sends_half_of_x_over_world_size(ws, dtype, rng, make_key):
     assert np.array_equal(acc.numpy(), expected)
     # prescaled: the sum already is the average, finalize leaves it as it is
     assert c.prescaled is True
-    out = c.finalize(acc, ws)
+    out = c.finalize(acc, make_key(world_size=ws))
     assert np.array_equal(out.numpy(), expected)
 
 
@@ -149,7 +149,7 @@ def test_fp16_average_over_ranks(rng, make_key):
     for r, g in enumerate(grads):
         key = make_key(rank=r, world_size=ws)
         assert c.decode(wire_round_trip(c, torch.from_numpy(g), key)[1], key, acc)
-    c.finalize(acc, ws)
+    c.finalize(acc, make_key(world_size=ws))
     expected = np.zeros(50, np.float32)
     for g in grads:
         expected = expected + (g / np.float32(ws)).astype(np.float16).astype(np.float32)
@@ -179,7 +179,7 @@ def test_bf16_sends_rne_bfloat16(ws, dtype, rng, make_key):
     assert np.array_equal(acc.numpy(), expected)
     # bf16 is not prescaled: finalize divides the sum by the world size
     assert c.prescaled is False
-    c.finalize(acc, ws)
+    c.finalize(acc, make_key(world_size=ws))
     assert np.array_equal(acc.numpy(), expected / np.float32(ws))
 
 
@@ -209,7 +209,7 @@ def test_bf16_average_over_ranks(rng, make_key):
     for r, g in enumerate(grads):
         key = make_key(rank=r, world_size=ws)
         assert c.decode(wire_round_trip(c, torch.from_numpy(g), key)[1], key, acc)
-    c.finalize(acc, ws)
+    c.finalize(acc, make_key(world_size=ws))
     expected = np.zeros(40, np.float32)
     for g in grads:
         expected = expected + bf16_bits_to_f32(bf16_rne_bits(g))
