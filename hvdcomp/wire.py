@@ -8,6 +8,7 @@ Layout (all integers little-endian; see docs/wire-format.md for the full descrip
     5       1     codec id                 (hvdcomp.wire.CODECS)
     6       1     dtype code of the gradient (hvdcomp.wire.DTYPES)
     7       1     flags                    bit 0: NONFINITE (no payload, see docs)
+                                           bit 1: ENTROPY (symbols are rANS-coded)
     8       1     bits per coordinate      (0 for codecs without a bit width)
     9       1     ndim                     (0..8)
     10      1     number of sections       (0..8)
@@ -39,7 +40,7 @@ import torch
 
 from .errors import WireFormatError
 
-__all__ = ["Message", "MAGIC", "VERSION", "CODECS", "DTYPES", "FLAG_NONFINITE",
+__all__ = ["Message", "MAGIC", "VERSION", "CODECS", "DTYPES", "FLAG_NONFINITE", "FLAG_ENTROPY",
            "dtype_code", "code_dtype", "HEADER_SIZE", "MAX_NDIM", "MAX_SECTIONS"]
 
 MAGIC = b"HVDC"
@@ -47,7 +48,8 @@ VERSION = 1
 MAX_NDIM = 8
 MAX_SECTIONS = 8
 FLAG_NONFINITE = 0x01
-_KNOWN_FLAGS = FLAG_NONFINITE
+FLAG_ENTROPY = 0x02          # the symbol section is rANS-coded (hvdcomp.codecs.rans)
+_KNOWN_FLAGS = FLAG_NONFINITE | FLAG_ENTROPY
 
 _FIXED = struct.Struct("<4sBBBBBBBBIIIIIQQ")
 HEADER_SIZE = _FIXED.size  # 48

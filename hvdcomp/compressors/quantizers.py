@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from .. import levels as L
-from ..codecs import pack_bits, packed_size, unpack_bits
+from ..codecs import decode_symbols, encode_symbols, pack_bits, packed_size, unpack_bits
 from ..errors import WireFormatError
 from ..random import uniform
-from ..wire import CODECS, Message, dtype_code
+from ..wire import CODECS, FLAG_ENTROPY, Message, dtype_code
 from .base import Compressor, TensorKey, register
 
 __all__ = ["BucketQuantizer", "QSGD", "QSGDInf", "NUQSGD", "ALQ", "AMQ",
@@ -94,12 +94,15 @@ class BucketQuantizer(Compressor):
     Args:
       bits: bits per coordinate on the wire, sign included (2..8): 2**(bits-1) levels.
       bucket_size: coordinates per bucket (each bucket sends one float32 norm).
+      entropy: rANS-code the codes with a model carried in the message (flag ENTROPY;
+        hvdcomp.codecs.rans) instead of packing them at ``bits`` each.
     Raises ValueError for bits outside 2..8 or bucket_size < 1.
     """
     norm = "l2"
 
-    def __init__(self, bits: int = 3, bucket_size: int = 8192):
+    def __init__(self, bits: int = 3, bucket_size: int = 8192, entropy: bool = False):
         L.num_levels(bits)
+        self.entropy = bool(entropy)
         if not isinstance(bucket_size, int) or bucket_size < 1 or bucket_size > 2**31:
             raise ValueError(f"bucket_size must be an integer in 1..2**31, got {bucket_size}")
         self.bits = int(bits)
@@ -127,23 +130,35 @@ class BucketQuantizer(Compressor):
         u = uniform(n, seed=key.seed, step=key.step, rank=key.rank, tensor_id=key.tensor_id,
                     device=x.device)
         norms, codes = quantize_reference(x, lv, self.bucket_size, self.norm, u)
-        packed = pack_bits(codes, self.bits)
+        return self._message(grad, key, norms, codes)
+
+    def _message(self, grad, key, norms, codes) -> Message:
+        if self.entropy:
+            sec = encode_symbols(codes.cpu().numpy(), 1 << self.bits)
+        else:
+            sec = pack_bits(codes, self.bits).cpu().numpy()
         return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=(norms.cpu().numpy().view(np.uint8), packed.cpu().numpy()),
+                       sections=(norms.cpu().numpy().view(np.uint8), sec),
+                       flags=FLAG_ENTROPY if self.entropy else 0,
                        tensor_id=key.tensor_id, rank=key.rank, seed=key.seed, step=key.step,
                        **self._header_fields())
+
+    def _codes(self, msg: Message, n: int) -> torch.Tensor:
+        """The codes of a validated message: unpacked, or entropy-decoded (flag ENTROPY)."""
+        if msg.flags & FLAG_ENTROPY:
+            return torch.from_numpy(decode_symbols(msg.sections[1], n, 1 << self.bits))
+        msg.section_size_check(1, packed_size(n, self.bits), "codes")
+        return unpack_bits(torch.from_numpy(np.array(msg.sections[1])), n, self.bits)
 
     def _decode(self, msg, key, out):
         n = msg.numel
         nb = (n + self.bucket_size - 1) // self.bucket_size
         msg.expect(nsections=2)
         msg.section_size_check(0, 4 * nb, "norms")
-        msg.section_size_check(1, packed_size(n, self.bits), "codes")
         norms = torch.from_numpy(np.array(msg.sections[0]).view(np.float32))
         if not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
             raise WireFormatError(f"{self.name}: bucket norms must be finite and >= 0")
-        codes = unpack_bits(torch.from_numpy(np.array(msg.sections[1])), n,
-                            self.bits)
+        codes = self._codes(msg, n)
         v = dequantize_reference(norms, codes, self.levels, self.bucket_size, self.bits - 1)
         out.add_(v.to(out.device))
 
@@ -212,9 +227,9 @@ class _Adaptive(BucketQuantizer):
     table is broadcast, so every rank holds an identical table with a new version number.
     """
 
-    def __init__(self, bits: int = 3, bucket_size: int = 8192,
+    def __init__(self, bits: int = 3, bucket_size: int = 8192, entropy: bool = False,
                  refit_steps: tuple = (100, 2000), refit_every: int = 10000):
-        super().__init__(bits, bucket_size)
+        super().__init__(bits, bucket_size, entropy)
         if refit_every < 0 or any(int(s) < 1 for s in refit_steps):
             raise ValueError("refit_steps must be >= 1 and refit_every >= 0 (0: never)")
         self.refit_steps = tuple(int(s) for s in refit_steps)

@@ -48,16 +48,18 @@ def test_get_by_name_and_by_spec_agree(name, kwargs, spec):
 
 
 def test_settings_of_defaults():
-    assert hvdcomp.get("qsgd").settings() == {"bits": 3, "bucket_size": 8192}
-    assert hvdcomp.get("alq").settings() == {"bits": 3, "bucket_size": 8192,
+    assert hvdcomp.get("qsgd").settings() == {"bits": 3, "bucket_size": 8192,
+                                              "entropy": False}
+    assert hvdcomp.get("alq").settings() == {"bits": 3, "bucket_size": 8192, "entropy": False,
                                              "refit_steps": (100, 2000), "refit_every": 10000}
     assert hvdcomp.get("none").settings() == {}
 
 
 def test_spec_strings_by_hand():
-    assert hvdcomp.get("qsgd", bits=5, bucket_size=64).spec() == "qsgd:bits=5,bucket_size=64"
+    assert hvdcomp.get("qsgd", bits=5, bucket_size=64).spec() == (
+        "qsgd:bits=5,bucket_size=64,entropy=False")
     assert hvdcomp.get("alq", refit_steps=(50, 500)).spec() == (
-        "alq:bits=3,bucket_size=8192,refit_steps=50/500,refit_every=10000")
+        "alq:bits=3,bucket_size=8192,entropy=False,refit_steps=50/500,refit_every=10000")
     assert hvdcomp.get("none").spec() == "none"
     assert hvdcomp.get("bf16").spec() == "bf16"
 
@@ -65,7 +67,7 @@ def test_spec_strings_by_hand():
 def test_spec_is_case_and_whitespace_tolerant():
     c = hvdcomp.get("  QSGD : bits = 4 , bucket_size=16 ,")
     assert type(c) is hvdcomp.QSGD
-    assert c.settings() == {"bits": 4, "bucket_size": 16}
+    assert c.settings() == {"bits": 4, "bucket_size": 16, "entropy": False}
 
 
 def test_kwargs_override_spec_settings():
@@ -133,12 +135,12 @@ def test_unknown_name_in_parse_spec():
 
 
 @pytest.mark.parametrize("spec,kwargs,valid", [
-    ("qsgd:bitz=3", {}, "qsgd(bits=3, bucket_size=8192)"),
-    ("qsgd:self=3", {}, "qsgd(bits=3, bucket_size=8192)"),
-    ("qsgd", {"bitz": 3}, "qsgd(bits=3, bucket_size=8192)"),
+    ("qsgd:bitz=3", {}, "qsgd(bits=3, bucket_size=8192, entropy=False)"),
+    ("qsgd:self=3", {}, "qsgd(bits=3, bucket_size=8192, entropy=False)"),
+    ("qsgd", {"bitz": 3}, "qsgd(bits=3, bucket_size=8192, entropy=False)"),
     ("none:bits=3", {}, "none()"),
     ("fp16", {"bits": 3}, "fp16()"),
-    ("alq:refit=5", {}, "alq(bits=3, bucket_size=8192, refit_steps=(100, 2000), "
+    ("alq:refit=5", {}, "alq(bits=3, bucket_size=8192, entropy=False, refit_steps=(100, 2000), "
                         "refit_every=10000)"),
 ])
 def test_unknown_setting_lists_valid_settings(spec, kwargs, valid):

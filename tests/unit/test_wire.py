@@ -230,7 +230,7 @@ FIELD_CASES = {
     "dtype 0": (dict(dtype=0), "dtype"),
     "dtype 11": (dict(dtype=11), "dtype"),
     "dtype 255": (dict(dtype=255), "dtype"),
-    "flag bit 1": (dict(flags=0x02), "flag"),
+    "flag bit 2": (dict(flags=0x04), "flag"),
     "flag bit 7": (dict(flags=0x80), "flag"),
     "all flags": (dict(flags=0xFF, sections=(), shape=(2, 3)), "flag"),
     "ndim 9": (dict(shape=(1,) * 9), "ndim"),
