@@ -149,6 +149,10 @@ class Compressor:
         """Whether the optimizer should collect statistics during ``step``'s encoding."""
         return False
 
+    def empty_stats(self) -> np.ndarray:
+        """Zero statistics (the shape ``pending_stats`` returns)."""
+        return np.zeros(0)
+
     def observe(self, grad: torch.Tensor) -> None:
         """Accumulate statistics of one gradient (called only when wants_stats)."""
 

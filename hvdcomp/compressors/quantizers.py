@@ -222,20 +222,41 @@ class _Adaptive(BucketQuantizer):
 
     refit_steps, refit_every: the table is refitted before the listed steps and before every
     multiple of ``refit_every`` (the authors' schedule: 100 and 2000, then every 10000).
+    model: "hist" (binned statistics, default) or "normal" (the paper's truncated normal);
+    see hvdcomp.levels.  norm: "l2" (the paper's setting) or "linf" (bucket max, as QSGDinf:
+    with few bits it makes the top level usable).
     The statistics are those of the step just before; each rank computes them from its own
     gradients while encoding, the optimizer sums them across ranks, rank 0 fits, and the new
     table is broadcast, so every rank holds an identical table with a new version number.
     """
 
     def __init__(self, bits: int = 3, bucket_size: int = 8192, entropy: bool = False,
-                 refit_steps: tuple = (100, 2000), refit_every: int = 10000):
+                 refit_steps: tuple = (100, 2000), refit_every: int = 10000,
+                 model: str = "hist", norm: str = "l2"):
         super().__init__(bits, bucket_size, entropy)
+        if norm not in ("l2", "linf"):
+            raise ValueError(f"norm must be 'l2' or 'linf', got {norm!r}")
+        self.norm = norm
         if refit_every < 0 or any(int(s) < 1 for s in refit_steps):
             raise ValueError("refit_steps must be >= 1 and refit_every >= 0 (0: never)")
+        if model not in ("hist", "normal"):
+            raise ValueError(f"model must be 'hist' or 'normal', got {model!r}")
         self.refit_steps = tuple(int(s) for s in refit_steps)
         self.refit_every = int(refit_every)
-        self._stats = np.zeros(3)
+        self.model = model
+        self._stats = self.empty_stats()
         self._observed = False
+
+    def empty_stats(self) -> np.ndarray:
+        """Zero statistics of the right size (3 for the normal model, 768 binned)."""
+        return np.zeros(3 if self.model == "normal" else 3 * (len(L.HIST_EDGES) - 1))
+
+    def statistics(self, grad: torch.Tensor) -> np.ndarray:
+        """This gradient's contribution to the fit (summable across tensors and ranks)."""
+        x = grad.reshape(-1).float()
+        if self.model == "normal":
+            return L.bucket_stats(x, self.bucket_size, self.norm)
+        return L.histogram_stats(x, self.bucket_size, self.norm)
 
     def initial_levels(self):
         return L.exponential_levels(self.bits, 0.5)
@@ -248,13 +269,13 @@ class _Adaptive(BucketQuantizer):
         return self.is_refit_step(step + 1)
 
     def observe(self, grad):
-        self._stats += L.bucket_stats(grad.reshape(-1).float(), self.bucket_size, self.norm)
+        self._stats = self._stats + self.statistics(grad)
         self._observed = True
 
     def pending_stats(self):
         if not self._observed:
             return None
-        s, self._stats, self._observed = self._stats, np.zeros(3), False
+        s, self._stats, self._observed = self._stats, self.empty_stats(), False
         return s
 
     def update(self, summed_stats, step):

@@ -157,7 +157,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         tp = self._exchange.transport
         local = comp.pending_stats()
-        local = np.zeros(3) if local is None else local
+        local = comp.empty_stats() if local is None else local
         summed = tp.allreduce_sum(local)
         if summed[0] <= 0:                       # same decision on every rank
             return

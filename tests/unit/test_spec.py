@@ -12,7 +12,11 @@ CLASSES = {"alq": hvdcomp.ALQ, "amq": hvdcomp.AMQ, "bf16": hvdcomp.BF16, "fp16":
 
 
 def test_available_lists_every_compressor_sorted():
-    assert hvdcomp.available() == EXPECTED_NAMES
+    names = hvdcomp.available()
+    assert names == sorted(names)
+    assert set(EXPECTED_NAMES) <= set(names)
+    # every registered name is a codec of the wire format
+    assert set(names) <= set(hvdcomp.wire.CODECS)
 
 
 @pytest.mark.parametrize("name", EXPECTED_NAMES)
@@ -51,7 +55,8 @@ def test_settings_of_defaults():
     assert hvdcomp.get("qsgd").settings() == {"bits": 3, "bucket_size": 8192,
                                               "entropy": False}
     assert hvdcomp.get("alq").settings() == {"bits": 3, "bucket_size": 8192, "entropy": False,
-                                             "refit_steps": (100, 2000), "refit_every": 10000}
+                                             "refit_steps": (100, 2000), "refit_every": 10000,
+                                             "model": "hist", "norm": "l2"}
     assert hvdcomp.get("none").settings() == {}
 
 
@@ -59,7 +64,8 @@ def test_spec_strings_by_hand():
     assert hvdcomp.get("qsgd", bits=5, bucket_size=64).spec() == (
         "qsgd:bits=5,bucket_size=64,entropy=False")
     assert hvdcomp.get("alq", refit_steps=(50, 500)).spec() == (
-        "alq:bits=3,bucket_size=8192,entropy=False,refit_steps=50/500,refit_every=10000")
+        "alq:bits=3,bucket_size=8192,entropy=False,refit_steps=50/500,refit_every=10000,"
+        "model=hist,norm=l2")
     assert hvdcomp.get("none").spec() == "none"
     assert hvdcomp.get("bf16").spec() == "bf16"
 
@@ -141,7 +147,7 @@ def test_unknown_name_in_parse_spec():
     ("none:bits=3", {}, "none()"),
     ("fp16", {"bits": 3}, "fp16()"),
     ("alq:refit=5", {}, "alq(bits=3, bucket_size=8192, entropy=False, refit_steps=(100, 2000), "
-                        "refit_every=10000)"),
+                        "refit_every=10000, model='hist', norm='l2')"),
 ])
 def test_unknown_setting_lists_valid_settings(spec, kwargs, valid):
     with pytest.raises(ConfigError, match="unknown setting") as ei:
