@@ -159,7 +159,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         local = comp.pending_stats()
         local = comp.empty_stats() if local is None else local
         summed = tp.allreduce_sum(local)
-        if summed[0] <= 0:                       # same decision on every rank
+        if not np.any(summed):                   # nothing observed: same decision on every rank
             return
         fitted = comp.update(summed, self._hvdcomp_step) if tp.rank == 0 else None
         if fitted is None:

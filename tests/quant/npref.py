@@ -52,11 +52,10 @@ def norms_np(x32, bs, norm):
     return np.max(np.abs(b), axis=1).astype(F32)
 
 
-def quantize_np(x32, levels32, bs, norm, u32, bits):
-    """(norms float32 (nb,), codes int64 (n,)) -- the stochastic rounding of the spec."""
+def rounding_p(x32, levels32, bs, norm):
+    """(j, p): the interval index of each coordinate and its round-up probability, float32."""
     x32 = np.asarray(x32, dtype=F32).reshape(-1)
     levels32 = np.asarray(levels32, dtype=F32)
-    u32 = np.asarray(u32, dtype=F32)
     n = x32.size
     norms = norms_np(x32, bs, norm)
     safe = np.where(norms > 0, norms, F32(1)).astype(F32)
@@ -65,8 +64,16 @@ def quantize_np(x32, levels32, bs, norm, u32, bits):
     s = levels32.size - 1
     j = np.clip(np.searchsorted(levels32, r, side="right") - 1, 0, s - 1)
     lo, hi = levels32[j], levels32[j + 1]
-    p = ((r - lo) / (hi - lo)).astype(F32)
-    idx = j.astype(np.int64) + (u32 < p).astype(np.int64)
+    return j.astype(np.int64), ((r - lo) / (hi - lo)).astype(F32)
+
+
+def quantize_np(x32, levels32, bs, norm, u32, bits):
+    """(norms float32 (nb,), codes int64 (n,)) -- the stochastic rounding of the spec."""
+    x32 = np.asarray(x32, dtype=F32).reshape(-1)
+    u32 = np.asarray(u32, dtype=F32)
+    norms = norms_np(x32, bs, norm)
+    j, p = rounding_p(x32, levels32, bs, norm)
+    idx = j + (u32 < p).astype(np.int64)
     sign = (x32 < 0).astype(np.int64)
     return norms, (sign << (bits - 1)) | idx
 
