@@ -74,7 +74,9 @@ class Compressor:
         receiver then turns the whole averaged tensor into NaN (docs/design.md, "NaN").
         Raises TypeError for non-floating tensors in codecs that need floats.
         """
-        if grad.is_floating_point() and grad.numel() and not bool(torch.isfinite(grad).all()):
+        # float64 values beyond float32's range become Inf once quantized: check after the cast
+        probe = grad.float() if grad.dtype == torch.float64 else grad
+        if grad.is_floating_point() and grad.numel() and not bool(torch.isfinite(probe).all()):
             return Message(codec=self.codec, dtype=dtype_code(grad.dtype),
                            shape=tuple(grad.shape), flags=FLAG_NONFINITE,
                            tensor_id=key.tensor_id, rank=key.rank, seed=key.seed,

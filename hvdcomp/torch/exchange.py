@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..compressors import Compressor, NoneCompressor, TensorKey
-from ..transport import Transport, join_frames, split_frames
+from ..transport import Transport, error_frame, frame_error, join_frames, split_frames
 from ..wire import Message
 
 __all__ = ["Exchange", "StepStats"]
@@ -265,15 +265,24 @@ class Exchange:
             nbytes = flat.numel() * flat.element_size()
             st.bytes_sent += nbytes
             st.traffic_bytes += 2 * (self.size - 1) / self.size * nbytes
-        # 2. allgather path: encode every tensor of the bucket into one frame
-        msgs = []
-        for e in ag:
-            g = self._grad(e)
-            comp = e.compressor
-            if comp.wants_stats(step) and g.is_floating_point() and bool(torch.isfinite(g).all()):
-                comp.observe(g)
-            msgs.append(comp.encode(g, self._key(e, self.rank)).to_bytes())
-        frame = join_frames(msgs) if ag else None
+        # 2. allgather path: encode every tensor of the bucket into one frame.  An encoder
+        # error still takes part in the allgather (as an error frame), so every rank raises
+        # it instead of the others waiting forever.
+        frame, failed = None, None
+        if ag:
+            try:
+                msgs = []
+                for e in ag:
+                    g = self._grad(e)
+                    comp = e.compressor
+                    if (comp.wants_stats(step) and g.is_floating_point()
+                            and bool(torch.isfinite(g).all())):
+                        comp.observe(g)
+                    msgs.append(comp.encode(g, self._key(e, self.rank)).to_bytes())
+                frame = join_frames(msgs)
+            except Exception as exc:          # noqa: BLE001 - re-raised below, on all ranks
+                failed = exc
+                frame = error_frame(f"{type(exc).__name__}: {exc}")
         t1 = time.perf_counter()
         st.encode_s += t1 - t0
         frames = None
@@ -283,6 +292,15 @@ class Exchange:
             st.traffic_bytes += (self.size - 1) / self.size * sum(len(f) for f in frames)
         for h, _, _ in handles:
             self.hvd.synchronize(h)
+        if ag:
+            errors = [(r, frame_error(f)) for r, f in enumerate(frames)]
+            errors = [(r, t) for r, t in errors if t is not None]
+            if errors:
+                if failed is not None:
+                    raise failed
+                r, text = errors[0]
+                raise RuntimeError(f"hvdcomp: rank {r} failed to encode bucket {k} "
+                                   f"(tensors {[e.name for e in ag]}): {text}")
         t2 = time.perf_counter()
         st.comm_s += t2 - t1
         # 3. decode every rank's messages in rank order and average

@@ -6,11 +6,11 @@ Two interchangeable carriers with identical results (a setting, ``transport=``):
 
 Both split messages of 2**31 bytes or more into rounds (MPI counts are C ints).
 """
-from .base import Transport, split_frames, join_frames
+from .base import Transport, error_frame, frame_error, join_frames, split_frames
 from .mpi import MPITransport
 
 __all__ = ["Transport", "MPITransport", "HorovodTransport", "make", "split_frames",
-           "join_frames"]
+           "join_frames", "error_frame", "frame_error"]
 
 
 def make(name: str, **kwargs) -> Transport:

@@ -8,7 +8,8 @@ import numpy as np
 
 from ..errors import WireFormatError
 
-__all__ = ["Transport", "join_frames", "split_frames", "INT_MAX"]
+__all__ = ["Transport", "join_frames", "split_frames", "error_frame", "frame_error",
+           "INT_MAX"]
 
 INT_MAX = 2**31 - 1
 
@@ -70,6 +71,20 @@ class Transport:
 
 _FRAME = struct.Struct("<4sI")
 _FRAME_MAGIC = b"HVDF"
+_ERROR_MAGIC = b"HVDE"
+
+
+def error_frame(text: str) -> np.ndarray:
+    """A frame that tells every rank this rank failed to encode (so nobody waits forever
+    for it and every rank raises the same error)."""
+    return np.frombuffer(_ERROR_MAGIC + text.encode("utf-8", "replace")[:4000], dtype=np.uint8)
+
+
+def frame_error(frame: np.ndarray):
+    """The error text of an error frame, or None for a normal frame."""
+    if len(frame) >= 4 and bytes(frame[:4]) == _ERROR_MAGIC:
+        return bytes(frame[4:]).decode("utf-8", "replace")
+    return None
 
 
 def join_frames(messages: Sequence[bytes]) -> np.ndarray:

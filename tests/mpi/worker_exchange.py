@@ -13,7 +13,8 @@ from hvdcomp.compressors import NoneCompressor
 from hvdcomp.torch.exchange import Exchange
 from hvdcomp.transport import make
 
-COMPRESSORS = ["none", "fp16", "bf16", "qsgd:bits=4,bucket_size=512",
+COMPRESSORS = ["none", "fp16", "bf16", "terngrad", "qsgd:bits=4,bucket_size=512",
+               "alq:bits=4,bucket_size=512,entropy=1",
                "qsgdinf:bits=3,bucket_size=100", "nuqsgd:bits=2,bucket_size=1000",
                "alq:bits=3,bucket_size=512", "amq:bits=3,bucket_size=512"]
 
@@ -93,6 +94,28 @@ def main():
                 continue
             assert torch.allclose(res[name], ref.reshape(-1), rtol=tol, atol=tol * 4), \
                 (spec, name, (res[name] - ref.reshape(-1)).abs().max())
+    # An encoder that fails on one rank: every rank raises (nobody waits in the allgather),
+    # and the exchange keeps working for the next step.
+    class Flaky(hvdcomp.QSGD):
+        fail = True
+
+        def _encode(self, grad, key):
+            if key.rank == 1 and Flaky.fail:
+                raise ValueError("boom on rank 1")
+            return super()._encode(grad, key)
+
+    ex = Exchange(params(), Flaky(bits=4, bucket_size=512), make("mpi"), hvd=hvd,
+                  fusion_bytes=20000, min_compress_numel=16, seed=3, allreduce_summable=False)
+    try:
+        run(ex, rank, 0)
+        raise AssertionError("the encoder error was not raised")
+    except ValueError as e:
+        assert rank == 1 and "boom" in str(e)
+    except RuntimeError as e:
+        assert rank != 1 and "rank 1 failed to encode" in str(e) and "boom" in str(e), e
+    Flaky.fail = False
+    res, _ = run(ex, rank, 1)
+    assert torch.equal(res["fc1.weight"], expected(ex, 1)["fc1.weight"])
     say(rank, f"exchange OK ({checked} tensors bit-exact)")
 
 
