@@ -65,6 +65,13 @@ class Compressor:
     codec: ClassVar[int] = 0
     summable: ClassVar[bool] = False
     prescaled: ClassVar[bool] = False
+    # DGC-style momentum correction: the drop-in optimizer switches the wrapped optimizer's
+    # momentum off for the tensors this compressor handles and hands the factor over through
+    # set_momentum({name: factor}).
+    handles_momentum: ClassVar[bool] = False
+    # LAQ-style lazy rules: the drop-in optimizer calls after_step(step, sq) with
+    # sq = ||theta_{k+1} - theta_k||^2 summed over all parameters, after every step.
+    wants_param_deltas: ClassVar[bool] = False
 
     # --- the contract -----------------------------------------------------------------
     def encode(self, grad: torch.Tensor, key: TensorKey) -> Message:
@@ -107,12 +114,17 @@ class Compressor:
         """Decode every rank's message for one tensor into ``out`` (the sum of the
         contributions).  ``msgs[r]`` came from rank ``r``; ``keys[r]`` is its key.
 
+        ``msgs[r]`` is None where rank ``r`` sent a zero-length message (a skipped upload).
         Default: decode in rank order 0..N-1 (the same float32 order on every rank).
         Compressors whose receivers need a decode order (NDQSG's side information) override
         this.  Returns False if any message was NONFINITE.
         """
         finite = True
         for msg, key in zip(msgs, keys):
+            if msg is None:
+                raise WireFormatError(f"{self.name}: rank {key.rank} sent an empty message "
+                                      f"for {key.name}; only compressors that skip uploads "
+                                      f"(LAQ) may send nothing")
             finite &= self.decode(msg, key, out)
         return finite
 
@@ -150,6 +162,12 @@ class Compressor:
     def wants_stats(self, step: int) -> bool:
         """Whether the optimizer should collect statistics during ``step``'s encoding."""
         return False
+
+    def set_momentum(self, factors: Dict[str, float]) -> None:
+        """Momentum factors by parameter name (only if ``handles_momentum``)."""
+
+    def after_step(self, step: int, param_delta_sq: float) -> None:
+        """Called after each optimizer step when ``wants_param_deltas`` (LAQ's rule)."""
 
     def empty_stats(self) -> np.ndarray:
         """Zero statistics (the shape ``pending_stats`` returns)."""

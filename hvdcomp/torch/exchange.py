@@ -278,7 +278,8 @@ class Exchange:
                     if (comp.wants_stats(step) and g.is_floating_point()
                             and bool(torch.isfinite(g).all())):
                         comp.observe(g)
-                    msgs.append(comp.encode(g, self._key(e, self.rank)).to_bytes())
+                    m = comp.encode(g, self._key(e, self.rank))
+                    msgs.append(b"" if m is None else m.to_bytes())   # None: skipped upload
                 frame = join_frames(msgs)
             except Exception as exc:          # noqa: BLE001 - re-raised below, on all ranks
                 failed = exc
@@ -310,7 +311,8 @@ class Exchange:
             per_rank = [split_frames(f, len(ag)) for f in frames]
             for i, e in enumerate(ag):
                 acc = torch.zeros(e.param.numel(), dtype=torch.float32)
-                msgs = [Message.from_bytes(per_rank[r][i]) for r in range(self.size)]
+                msgs = [Message.from_bytes(per_rank[r][i]) if len(per_rank[r][i]) else None
+                        for r in range(self.size)]
                 keys = [self._key(e, r) for r in range(self.size)]
                 finite = e.compressor.combine(msgs, keys, acc)
                 st.events.extend(f"{e.name}: {ev}" for ev in e.compressor.drain_events())

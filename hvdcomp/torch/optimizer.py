@@ -79,6 +79,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                   compress_1d=compress_1d, seed=seed, average=average,
                                   predivide=gradient_predivide_factor)
         self._named = named
+        self._split_momentum()
         self._counts = {n: 0 for n, _ in named}
         self._hvdcomp_step = 0
         self._synchronized = False
@@ -87,6 +88,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = []
         for n, p in named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(n)))
+
+    def _split_momentum(self) -> None:
+        """Momentum correction (DGC): for tensors whose compressor applies momentum itself,
+        move them into param groups with momentum 0 and give the compressor the factor."""
+        comp = self._compression
+        if not comp.handles_momentum:
+            return
+        handled = {id(e.param): n for n, e in self._exchange.entries.items()
+                   if e.compressor is comp}
+        factors, new_groups = {}, []
+        for group in self.param_groups:
+            mine = [p for p in group["params"] if id(p) in handled]
+            if not mine:
+                continue
+            m = float(group.get("momentum", 0.0) or 0.0)
+            if group.get("nesterov", False):
+                raise ValueError(f"{comp.name} applies momentum correction itself; "
+                                 f"Nesterov momentum is not supported with it")
+            for p in mine:
+                factors[handled[id(p)]] = m
+            if m and "momentum" in group:
+                group["params"] = [p for p in group["params"] if id(p) not in handled]
+                new_groups.append(dict({k: v for k, v in group.items() if k != "params"},
+                                       params=mine, momentum=0.0))
+        self.param_groups[:] = [g for g in self.param_groups if g["params"]]
+        for g in new_groups:
+            self.add_param_group(g)
+        comp.set_momentum(factors)
 
     def _make_hook(self, name):
         def hook(p):
@@ -144,7 +173,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif not self._synchronized:
             raise RuntimeError("step() inside skip_synchronize() needs synchronize() first")
         self._synchronized = False
+        comp = self._compression
+        before = ([p.detach().clone() for _, p in self._named] if comp.wants_param_deltas
+                  else None)
         loss = super(self.__class__, self).step(closure)
+        if before is not None:
+            sq = sum(float((p.detach() - b).double().pow(2).sum())
+                     for (_, p), b in zip(self._named, before))
+            comp.after_step(self._hvdcomp_step, sq)
         self._hvdcomp_step += 1
         self._refit()
         return loss
