@@ -84,11 +84,14 @@ class Compressor:
         # float64 values beyond float32's range become Inf once quantized: check after the cast
         probe = grad.float() if grad.dtype == torch.float64 else grad
         if grad.is_floating_point() and grad.numel() and not bool(torch.isfinite(probe).all()):
-            return Message(codec=self.codec, dtype=dtype_code(grad.dtype),
-                           shape=tuple(grad.shape), flags=FLAG_NONFINITE,
-                           tensor_id=key.tensor_id, rank=key.rank, seed=key.seed,
-                           step=key.step, **self._header_fields())
+            return self._nonfinite(grad, key)
         return self._encode(grad, key)
+
+    def _nonfinite(self, grad: torch.Tensor, key: TensorKey) -> Message:
+        """The payload-free NONFINITE message (NaN policy, docs/design.md)."""
+        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
+                       flags=FLAG_NONFINITE, tensor_id=key.tensor_id, rank=key.rank,
+                       seed=key.seed, step=key.step, **self._header_fields())
 
     def decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> bool:
         """Validate ``msg`` against ``key`` and add its contribution to ``out``.

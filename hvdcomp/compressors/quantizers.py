@@ -130,6 +130,9 @@ class BucketQuantizer(Compressor):
         u = uniform(n, seed=key.seed, step=key.step, rank=key.rank, tensor_id=key.tensor_id,
                     device=x.device)
         norms, codes = quantize_reference(x, lv, self.bucket_size, self.norm, u)
+        if not bool(torch.isfinite(norms).all()):
+            # finite values whose L2 norm overflows float32: the NaN policy, not an Inf norm
+            return self._nonfinite(grad, key)
         return self._message(grad, key, norms, codes)
 
     def _message(self, grad, key, norms, codes) -> Message:
