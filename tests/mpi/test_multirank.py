@@ -33,7 +33,9 @@ def run_ranks(n: int, script: str, outdir: str, timeout: int = 300) -> str:
     ("worker_transport.py", "transport OK"),
     ("worker_exchange.py", "exchange OK"),
     ("worker_optimizer.py", "optimizer OK"),
+    ("worker_psq.py", "psq OK"),
     ("worker_ef.py", "ef OK"),
+    ("worker_dithered.py", "dithered OK"),
 ])
 def test_workers(n, script, marker, tmp_path):
     out = run_ranks(n, script, str(tmp_path))
