@@ -62,3 +62,25 @@ def per_sample_gradients(n=64, seed=0, steps=200):
         F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
         rows.append(model[4].weight.grad.reshape(-1).clone())
     return torch.stack(rows)
+
+
+def worker_gradients(model_fn=FC300100, step=100, workers=4, batch=64, seed=0):
+    """Gradients of ``workers`` different minibatches at the same point of a training run
+    (what the ranks of one data-parallel step hold): a list of {name: gradient}."""
+    torch.manual_seed(seed)
+    x, y, _, _ = load_digits(seed)
+    model = model_fn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(step):
+        idx = torch.randint(0, len(x), (32,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    out = []
+    for w in range(workers):
+        idx = torch.randint(0, len(x), (batch,), generator=g)
+        model.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        out.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    return out

@@ -7,13 +7,16 @@
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=c)       # real encoded bytes on the wire
 """
-from .compressors import (ALQ, AMQ, BF16, FP16, NUQSGD, QSGD, Compressor, NoneCompressor,
-                          QSGDInf, TensorKey, available, get, parse_spec, register)
+from .compressors import (ALQ, AMQ, BF16, BHQ, DQSG, FP16, NDQSG, NUQSGD, PSQ, QSGD,
+                          Compressor, NoneCompressor, QSGDInf, SignEF, TensorKey, TernGrad,
+                          available, get, parse_spec, register)
+from . import levels, wire
 from .errors import ConfigError, WireFormatError
 from .wire import Message
 
 __version__ = "0.1.0"
 
 __all__ = ["ALQ", "AMQ", "BF16", "FP16", "NUQSGD", "QSGD", "QSGDInf", "NoneCompressor",
+           "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG",
            "Compressor", "TensorKey", "available", "get", "parse_spec", "register",
            "ConfigError", "WireFormatError", "Message", "__version__"]

@@ -8,10 +8,14 @@ import pkgutil as _pkgutil
 from .base import Compressor, TensorKey, available, get, parse_spec, register
 from .cast import BF16, FP16, NoneCompressor
 from .quantizers import ALQ, AMQ, NUQSGD, QSGD, BucketQuantizer, QSGDInf
+from .terngrad import TernGrad
+from .signef import SignEF
+from .psq import BHQ, PSQ
+from .dithered import DQSG, NDQSG
 
 for _m in _pkgutil.iter_modules(__path__):
     _importlib.import_module(f"{__name__}.{_m.name}")
 
 __all__ = ["Compressor", "TensorKey", "available", "get", "parse_spec", "register",
            "NoneCompressor", "FP16", "BF16", "BucketQuantizer", "QSGD", "QSGDInf", "NUQSGD",
-           "ALQ", "AMQ"]
+           "ALQ", "AMQ", "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG"]

@@ -7,8 +7,9 @@ One :class:`Exchange` per optimizer.  It owns
     same order whatever order its hooks fire in;
   * the routing: which compressor each tensor uses (non-float, 1-D and small tensors go
     uncompressed by default);
-  * a worker thread that, for each bucket as soon as all its gradients are ready, encodes,
-    communicates and decodes, while backward goes on computing earlier layers;
+  * two worker threads in a pipeline: for each bucket, as soon as all its gradients are
+    ready, one encodes it while the other communicates and decodes the bucket before, and
+    backward goes on computing earlier layers;
   * per-step statistics (:class:`StepStats`).
 
 Summable tensors (``none``, ``fp16``) travel through Horovod's allreduce when Horovod is
@@ -125,6 +126,7 @@ class Exchange:
         self.bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b}
         self._handshake()
         self._q: "queue.Queue" = queue.Queue()
+        self._cq: "queue.Queue" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._reset(0)
 
@@ -157,9 +159,11 @@ class Exchange:
 
     def _start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._worker, name="hvdcomp-exchange",
+            self._thread = threading.Thread(target=self._worker, name="hvdcomp-encode",
                                             daemon=True)
             self._thread.start()
+            threading.Thread(target=self._comm_worker, name="hvdcomp-communicate",
+                             daemon=True).start()
 
     # --- per step -------------------------------------------------------------------
     def _reset(self, step: int) -> None:
@@ -208,7 +212,10 @@ class Exchange:
             raise err
         return self._results, self._stats
 
-    # --- worker ---------------------------------------------------------------------
+    # --- workers --------------------------------------------------------------------
+    # Two threads form a pipeline: the encoder takes buckets in the fixed order as they
+    # become ready and encodes them; the communicator sends bucket k and decodes it while
+    # the encoder already works on bucket k+1 (and backward on the layers before).
     def _worker(self) -> None:
         ready, nxt, step = set(), 0, 0
         while True:
@@ -220,13 +227,24 @@ class Exchange:
             # Fixed bucket order on every rank: wait for bucket `nxt` even if later ones
             # are ready first.
             while nxt in ready:
+                job = None
                 if self._error is None:
                     try:
-                        self._process(nxt, step)
+                        job = self._encode_bucket(nxt, step)
                     except BaseException as e:  # surfaced by finish()
                         self._error = e
+                self._cq.put((nxt, job))
                 nxt += 1
-            if nxt == len(self.buckets):
+
+    def _comm_worker(self) -> None:
+        while True:
+            k, job = self._cq.get()
+            if job is not None and self._error is None:
+                try:
+                    self._communicate(k, job)
+                except BaseException as e:      # surfaced by finish()
+                    self._error = e
+            if k == len(self.buckets) - 1:
                 self._done.set()
 
     def _grad(self, e: _Entry) -> torch.Tensor:
@@ -242,17 +260,18 @@ class Exchange:
     def _key(self, e: _Entry, rank: int) -> TensorKey:
         return TensorKey(e.name, e.tensor_id, self.step, rank, self.size, self.seed)
 
-    def _process(self, k: int, step: int) -> None:
+    def _encode_bucket(self, k: int, step: int) -> dict:
+        """Encoder stage: launch the allreduce of summable tensors, encode the others into
+        one frame.  An encoder error still becomes a frame (an error frame), so every rank
+        takes part in the allgather and every rank raises it instead of waiting forever."""
         st = self._stats
-        names = self.buckets[k]
-        ents = [self.entries[n] for n in names]
+        ents = [self.entries[n] for n in self.buckets[k]]
         ar = [e for e in ents if e.allreduce]
         ag = [e for e in ents if not e.allreduce]
         for e in ents:
             st.compressors[e.name] = e.compressor.name
             st.fp32_bytes += 4 * e.param.numel()
         t0 = time.perf_counter()
-        # 1. allreduce path (summable): launch first, it runs in Horovod's thread
         handles = []
         by_dtype: Dict[torch.dtype, List[_Entry]] = {}
         for e in ar:
@@ -262,12 +281,6 @@ class Exchange:
             h = self.hvd.allreduce_async_(flat, name=f"hvdcomp.ar.{k}.{str(dt)[6:]}",
                                           op=self.hvd.Sum)
             handles.append((h, flat, groups))
-            nbytes = flat.numel() * flat.element_size()
-            st.bytes_sent += nbytes
-            st.traffic_bytes += 2 * (self.size - 1) / self.size * nbytes
-        # 2. allgather path: encode every tensor of the bucket into one frame.  An encoder
-        # error still takes part in the allgather (as an error frame), so every rank raises
-        # it instead of the others waiting forever.
         frame, failed = None, None
         if ag:
             try:
@@ -281,11 +294,22 @@ class Exchange:
                     m = comp.encode(g, self._key(e, self.rank))
                     msgs.append(b"" if m is None else m.to_bytes())   # None: skipped upload
                 frame = join_frames(msgs)
-            except Exception as exc:          # noqa: BLE001 - re-raised below, on all ranks
+            except Exception as exc:          # noqa: BLE001 - re-raised on all ranks
                 failed = exc
                 frame = error_frame(f"{type(exc).__name__}: {exc}")
+        st.encode_s += time.perf_counter() - t0
+        return {"ag": ag, "frame": frame, "failed": failed, "handles": handles}
+
+    def _communicate(self, k: int, job: dict) -> None:
+        """Communicator stage: allgather the frame, wait for the allreduce, decode every
+        rank's messages in rank order and average."""
+        st = self._stats
+        ag, frame, handles = job["ag"], job["frame"], job["handles"]
         t1 = time.perf_counter()
-        st.encode_s += t1 - t0
+        for _, flat, _ in handles:
+            nbytes = flat.numel() * flat.element_size()
+            st.bytes_sent += nbytes
+            st.traffic_bytes += 2 * (self.size - 1) / self.size * nbytes
         frames = None
         if ag:
             frames = self.transport.allgather(frame)
@@ -297,14 +321,13 @@ class Exchange:
             errors = [(r, frame_error(f)) for r, f in enumerate(frames)]
             errors = [(r, t) for r, t in errors if t is not None]
             if errors:
-                if failed is not None:
-                    raise failed
+                if job["failed"] is not None:
+                    raise job["failed"]
                 r, text = errors[0]
                 raise RuntimeError(f"hvdcomp: rank {r} failed to encode bucket {k} "
                                    f"(tensors {[e.name for e in ag]}): {text}")
         t2 = time.perf_counter()
         st.comm_s += t2 - t1
-        # 3. decode every rank's messages in rank order and average
         for _, flat, groups in handles:
             self._unflatten_summable(flat, groups)
         if ag:
