@@ -103,10 +103,10 @@ from typing import Dict, Tuple
 import numpy as np
 import torch
 
-from ..codecs import pack_bits, packed_size, unpack_bits
+from ..codecs import decode_symbols, encode_symbols, pack_bits, packed_size, unpack_bits
 from ..errors import WireFormatError
 from ..random import uniform
-from ..wire import CODECS, FLAG_NONFINITE, Message, dtype_code
+from ..wire import CODECS, FLAG_ENTROPY, FLAG_NONFINITE, Message, dtype_code
 from .base import Compressor, TensorKey, register
 
 __all__ = ["PSQ", "BHQ", "rows_of", "quantize_rows", "dequantize_rows", "row_variance",
@@ -332,7 +332,22 @@ class _RowQuantizer(Compressor):
             raise WireFormatError(f"{self.name}: a row range has max < min")
         return lohi
 
+    def _pack(self, codes: torch.Tensor) -> np.ndarray:
+        """The code section: packed, or rANS-coded with ``entropy`` (flag ENTROPY)."""
+        if self.entropy:
+            return encode_symbols(codes.cpu().numpy(), 1 << self.bits)
+        return _np_bytes(pack_bits(codes, self.bits))
+
+    def _flags(self) -> int:
+        return FLAG_ENTROPY if self.entropy else 0
+
+    def _check_codes(self, msg: Message, n: int) -> None:
+        if not msg.flags & FLAG_ENTROPY:
+            msg.section_size_check(1, packed_size(n, self.bits), "codes")
+
     def _codes(self, msg: Message, n: int) -> torch.Tensor:
+        if msg.flags & FLAG_ENTROPY:
+            return torch.from_numpy(decode_symbols(msg.sections[1], n, 1 << self.bits))
         return unpack_bits(torch.from_numpy(np.array(msg.sections[1])), n, self.bits)
 
 
@@ -360,8 +375,9 @@ class PSQ(_RowQuantizer):
     """
     codec = CODECS["psq"]
 
-    def __init__(self, bits: int = 4):
+    def __init__(self, bits: int = 4, entropy: bool = False):
         self.bits = _check_bits(bits)
+        self.entropy = bool(entropy)
 
     def _header_fields(self) -> Dict[str, int]:
         return {"bits": self.bits, "bucket_size": 0, "level_version": 0}
@@ -378,7 +394,7 @@ class PSQ(_RowQuantizer):
         u = self._uniforms(x.numel(), key, x.device)
         lohi, codes = quantize_rows(x, self.bits, u)
         return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=(_np_bytes(lohi), _np_bytes(pack_bits(codes, self.bits))),
+                       sections=(_np_bytes(lohi), self._pack(codes)), flags=self._flags(),
                        tensor_id=key.tensor_id, rank=key.rank, seed=key.seed, step=key.step,
                        **self._header_fields())
 
@@ -386,7 +402,7 @@ class PSQ(_RowQuantizer):
         R, D = rows_of(msg.shape)
         msg.expect(nsections=2)
         msg.section_size_check(0, 8 * R, "row ranges")
-        msg.section_size_check(1, packed_size(R * D, self.bits), "codes")
+        self._check_codes(msg, R * D)
         if R * D == 0:
             return
         lohi = self._lohi(msg, R)
@@ -428,8 +444,9 @@ class BHQ(_RowQuantizer):
     """
     codec = CODECS["bhq"]
 
-    def __init__(self, bits: int = 4, block_size: int = 8):
+    def __init__(self, bits: int = 4, block_size: int = 8, entropy: bool = False):
         self.bits = _check_bits(bits)
+        self.entropy = bool(entropy)
         if (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
                 or not 1 <= block_size <= 2**31):
             raise ValueError(f"block_size must be an integer in 1..2**31, got {block_size!r}")
@@ -451,13 +468,13 @@ class BHQ(_RowQuantizer):
         perm, sizes, scales, y, _ = bhq_plan(x, self.bits, self.block_size)
         u = self._uniforms(y.numel(), key, y.device)
         lohi, codes = quantize_rows(y, self.bits, u)
-        secs = (_np_bytes(lohi), _np_bytes(pack_bits(codes, self.bits)),
+        secs = (_np_bytes(lohi), self._pack(codes),
                 perm.to(torch.int64).numpy().astype("<u4").view(np.uint8),
                 sizes.numpy().astype("<u4").view(np.uint8),
                 scales.numpy().astype("<f4").view(np.uint8))
         return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=secs, tensor_id=key.tensor_id, rank=key.rank, seed=key.seed,
-                       step=key.step, **self._header_fields())
+                       sections=secs, flags=self._flags(), tensor_id=key.tensor_id,
+                       rank=key.rank, seed=key.seed, step=key.step, **self._header_fields())
 
     def read_blocks(self, msg: Message):
         """Validate sections 2-4 of ``msg``; returns (perm int64 (R,), sizes int64 (G,),
@@ -488,7 +505,7 @@ class BHQ(_RowQuantizer):
         R, D = rows_of(msg.shape)
         msg.expect(nsections=5)
         msg.section_size_check(0, 8 * R, "row ranges")
-        msg.section_size_check(1, packed_size(R * D, self.bits), "codes")
+        self._check_codes(msg, R * D)
         perm, sizes, scales = self.read_blocks(msg)
         if R * D == 0:
             return

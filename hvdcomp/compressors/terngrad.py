@@ -121,7 +121,7 @@ class TernGrad(BucketQuantizer):
     codec = CODECS["terngrad"]
     norm = "linf"
 
-    def __init__(self, clip: float = 2.5, bucket_size: int = 0):
+    def __init__(self, clip: float = 2.5, bucket_size: int = 0, entropy: bool = False):
         if isinstance(clip, bool) or not isinstance(clip, (int, float)):
             raise ValueError(f"clip must be a number >= 0 (0 disables clipping), got {clip!r}")
         if not math.isfinite(clip) or clip < 0:
@@ -133,7 +133,7 @@ class TernGrad(BucketQuantizer):
         self.clip = float(clip)
         self.bucket_size = int(bucket_size)
         self.bits = _BITS
-        self.entropy = False
+        self.entropy = bool(entropy)
         self.levels = torch.tensor(_LEVELS, dtype=torch.float32)
         self.level_version = 0
 
@@ -176,25 +176,17 @@ class TernGrad(BucketQuantizer):
         u = uniform(n, seed=key.seed, step=key.step, rank=key.rank, tensor_id=key.tensor_id,
                     device=c.device)
         norms, codes = quantize_reference(c, self.levels.to(c.device), self._bs(n), "linf", u)
-        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=(norms.cpu().numpy().view(np.uint8),
-                                 pack_bits(codes, _BITS).cpu().numpy()),
-                       tensor_id=key.tensor_id, rank=key.rank, seed=key.seed, step=key.step,
-                       **self._header_fields())
+        return self._message(grad, key, norms, codes)       # packed, or rANS with entropy
 
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
-        if msg.flags & ~FLAG_NONFINITE:
-            raise WireFormatError(f"terngrad: unexpected flags 0x{msg.flags:02x} "
-                                  f"(terngrad codes are always bit-packed)")
         n = msg.numel
         nb = self.num_buckets(n)
         msg.expect(nsections=2)
         msg.section_size_check(0, 4 * nb, "scales")
-        msg.section_size_check(1, packed_size(n, _BITS), "codes")
         norms = torch.from_numpy(np.array(msg.sections[0]).view(np.float32))
         if not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
             raise WireFormatError("terngrad: bucket scales must be finite and >= 0")
-        codes = unpack_bits(torch.from_numpy(np.array(msg.sections[1])), n, _BITS)
+        codes = self._codes(msg, n)                         # unpacked or entropy-decoded
         v = dequantize_reference(norms, codes, self.levels, self._bs(n), _BITS - 1)
         out.add_(v.to(out.device))
 

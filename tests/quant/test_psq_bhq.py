@@ -233,9 +233,11 @@ def test_registry_codecs_and_specs():
     p, b = hvdcomp.get("psq:bits=3"), hvdcomp.get("bhq:bits=5,block_size=4")
     assert type(p) is PSQ and type(b) is BHQ
     assert (p.codec, b.codec) == (17, 18) == (CODECS["psq"], CODECS["bhq"])
-    assert p.spec() == "psq:bits=3" and b.spec() == "bhq:bits=5,block_size=4"
-    assert hvdcomp.get(b.spec()).settings() == {"bits": 5, "block_size": 4}
-    assert PSQ().settings() == {"bits": 4} and BHQ().settings() == {"bits": 4, "block_size": 8}
+    assert p.spec() == "psq:bits=3,entropy=False"
+    assert b.spec() == "bhq:bits=5,block_size=4,entropy=False"
+    assert hvdcomp.get(b.spec()).settings() == {"bits": 5, "block_size": 4, "entropy": False}
+    assert PSQ().settings() == {"bits": 4, "entropy": False}
+    assert BHQ().settings() == {"bits": 4, "block_size": 8, "entropy": False}
 
 
 @pytest.mark.parametrize("bad", [0, 9, -1, 2.5, True, "4"])

@@ -433,7 +433,7 @@ def test_float64_beyond_float32_range_is_nonfinite():
 def test_registry_and_spec():
     c = hvdcomp.get("terngrad")
     assert type(c) is TernGrad and c.name == "terngrad" and "terngrad" in hvdcomp.available()
-    assert c.settings() == {"clip": 2.5, "bucket_size": 0}
+    assert c.settings() == {"clip": 2.5, "bucket_size": 0, "entropy": False}
     d = hvdcomp.get("terngrad:clip=1.5,bucket_size=512")
     assert (d.clip, d.bucket_size) == (1.5, 512)
     assert hvdcomp.get(d.spec()).settings() == d.settings()

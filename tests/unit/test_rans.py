@@ -155,3 +155,23 @@ def test_chunk_table_and_stream_corruption_rejected():
 def test_symbols_outside_alphabet_raise():
     with pytest.raises(ValueError):
         encode_symbols(np.array([0, 8]), 8)
+
+
+@pytest.mark.parametrize("spec", ["terngrad", "psq:bits=3", "bhq:bits=4,block_size=4",
+                                  "dqsg:bits=4", "amq:bits=5"])
+def test_every_quantizer_has_the_entropy_stage(spec):
+    """The same values decode with and without entropy coding, and the coded message is
+    no larger than the packed one by more than the model and chunk table."""
+    x = torch.randn(40, 250)
+    key = hvdcomp.TensorKey("w", 2, 1, 0, 4, 5)
+    plain = hvdcomp.get(spec)
+    ent = hvdcomp.get(spec + (",entropy=1" if ":" in spec else ":entropy=1"))
+    a, b = torch.zeros(x.numel()), torch.zeros(x.numel())
+    mp = plain.encode(x, key).to_bytes()
+    me = ent.encode(x, key).to_bytes()
+    plain.decode(hvdcomp.Message.from_bytes(mp), key, a)
+    m = hvdcomp.Message.from_bytes(me)
+    assert m.flags & hvdcomp.wire.FLAG_ENTROPY
+    ent.decode(m, key, b)
+    assert torch.equal(a, b)
+    assert len(me) <= len(mp) + 16 + 2 * 256 + 10 * 4
