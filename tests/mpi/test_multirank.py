@@ -36,6 +36,7 @@ def run_ranks(n: int, script: str, outdir: str, timeout: int = 300) -> str:
     ("worker_psq.py", "psq OK"),
     ("worker_ef.py", "ef OK"),
     ("worker_dithered.py", "dithered OK"),
+    ("worker_laq.py", "laq OK"),
 ])
 def test_workers(n, script, marker, tmp_path):
     out = run_ranks(n, script, str(tmp_path))
