@@ -110,7 +110,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..codecs import pack_bits, packed_size, unpack_bits
+from ..codecs import code_section, packed_size, read_code_section
 from ..errors import WireFormatError
 from ..wire import CODECS, FLAG_NONFINITE, Message, dtype_code
 from .base import Compressor, TensorKey, register
@@ -195,7 +195,8 @@ class LAQ(Compressor):
 
     def __init__(self, bits: int = 4, alpha: float = 0.1, xi: float = 0.8, history: int = 10,
                  t_max: int = 100, stochastic: bool = False, slaq_err: float = 0.5,
-                 slaq_const: float = 0.2, split: str = "numel"):
+                 slaq_const: float = 0.2, split: str = "numel", entropy: bool = False):
+        self.entropy = bool(entropy)
         def integer(name, v, lo, hi):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"{name} must be an integer in {lo}..{hi}, got {v!r}")
@@ -317,24 +318,21 @@ class LAQ(Compressor):
         rec.eps_hat_sq = eps_sq
         rec.silent = 0
         rec.uploads += 1
+        sec, flags = code_section(codes, self.bits, self.entropy)
         return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=(R.reshape(1).cpu().numpy().view(np.uint8),
-                                 pack_bits(codes, self.bits).cpu().numpy()),
+                       sections=(R.reshape(1).cpu().numpy().view(np.uint8), sec), flags=flags,
                        tensor_id=key.tensor_id, rank=key.rank, seed=key.seed, step=key.step,
                        **self._header_fields())
 
     # --- decode -----------------------------------------------------------------------
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
-        if msg.flags & ~FLAG_NONFINITE:
-            raise WireFormatError(f"laq: unexpected flags 0x{msg.flags:02x}")
         n = msg.numel
         msg.expect(nsections=2)
         msg.section_size_check(0, 4, "radius R")
-        msg.section_size_check(1, packed_size(n, self.bits), "codes")
         R = torch.from_numpy(np.array(msg.sections[0]).view(np.float32).copy()).reshape(())
         if not bool(torch.isfinite(R)) or float(R) < 0:
             raise WireFormatError(f"laq: radius R must be finite and >= 0, got {float(R)}")
-        codes = unpack_bits(torch.from_numpy(np.array(msg.sections[1])), n, self.bits)
+        codes = read_code_section(msg, 1, n, self.bits)
         out.add_(dequantize_innovation(R, codes, self.bits).to(out.device))
 
     def combine(self, msgs: List[Optional[Message]], keys: List[TensorKey],

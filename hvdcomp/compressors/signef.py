@@ -58,7 +58,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from ..codecs import pack_bits, packed_size, unpack_bits
+from ..codecs import code_section, packed_size, read_code_section
 from ..errors import WireFormatError
 from ..wire import CODECS, FLAG_NONFINITE, Message, dtype_code
 from .base import Compressor, TensorKey, register
@@ -91,7 +91,8 @@ class SignEF(Compressor):
     """
     codec = CODECS["signef"]
 
-    def __init__(self, bucket_size: int = 0):
+    def __init__(self, bucket_size: int = 0, entropy: bool = False):
+        self.entropy = bool(entropy)
         if (isinstance(bucket_size, bool) or not isinstance(bucket_size, int)
                 or not 0 <= bucket_size <= 2**31):
             raise ValueError(f"bucket_size must be an integer in 0..2**31 (0: one bucket per "
@@ -157,24 +158,21 @@ class SignEF(Compressor):
         sf = s.repeat_interleave(bs)[:n] if n else s[:0]
         decoded = torch.where(neg, -sf, sf)
         self._residuals[key.name] = (p - decoded).view(grad.shape)
+        sec, flags = code_section(neg.to(torch.int64), _BITS, self.entropy)
         return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=(s.cpu().numpy().view(np.uint8),
-                                 pack_bits(neg.to(torch.int64), _BITS).cpu().numpy()),
+                       sections=(s.cpu().numpy().view(np.uint8), sec), flags=flags,
                        tensor_id=key.tensor_id, rank=key.rank, seed=key.seed, step=key.step,
                        **self._header_fields())
 
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
-        if msg.flags & ~FLAG_NONFINITE:
-            raise WireFormatError(f"signef: unexpected flags 0x{msg.flags:02x}")
         n = msg.numel
         nb = self.num_buckets(n)
         msg.expect(nsections=2)
         msg.section_size_check(0, 4 * nb, "scales")
-        msg.section_size_check(1, packed_size(n, _BITS), "sign bits")
         s = torch.from_numpy(np.array(msg.sections[0]).view(np.float32))
         if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
             raise WireFormatError("signef: bucket scales must be finite and >= 0")
-        bits = unpack_bits(torch.from_numpy(np.array(msg.sections[1])), n, _BITS)
+        bits = read_code_section(msg, 1, n, _BITS, "sign bits")
         sf = s.repeat_interleave(self._bs(n))[:n] if n else s[:0]
         out.add_(torch.where(bits != 0, -sf, sf).to(out.device))
 

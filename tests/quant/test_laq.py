@@ -629,9 +629,9 @@ def test_registry_and_spec():
     assert LAQ.wants_param_deltas is True and not LAQ.summable
     assert c.settings() == {"bits": 4, "alpha": 0.1, "xi": 0.8, "history": 10,
                             "t_max": 100, "stochastic": False, "slaq_err": 0.5,
-                            "slaq_const": 0.2, "split": "numel"}
+                            "slaq_const": 0.2, "split": "numel", "entropy": False}
     s = "laq:bits=3,alpha=0.02,xi=0.5,history=4,t_max=7,stochastic=True,slaq_err=0.25," \
-        "slaq_const=0.0,split=full"
+        "slaq_const=0.0,split=full,entropy=True"
     assert hvdcomp.get(s).spec() == s
     assert hvdcomp.get(hvdcomp.get(s).spec()).settings() == hvdcomp.get(s).settings()
 

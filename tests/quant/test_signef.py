@@ -411,7 +411,8 @@ def test_message_size_formula(shape, bs):
 def test_registry_and_spec():
     c = hvdcomp.get("signef")
     assert type(c) is SignEF and c.name == "signef" and "signef" in hvdcomp.available()
-    assert c.settings() == {"bucket_size": 0} and c.spec() == "signef:bucket_size=0"
+    assert c.settings() == {"bucket_size": 0, "entropy": False}
+    assert c.spec() == "signef:bucket_size=0,entropy=False"
     d = hvdcomp.get("signef:bucket_size=4096")
     assert d.bucket_size == 4096 and hvdcomp.get(d.spec()).settings() == d.settings()
     assert c.state_dict() == {"residuals": {}}

@@ -158,7 +158,7 @@ def test_symbols_outside_alphabet_raise():
 
 
 @pytest.mark.parametrize("spec", ["terngrad", "psq:bits=3", "bhq:bits=4,block_size=4",
-                                  "dqsg:bits=4", "amq:bits=5"])
+                                  "dqsg:bits=4", "amq:bits=5", "signef"])
 def test_every_quantizer_has_the_entropy_stage(spec):
     """The same values decode with and without entropy coding, and the coded message is
     no larger than the packed one by more than the model and chunk table."""
