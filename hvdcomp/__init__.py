@@ -7,9 +7,9 @@
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=c)       # real encoded bytes on the wire
 """
-from .compressors import (ALQ, AMQ, BF16, BHQ, DQSG, FP16, NDQSG, NUQSGD, PSQ, QSGD,
-                          Compressor, NoneCompressor, QSGDInf, SignEF, TensorKey, TernGrad,
-                          available, get, parse_spec, register)
+from .compressors import (ALQ, AMQ, BF16, BHQ, DGC, DQSG, FP16, LAQ, NDQSG, NUQSGD, PSQ,
+                          QSGD, Compressor, NoneCompressor, QSGDInf, RandK, SignEF, TensorKey,
+                          TernGrad, TopK, available, get, parse_spec, register)
 from . import levels, wire
 from .errors import ConfigError, WireFormatError
 from .wire import Message
@@ -17,6 +17,6 @@ from .wire import Message
 __version__ = "0.1.0"
 
 __all__ = ["ALQ", "AMQ", "BF16", "FP16", "NUQSGD", "QSGD", "QSGDInf", "NoneCompressor",
-           "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG",
+           "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG", "TopK", "RandK", "DGC", "LAQ",
            "Compressor", "TensorKey", "available", "get", "parse_spec", "register",
            "ConfigError", "WireFormatError", "Message", "__version__"]

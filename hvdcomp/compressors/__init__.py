@@ -12,10 +12,12 @@ from .terngrad import TernGrad
 from .signef import SignEF
 from .psq import BHQ, PSQ
 from .dithered import DQSG, NDQSG
+from .sparse import DGC, RandK, TopK
+from .laq import LAQ
 
 for _m in _pkgutil.iter_modules(__path__):
     _importlib.import_module(f"{__name__}.{_m.name}")
 
 __all__ = ["Compressor", "TensorKey", "available", "get", "parse_spec", "register",
            "NoneCompressor", "FP16", "BF16", "BucketQuantizer", "QSGD", "QSGDInf", "NUQSGD",
-           "ALQ", "AMQ", "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG"]
+           "ALQ", "AMQ", "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG", "TopK", "RandK", "DGC", "LAQ"]

@@ -81,9 +81,7 @@ class Compressor:
         receiver then turns the whole averaged tensor into NaN (docs/design.md, "NaN").
         Raises TypeError for non-floating tensors in codecs that need floats.
         """
-        # float64 values beyond float32's range become Inf once quantized: check after the cast
-        probe = grad.float() if grad.dtype == torch.float64 else grad
-        if grad.is_floating_point() and grad.numel() and not bool(torch.isfinite(probe).all()):
+        if grad.is_floating_point() and grad.numel() and not _all_finite(grad):
             return self._nonfinite(grad, key)
         return self._encode(grad, key)
 
@@ -226,6 +224,15 @@ class Compressor:
 
     def decompress(self, tensor: torch.Tensor, ctx):
         raise TypeError("decompress() without compress(): see compress()")
+
+
+def _all_finite(grad: torch.Tensor) -> bool:
+    """Whether every value is finite once cast to float32 (float64 values beyond float32's
+    range become Inf when quantized).  min/max propagate NaN and are ~20x cheaper on a CPU
+    than isfinite().all()."""
+    probe = grad.float() if grad.dtype == torch.float64 else grad
+    lo, hi = torch.aminmax(probe.detach().reshape(-1))
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def available() -> List[str]:

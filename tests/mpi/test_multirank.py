@@ -37,6 +37,7 @@ def run_ranks(n: int, script: str, outdir: str, timeout: int = 300) -> str:
     ("worker_ef.py", "ef OK"),
     ("worker_dithered.py", "dithered OK"),
     ("worker_laq.py", "laq OK"),
+    ("worker_sparse.py", "sparse OK"),
 ])
 def test_workers(n, script, marker, tmp_path):
     out = run_ranks(n, script, str(tmp_path))
