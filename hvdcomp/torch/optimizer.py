@@ -103,9 +103,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if not mine:
                 continue
             m = float(group.get("momentum", 0.0) or 0.0)
-            if group.get("nesterov", False):
-                raise ValueError(f"{comp.name} applies momentum correction itself; "
-                                 f"Nesterov momentum is not supported with it")
+            if group.get("nesterov", False) or group.get("dampening", 0.0):
+                raise ValueError(f"{comp.name} applies momentum correction itself (plain "
+                                 f"momentum u = m u + g); Nesterov momentum and dampening "
+                                 f"are not supported with it")
             for p in mine:
                 factors[handled[id(p)]] = m
             if m and "momentum" in group:
