@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .. import levels as L
+from ..backends import kernel_backend
 from ..codecs import decode_symbols, encode_symbols, pack_bits, packed_size, unpack_bits
 from ..errors import WireFormatError
 from ..random import uniform
@@ -127,19 +128,30 @@ class BucketQuantizer(Compressor):
         x = grad.detach().reshape(-1).to(torch.float32)
         n = x.numel()
         lv = self.levels.to(x.device)
-        u = uniform(n, seed=key.seed, step=key.step, rank=key.rank, tensor_id=key.tensor_id,
-                    device=x.device)
-        norms, codes = quantize_reference(x, lv, self.bucket_size, self.norm, u)
+        be = kernel_backend(x.device)
+        if be is not None:      # kernels/quantize.cu: the same bytes as the reference below
+            norms, packed = be.quantize(x, lv, self.bits, self.bucket_size, self.norm,
+                                        seed=key.seed, rank=key.rank, tensor_id=key.tensor_id,
+                                        step=key.step)
+            codes = None
+        else:
+            u = uniform(n, seed=key.seed, step=key.step, rank=key.rank,
+                        tensor_id=key.tensor_id, device=x.device)
+            norms, codes = quantize_reference(x, lv, self.bucket_size, self.norm, u)
+            packed = None
         if not bool(torch.isfinite(norms).all()):
             # finite values whose L2 norm overflows float32: the NaN policy, not an Inf norm
             return self._nonfinite(grad, key)
-        return self._message(grad, key, norms, codes)
+        return self._message(grad, key, norms, codes, packed)
 
-    def _message(self, grad, key, norms, codes) -> Message:
+    def _message(self, grad, key, norms, codes, packed=None) -> Message:
+        """codes (int64) or packed (uint8, pack_bits of the codes): either may be None."""
         if self.entropy:
+            if codes is None:
+                codes = unpack_bits(packed, grad.numel(), self.bits)
             sec = encode_symbols(codes.cpu().numpy(), 1 << self.bits)
         else:
-            sec = pack_bits(codes, self.bits).cpu().numpy()
+            sec = (packed if packed is not None else pack_bits(codes, self.bits)).cpu().numpy()
         return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
                        sections=(norms.cpu().numpy().view(np.uint8), sec),
                        flags=FLAG_ENTROPY if self.entropy else 0,
@@ -161,6 +173,16 @@ class BucketQuantizer(Compressor):
         norms = torch.from_numpy(np.array(msg.sections[0]).view(np.float32))
         if not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
             raise WireFormatError(f"{self.name}: bucket norms must be finite and >= 0")
+        be = kernel_backend(out.device)
+        if (be is not None and not msg.flags & FLAG_ENTROPY and out.dtype == torch.float32
+                and out.dim() == 1 and out.is_contiguous()):
+            # kernels/quantize.cu: out += the decoded values, bit for bit as below
+            msg.section_size_check(1, packed_size(n, self.bits), "codes")
+            dev = out.device
+            packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(dev)
+            be.dequantize_add(packed, n, norms.to(dev), self.levels.to(dev), self.bits,
+                              self.bucket_size, out)
+            return
         codes = self._codes(msg, n)
         v = dequantize_reference(norms, codes, self.levels, self.bucket_size, self.bits - 1)
         out.add_(v.to(out.device))

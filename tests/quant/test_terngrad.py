@@ -434,10 +434,10 @@ def test_registry_and_spec():
     c = hvdcomp.get("terngrad")
     assert type(c) is TernGrad and c.name == "terngrad" and "terngrad" in hvdcomp.available()
     assert c.settings() == {"clip": 2.5, "bucket_size": 0, "entropy": False}
-    d = hvdcomp.get("terngrad:clip=1.5,bucket_size=512")
+    d = hvdcomp.get("terngrad:clip=1.5,bucket_size=512,entropy=False")
     assert (d.clip, d.bucket_size) == (1.5, 512)
     assert hvdcomp.get(d.spec()).settings() == d.settings()
-    assert d.spec() == "terngrad:clip=1.5,bucket_size=512"
+    assert d.spec() == "terngrad:clip=1.5,bucket_size=512,entropy=False"
     assert hvdcomp.get("terngrad", clip=0).clip == 0.0
     assert isinstance(c, hvdcomp.compressors.BucketQuantizer)
     assert c.state_dict() == {}

@@ -1,0 +1,90 @@
+"""Kernel backends of the bucketed stochastic quantizers (QSGD, QSGDinf, NUQSGD, ALQ, AMQ).
+
+Three implementations of one contract:
+
+* the specification: PyTorch ops in hvdcomp/compressors/quantizers.py
+  (``quantize_reference``, ``dequantize_reference``, ``bucket_norms``), with
+  hvdcomp/random.py and hvdcomp/codecs/bitpack.py;
+* ``hvdcomp.backends.host``: the CUDA sources in ``kernels/`` built with g++ and run on the
+  CPU (ctypes), for CPU tensors;
+* ``hvdcomp.backends.cuda``: the same sources through CuPy (NVRTC), for CUDA tensors, on
+  PyTorch's current stream.
+
+Both kernel backends expose the same functions (``bucket_norms``, ``quantize_pack``,
+``quantize``, ``dequantize_add``, ``random_words``, ``uniform``) and give the same bytes:
+codes and decoded values are bit-identical to the specification given the same norms;
+L1/L-inf norms bit-identical, L2 norms bit-identical between host and GPU (one fixed
+float64 summation order) and within 1 float32 ulp of ``torch.sum``'s order.
+
+``for_device(device)`` returns the backend module for a device; ``kernel_backend(device)``
+is what the compressors call: the backend, or None to run the PyTorch reference.  Nothing
+here imports CuPy until a CUDA tensor asks for it.
+
+Environment: HVDCOMP_BACKEND = ``auto`` (default: kernels where they can run, else the
+reference with one warning), ``kernels`` (kernels or an error), ``reference`` (never the
+kernels).  The bytes are the same either way (see above); only the speed differs.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import warnings
+from typing import Optional
+
+import torch
+
+__all__ = ["for_device", "kernel_backend"]
+
+_choice = {}
+_choice_lock = threading.Lock()
+
+
+def for_device(device) -> object:
+    """The backend module (``host`` or ``cuda``) for ``device`` (a torch.device or string).
+
+    Raises ValueError for other device types; importing ``cuda`` raises ImportError with the
+    reason when CuPy is missing.
+    """
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return importlib.import_module(".host", __name__)
+    if dev.type == "cuda":
+        mod = importlib.import_module(".cuda", __name__)
+        mod.require()
+        return mod
+    raise ValueError(f"no kernel backend for device type {dev.type!r}")
+
+
+def kernel_backend(device) -> Optional[object]:
+    """The kernel backend for ``device``, or None where the PyTorch reference should run.
+
+    Decided once per (device type, HVDCOMP_BACKEND) and cached.  ``auto``: a backend that
+    cannot be loaded (no C++ compiler; no CuPy or CUDA) gives None and one warning naming the
+    reason; ``kernels``: that raises RuntimeError instead; ``reference``: always None.
+    The first CPU call builds the host library (a few seconds, once per source version).
+    """
+    mode = os.environ.get("HVDCOMP_BACKEND", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "kernels", "reference"):
+        raise ValueError(f"HVDCOMP_BACKEND must be auto, kernels or reference, got {mode!r}")
+    if mode == "reference":
+        return None
+    dev = torch.device(device)
+    key = (dev.type, mode)
+    with _choice_lock:
+        if key in _choice:
+            return _choice[key]
+        try:
+            mod = for_device(dev)
+            if dev.type == "cpu":
+                mod.load()
+        except (ImportError, RuntimeError, OSError, ValueError) as e:
+            if mode == "kernels":
+                raise RuntimeError(f"HVDCOMP_BACKEND=kernels but no kernel backend for "
+                                   f"{dev.type}: {e}") from e
+            warnings.warn(f"hvdcomp: no kernel backend for {dev.type} ({e}); the quantizers "
+                          f"run the PyTorch reference (same bytes, slower)", RuntimeWarning,
+                          stacklevel=2)
+            mod = None
+        _choice[key] = mod
+        return mod

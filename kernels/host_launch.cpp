@@ -1,0 +1,69 @@
+// host_launch.cpp: the host build of hvdcomp's kernels (g++, see kernels/host_shim.h).
+//
+// The .cu sources are included verbatim; this file only adds the C entry points through
+// which hvdcomp/backends/host.py (ctypes) finds and launches them.  Kernel logic lives in the
+// .cu files alone.
+//
+//   int         hvd_host_abi_version(void)
+//   int         hvd_host_kernel_count(void)
+//   const char* hvd_host_kernel_name(int k)
+//   const char* hvd_host_kernel_signature(int k)      e.g. "PqqP" (see host_shim.h)
+//   int         hvd_host_launch(int k, unsigned grid, unsigned block, int nthreads,
+//                               void** args)          0 ok, 1 kernel error, 2 bad k / geometry
+//   const char* hvd_host_last_error(void)
+//   int         hvd_host_openmp(void)                  OpenMP version macro, 0 without OpenMP
+#include "host_shim.h"
+
+#include "quantize.cu"
+#include "random.cu"
+
+namespace {
+
+const hvd_host::Entry kKernels[] = {
+    HVD_HOST_KERNEL(hvd_bucket_norms_l2),
+    HVD_HOST_KERNEL(hvd_bucket_norms_linf),
+    HVD_HOST_KERNEL(hvd_quantize_pack),
+    HVD_HOST_KERNEL(hvd_dequantize_add),
+    HVD_HOST_KERNEL(hvd_philox_words),
+    HVD_HOST_KERNEL(hvd_uniform),
+};
+constexpr int kCount = (int)(sizeof(kKernels) / sizeof(kKernels[0]));
+
+}  // namespace
+
+#define HVD_EXPORT extern "C" __attribute__((visibility("default")))
+
+HVD_EXPORT int hvd_host_abi_version(void) { return 1; }
+
+HVD_EXPORT int hvd_host_kernel_count(void) { return kCount; }
+
+HVD_EXPORT const char* hvd_host_kernel_name(int k) {
+  return (k >= 0 && k < kCount) ? kKernels[k].name : nullptr;
+}
+
+HVD_EXPORT const char* hvd_host_kernel_signature(int k) {
+  return (k >= 0 && k < kCount) ? kKernels[k].signature : nullptr;
+}
+
+HVD_EXPORT int hvd_host_launch(int k, unsigned grid, unsigned block, int nthreads,
+                               void** args) {
+  if (k < 0 || k >= kCount) {
+    hvd_host::report_error("hvd_host_launch: no such kernel");
+    return 2;
+  }
+  if (grid == 0 || block == 0 || block > 1024 || nthreads < 1) {
+    hvd_host::report_error("hvd_host_launch: invalid geometry or thread count");
+    return 2;
+  }
+  return kKernels[k].launch(grid, block, nthreads, args);
+}
+
+HVD_EXPORT const char* hvd_host_last_error(void) { return hvd_host::error_message; }
+
+HVD_EXPORT int hvd_host_openmp(void) {
+#if defined(_OPENMP)
+  return _OPENMP;
+#else
+  return 0;
+#endif
+}

@@ -1,0 +1,174 @@
+// host_shim.h: the CUDA built-ins that hvdcomp's .cu sources use, for g++.
+//
+// With this header included first, kernels/*.cu compile unchanged as C++17 and a grid runs
+// on the CPU (kernels/host_launch.cpp, loaded by hvdcomp/backends/host.py):
+//   * blocks run in parallel (OpenMP, when built with -fopenmp), each on one OS thread;
+//   * the threads of a block run one after another, in threadIdx order, on that OS thread;
+//   * threadIdx / blockIdx / blockDim / gridDim are per-OS-thread variables set by the
+//     launcher before each (block, thread) call;
+//   * __shared__ is per OS thread (static thread_local): it persists from one thread of a
+//     block to the next, like shared memory, and is not initialized, like shared memory.
+//
+// Not provided, on purpose: __syncthreads(), warp shuffles and votes, atomics.  Sequentially
+// run threads cannot wait for each other; block cooperation goes through hvd::block_reduce
+// (kernels/hvdcomp.cuh), which implements it for both sides.  A kernel that uses one of
+// these directly does not compile here, instead of silently computing something else.
+//
+// Floating point: build with -ffp-contract=off and without -ffast-math, so that each float
+// operation rounds once, in IEEE binary32/binary64, as on the GPU with --fmad=false.
+#ifndef HVDCOMP_HOST_SHIM_H
+#define HVDCOMP_HOST_SHIM_H
+
+#define HVD_HOST_BUILD 1
+
+#include <math.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#if defined(__FAST_MATH__)
+#error "hvdcomp kernels must not be built with -ffast-math (results must be IEEE, bit for bit)"
+#endif
+
+struct uint3 {
+  unsigned int x, y, z;
+};
+struct dim3 {
+  unsigned int x, y, z;
+};
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __shared__ static thread_local
+#define __launch_bounds__(...)
+
+namespace hvd_host {
+
+struct Context {
+  uint3 thread_idx;
+  uint3 block_idx;
+  dim3 block_dim;
+  dim3 grid_dim;
+};
+
+// initial-exec: one %fs-relative load per access instead of a __tls_get_addr call (the
+// library is dlopen'ed, which glibc's static TLS surplus allows for a few dozen bytes).
+inline thread_local Context ctx __attribute__((tls_model("initial-exec")));
+
+// First error reported by a kernel during the current launch (a launcher bug: kernels only
+// report violated launch preconditions).
+inline std::atomic<int> error_flag{0};
+inline char error_message[256];
+
+inline void report_error(const char* msg) {
+  int expected = 0;
+  if (error_flag.compare_exchange_strong(expected, 1)) {
+    std::strncpy(error_message, msg, sizeof(error_message) - 1);
+    error_message[sizeof(error_message) - 1] = '\0';
+  }
+}
+
+// ---- launching a grid -----------------------------------------------------------------------
+
+template <class... A, std::size_t... I>
+std::tuple<A...> unpack_args(void** args, std::index_sequence<I...>) {
+  return std::tuple<A...>(*static_cast<A*>(args[I])...);
+}
+
+// Runs kernel<<<grid, block>>>(*args[0], *args[1], ...), args as for cuLaunchKernel: one
+// pointer per kernel parameter, pointing to a value of exactly that parameter's type.
+// Returns 0, or 1 if a kernel reported an error (message: error_message).
+template <class... A>
+int launch(void (*kernel)(A...), unsigned grid, unsigned block, int nthreads, void** args) {
+  const std::tuple<A...> a = unpack_args<A...>(args, std::index_sequence_for<A...>{});
+  error_flag.store(0);
+  error_message[0] = '\0';
+  const long long nblocks = grid;
+  // Blocks are handed out in chunks of about 1/16 of a thread's share: on a shared machine
+  // a descheduled thread then delays only its current chunk, not a fixed half of the grid.
+  const long long chunk = nblocks / (16LL * (nthreads > 0 ? nthreads : 1)) + 1;
+  (void)nthreads;
+  (void)chunk;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(nthreads) \
+    if (nthreads > 1 && nblocks > 1)
+#endif
+  for (long long b = 0; b < nblocks; ++b) {
+    Context& c = ctx;
+    c.grid_dim = dim3{grid, 1, 1};
+    c.block_dim = dim3{block, 1, 1};
+    c.block_idx = uint3{(unsigned)b, 0, 0};
+    for (unsigned t = 0; t < block; ++t) {
+      c.thread_idx = uint3{t, 0, 0};
+      std::apply(kernel, a);
+    }
+  }
+  return error_flag.load() ? 1 : 0;
+}
+
+// ---- kernel signatures, checked by the Python launcher before the first launch ---------------
+// P pointer, q long long, i int, I unsigned int, f float, d double.
+
+template <class T>
+struct type_code;
+template <class T>
+struct type_code<T*> {
+  static constexpr char value = 'P';
+};
+template <>
+struct type_code<long long> {
+  static constexpr char value = 'q';
+};
+template <>
+struct type_code<int> {
+  static constexpr char value = 'i';
+};
+template <>
+struct type_code<unsigned int> {
+  static constexpr char value = 'I';
+};
+template <>
+struct type_code<float> {
+  static constexpr char value = 'f';
+};
+template <>
+struct type_code<double> {
+  static constexpr char value = 'd';
+};
+
+template <class... A>
+const char* signature(void (*)(A...)) {
+  static const char s[] = {type_code<A>::value..., '\0'};
+  return s;
+}
+
+struct Entry {
+  const char* name;
+  const char* signature;
+  int (*launch)(unsigned grid, unsigned block, int nthreads, void** args);
+};
+
+template <auto K>
+int trampoline(unsigned grid, unsigned block, int nthreads, void** args) {
+  return launch(K, grid, block, nthreads, args);
+}
+
+}  // namespace hvd_host
+
+#define threadIdx (::hvd_host::ctx.thread_idx)
+#define blockIdx (::hvd_host::ctx.block_idx)
+#define blockDim (::hvd_host::ctx.block_dim)
+#define gridDim (::hvd_host::ctx.grid_dim)
+
+// One registry entry per kernel: name, signature and launcher (kernels/host_launch.cpp).
+#define HVD_HOST_KERNEL(k) \
+  ::hvd_host::Entry { #k, ::hvd_host::signature(&k), &::hvd_host::trampoline<&k> }
+
+#endif  // HVDCOMP_HOST_SHIM_H

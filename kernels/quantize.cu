@@ -1,0 +1,287 @@
+// quantize.cu: the bucketed stochastic quantizer family (QSGD, QSGDinf, NUQSGD, ALQ, AMQ).
+//
+// One kernel set for the whole family, parameterized by the level table and the norm type.
+// The specification is hvdcomp/compressors/quantizers.py (quantize_reference,
+// dequantize_reference, bucket_norms) with hvdcomp/random.py (Philox uniforms) and
+// hvdcomp/codecs/bitpack.py (LSB-first packing).  Every float operation below is the
+// reference's, in the reference's order, in float32 (norms: float64, see below).
+//
+// Kernels (launch geometry and argument checks: hvdcomp/backends/{host,cuda}.py):
+//   hvd_bucket_norms_l2    one block per bucket (grid-stride), blockDim = reduce_block(bucket)
+//   hvd_bucket_norms_linf  same geometry
+//   hvd_quantize_pack      one thread per group of 8 coordinates (grid-stride), any geometry
+//   hvd_dequantize_add     one thread per group of 8 coordinates (grid-stride), any geometry
+//
+// Sizes: n coordinates, nb = ceil(n / bucket_size) buckets (the last one may be partial;
+// the reference pads it with zeros, which change neither norm), packed stream of
+// ceil(n * bits / 8) bytes.  bits in 2..8: 1 sign bit + (bits - 1) index bits, so the level
+// table holds 2^(bits-1) increasing float32 values (normally 0 .. 1).
+#include "hvdcomp.cuh"
+
+namespace hvd {
+
+// ---- per-thread work: bucket norms ----------------------------------------------------------
+
+// Thread t of a block of `stride` threads: sum of x[i]^2 over i = t, t + stride, ... < len,
+// in float64, in four interleaved partial sums (k mod 4) joined as (a0 + a1) + (a2 + a3).
+// Squares of float32 are exact in float64; only the additions round.  This fixed order is
+// the kernel's definition of the L2 norm; it differs from torch.sum's order, which is
+// itself an implementation detail of PyTorch (vector width, threads): see
+// tests/kernels/test_host.py for the bound (the float32 results agree to 1 ulp at most).
+__device__ inline double sumsq_partial(const float* __restrict__ xb, i64 len, i64 t,
+                                       i64 stride) {
+  double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+  i64 i = t;
+  for (; i + 3 * stride < len; i += 4 * stride) {
+    const double v0 = (double)xb[i];
+    const double v1 = (double)xb[i + stride];
+    const double v2 = (double)xb[i + 2 * stride];
+    const double v3 = (double)xb[i + 3 * stride];
+    a0 = a0 + v0 * v0;
+    a1 = a1 + v1 * v1;
+    a2 = a2 + v2 * v2;
+    a3 = a3 + v3 * v3;
+  }
+  for (; i < len; i += stride) {
+    const double v = (double)xb[i];
+    a0 = a0 + v * v;
+  }
+  return (a0 + a1) + (a2 + a3);
+}
+
+// max |x[i]| over the same index set; NaN propagates (torch.amax).  Order-free (exact).
+__device__ inline float absmax_partial(const float* __restrict__ xb, i64 len, i64 t,
+                                       i64 stride) {
+  const MaxNanOp op;
+  float m = 0.0f;
+  for (i64 i = t; i < len; i += stride) m = op(m, fabsf(xb[i]));
+  return m;
+}
+
+// ---- per-thread work: one coordinate ------------------------------------------------------
+//
+// The code width is a template parameter (the kernels dispatch on bits once), so that the
+// level search, the shifts and the masks are compile-time constants.
+
+// torch.searchsorted(levels, r, right=True) for a table of COUNT = 2^(BITS-1) entries: the
+// number of k with !(levels[k] > r).  For an increasing table that predicate holds on a
+// prefix (for every r, NaN included: then it holds everywhere, as in ATen's upper-bound
+// loop, which also returns COUNT), so counting it, or a branch-free binary search over the
+// power-of-two table, gives ATen's answer.  Small tables count (independent comparisons,
+// short latency); larger ones search (log2(COUNT) + 1 dependent comparisons).
+template <int COUNT>
+__device__ __forceinline__ int upper_bound_pow2(const float* __restrict__ levels, float r) {
+  if (COUNT <= 8) {
+    int c = 0;
+    for (int k = 0; k < COUNT; ++k) c += !(levels[k] > r) ? 1 : 0;
+    return c;
+  }
+  int pos = 0;                                   // !(levels[k] > r) for every k < pos
+  for (int step = COUNT >> 1; step > 0; step >>= 1) {
+    pos += !(levels[pos + step - 1] > r) ? step : 0;
+  }
+  return pos + (!(levels[pos] > r) ? 1 : 0);     // pos <= COUNT - 1 here
+}
+
+// The code of one coordinate: sign << (BITS - 1) | level index (quantize_reference).
+//   u: this coordinate's Philox uniform.
+template <int BITS>
+__device__ __forceinline__ u32 quantize_one(float x, float norm, const float* __restrict__ levels,
+                                            float u) {
+  constexpr int S = (1 << (BITS - 1)) - 1;        // intervals; the table has S + 1 levels
+  const float safe = norm > 0.0f ? norm : 1.0f;  // torch.where(norms > 0, norms, 1)
+  float r = fabsf(x) / safe;
+  r = r > 1.0f ? 1.0f : r;                         // clamp_(max=1.0); NaN stays NaN
+  int j = upper_bound_pow2<S + 1>(levels, r) - 1;
+  j = j < 0 ? 0 : (j > S - 1 ? S - 1 : j);         // .clamp_(0, s - 1)
+  const float lo = levels[j];
+  const float hi = levels[j + 1];
+  const float p = (r - lo) / (hi - lo);
+  const u32 idx = (u32)j + (u < p ? 1u : 0u);
+  const u32 sign = x < 0.0f ? 1u : 0u;             // -0.0 and NaN: sign 0
+  return (sign << (BITS - 1)) | idx;
+}
+
+// Quantize coordinates 8g .. 8g+7 (those < n) and assemble their codes into one word:
+// code k at bits [k*BITS, (k+1)*BITS).  Uses Philox blocks 2g and 2g+1.
+template <int BITS>
+__device__ __forceinline__ u64 quantize_group(const float* __restrict__ x, i64 n,
+                                              const float* __restrict__ norms, i64 bucket_size,
+                                              const float* __restrict__ levels, u32 seed,
+                                              u32 rank, u32 tensor_id, u32 step, i64 g) {
+  const i64 i0 = 8 * g;
+  const Philox4 ra = philox_block(2 * g, seed, rank, tensor_id, step);
+  const Philox4 rb = philox_block(2 * g + 1, seed, rank, tensor_id, step);
+  i64 b = i0 / bucket_size;           // bucket of coordinate i0
+  i64 bucket_end = (b + 1) * bucket_size;
+  u64 word = 0;
+  if (i0 + 8 <= n && i0 + 8 <= bucket_end) {   // the common case: 8 coordinates, one bucket
+    const float norm = norms[b];
+    HVD_UNROLL8
+    for (int k = 0; k < 8; ++k) {
+      const u32 w = k < 4 ? ra.w[k] : rb.w[k - 4];
+      word |= (u64)quantize_one<BITS>(x[i0 + k], norm, levels, uniform01(w)) << (k * BITS);
+    }
+    return word;
+  }
+  HVD_UNROLL8
+  for (int k = 0; k < 8; ++k) {        // the tail of the tensor, or a bucket boundary inside
+    const i64 i = i0 + k;
+    if (i >= n) break;
+    while (i >= bucket_end) {          // buckets smaller than 8 coordinates step more than once
+      ++b;
+      bucket_end += bucket_size;
+    }
+    const u32 w = k < 4 ? ra.w[k] : rb.w[k - 4];
+    const u32 code = quantize_one<BITS>(x[i], norms[b], levels, uniform01(w));
+    word |= (u64)code << (k * BITS);
+  }
+  return word;
+}
+
+template <int BITS>
+__device__ inline void quantize_pack_loop(const float* __restrict__ x, i64 n,
+                                          const float* __restrict__ norms, i64 bucket_size,
+                                          const float* __restrict__ levels, u32 seed, u32 rank,
+                                          u32 tensor_id, u32 step,
+                                          unsigned char* __restrict__ out) {
+  const i64 groups = (n + 7) / 8;
+  const i64 nbytes = (n * BITS + 7) / 8;
+  for (i64 g = global_thread(); g < groups; g += grid_threads()) {
+    const u64 word = quantize_group<BITS>(x, n, norms, bucket_size, levels, seed, rank,
+                                          tensor_id, step, g);
+    store_group<BITS>(out, g, nbytes, word);
+  }
+}
+
+// Decode coordinates 8g .. 8g+7 (those < n) from their word and add them into out:
+// out[i] = out[i] + (neg ? -v : v), v = levels[idx] * norm  (out + dequantize_reference).
+template <int BITS>
+__device__ __forceinline__ void dequantize_add_group(u64 word, i64 n,
+                                                     const float* __restrict__ norms,
+                                                     i64 bucket_size,
+                                                     const float* __restrict__ levels,
+                                                     float* __restrict__ out, i64 g) {
+  constexpr u32 CODE_MASK = (1u << BITS) - 1u;
+  constexpr u32 INDEX_MASK = (1u << (BITS - 1)) - 1u;
+  const i64 i0 = 8 * g;
+  i64 b = i0 / bucket_size;
+  i64 bucket_end = (b + 1) * bucket_size;
+  if (i0 + 8 <= n && i0 + 8 <= bucket_end) {   // the common case: 8 coordinates, one bucket
+    const float norm = norms[b];
+    HVD_UNROLL8
+    for (int k = 0; k < 8; ++k) {
+      const u32 code = (u32)(word >> (k * BITS)) & CODE_MASK;
+      const float v = levels[code & INDEX_MASK] * norm;
+      out[i0 + k] = out[i0 + k] + negate_if(v, code >> (BITS - 1));   // where(neg, -v, v)
+    }
+    return;
+  }
+  HVD_UNROLL8
+  for (int k = 0; k < 8; ++k) {
+    const i64 i = i0 + k;
+    if (i >= n) break;
+    while (i >= bucket_end) {
+      ++b;
+      bucket_end += bucket_size;
+    }
+    const u32 code = (u32)(word >> (k * BITS)) & CODE_MASK;
+    const float v = levels[code & INDEX_MASK] * norms[b];
+    out[i] = out[i] + negate_if(v, code >> (BITS - 1));   // where(neg, -v, v)
+  }
+}
+
+template <int BITS>
+__device__ inline void dequantize_add_loop(const unsigned char* __restrict__ packed, i64 n,
+                                           const float* __restrict__ norms, i64 bucket_size,
+                                           const float* __restrict__ levels,
+                                           float* __restrict__ out) {
+  const i64 groups = (n + 7) / 8;
+  const i64 nbytes = (n * BITS + 7) / 8;
+  for (i64 g = global_thread(); g < groups; g += grid_threads()) {
+    const u64 word = load_group<BITS>(packed, g, nbytes);
+    dequantize_add_group<BITS>(word, n, norms, bucket_size, levels, out, g);
+  }
+}
+
+}  // namespace hvd
+
+// ---- kernels ------------------------------------------------------------------------------
+
+// norms[b] = float32(sqrt(sum of x[i]^2 over bucket b)), the sum in float64 in the order of
+// hvd::sumsq_partial + hvd::block_reduce (fixed by blockDim.x, which the launchers derive
+// from bucket_size alone: see hvdcomp/backends/_common.py:reduce_block).
+extern "C" __global__ void hvd_bucket_norms_l2(const float* __restrict__ x, long long n,
+                                               long long bucket_size,
+                                               float* __restrict__ norms) {
+  if (!hvd::check_reduce_block()) return;
+  const long long nb = (n + bucket_size - 1) / bucket_size;
+  for (long long b = blockIdx.x; b < nb; b += gridDim.x) {
+    const long long base = b * bucket_size;
+    const long long len = hvd::min64(bucket_size, n - base);
+    const float* xb = x + base;
+    const long long stride = blockDim.x;
+    const double ss = hvd::block_reduce<double>(
+        hvd::SumOp(), [&](unsigned t) { return hvd::sumsq_partial(xb, len, t, stride); });
+    if (threadIdx.x == 0) norms[b] = (float)sqrt(ss);
+  }
+}
+
+// norms[b] = max |x[i]| over bucket b (NaN if any x[i] is NaN).
+extern "C" __global__ void hvd_bucket_norms_linf(const float* __restrict__ x, long long n,
+                                                 long long bucket_size,
+                                                 float* __restrict__ norms) {
+  if (!hvd::check_reduce_block()) return;
+  const long long nb = (n + bucket_size - 1) / bucket_size;
+  for (long long b = blockIdx.x; b < nb; b += gridDim.x) {
+    const long long base = b * bucket_size;
+    const long long len = hvd::min64(bucket_size, n - base);
+    const float* xb = x + base;
+    const long long stride = blockDim.x;
+    const float m = hvd::block_reduce<float>(
+        hvd::MaxNanOp(), [&](unsigned t) { return hvd::absmax_partial(xb, len, t, stride); });
+    if (threadIdx.x == 0) norms[b] = m;
+  }
+}
+
+// out[0 .. ceil(n*bits/8)) = pack_bits(codes, bits), codes as quantize_reference(x, levels,
+// bucket_size, norm, uniform(n, seed, step, rank, tensor_id)) computes them from `norms`.
+// Each thread writes whole groups of `bits` bytes: no atomics, deterministic.
+extern "C" __global__ void hvd_quantize_pack(const float* __restrict__ x, long long n,
+                                             const float* __restrict__ norms,
+                                             long long bucket_size,
+                                             const float* __restrict__ levels, int bits,
+                                             unsigned int seed, unsigned int rank,
+                                             unsigned int tensor_id, unsigned int step,
+                                             unsigned char* __restrict__ out) {
+#define HVD_CASE(B)                                                                      \
+  case B:                                                                                \
+    hvd::quantize_pack_loop<B>(x, n, norms, bucket_size, levels, seed, rank, tensor_id, \
+                               step, out);                                               \
+    break;
+  switch (bits) {
+    HVD_CASE(2) HVD_CASE(3) HVD_CASE(4) HVD_CASE(5) HVD_CASE(6) HVD_CASE(7) HVD_CASE(8)
+    default:
+      hvd::bad_launch("hvd_quantize_pack: bits must be in 2..8");
+  }
+#undef HVD_CASE
+}
+
+// out[i] += dequantize_reference(norms, unpack_bits(packed, n, bits), levels, bucket_size,
+// bits - 1)[i] for i < n: one rank's contribution added into a float32 accumulator.
+extern "C" __global__ void hvd_dequantize_add(const unsigned char* __restrict__ packed,
+                                              long long n, const float* __restrict__ norms,
+                                              long long bucket_size,
+                                              const float* __restrict__ levels, int bits,
+                                              float* __restrict__ out) {
+#define HVD_CASE(B)                                                                  \
+  case B:                                                                            \
+    hvd::dequantize_add_loop<B>(packed, n, norms, bucket_size, levels, out);        \
+    break;
+  switch (bits) {
+    HVD_CASE(2) HVD_CASE(3) HVD_CASE(4) HVD_CASE(5) HVD_CASE(6) HVD_CASE(7) HVD_CASE(8)
+    default:
+      hvd::bad_launch("hvd_dequantize_add: bits must be in 2..8");
+  }
+#undef HVD_CASE
+}

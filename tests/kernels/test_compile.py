@@ -1,0 +1,153 @@
+"""Every kernel source compiles, warning-free, for every target it has:
+
+* nvcc for sm_80 and sm_90 with all warnings as errors (device, host pass and ptxas);
+* g++ through kernels/host_shim.h (the host build) with -Wall -Wextra -Werror;
+* NVRTC, as CuPy compiles it (same options as hvdcomp.backends.cuda), where an NVRTC
+  library can be found: CuPy's, $HVDCOMP_NVRTC, or libnvrtc on the loader path;
+
+and the sources keep the rules that make those builds agree (kernels/hvdcomp.cuh).
+"""
+import ctypes
+import ctypes.util
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from hvdcomp.backends import _common
+
+KDIR = _common.kernel_dir()
+CU_FILES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(KDIR, "*.cu")))
+
+from kernel_cases import nvcc_path  # noqa: E402  (tests/kernels is on sys.path under pytest)
+
+
+def _code(path):
+    """A source without its // comments."""
+    return re.sub(r"//[^\n]*", "", open(path).read())
+
+
+def test_every_source_is_known():
+    assert set(CU_FILES) == set(_common.KERNEL_SOURCE.values())
+    declared = {}
+    for f in CU_FILES:
+        text = open(os.path.join(KDIR, f)).read()
+        for name in re.findall(r'extern "C" __global__ void (\w+)\(', text):
+            declared[name] = f
+    assert declared == _common.KERNEL_SOURCE
+    assert set(declared) == set(_common.SIGNATURES)
+    launch = open(os.path.join(KDIR, "host_launch.cpp")).read()
+    assert set(re.findall(r"HVD_HOST_KERNEL\((\w+)\)", launch)) == set(declared)
+
+
+def test_sources_keep_the_rules():
+    # NVRTC has no standard headers: the .cu files include only the shared header, and the
+    # shared header includes nothing.
+    for f in CU_FILES:
+        text = _code(os.path.join(KDIR, f))
+        assert re.findall(r'#include\s+(\S+)', text) == ['"hvdcomp.cuh"'], f
+        # block cooperation only through hvdcomp.cuh's helpers (the host build runs the
+        # threads of a block one after another); no atomics (deterministic output)
+        for banned in (r"__syncthreads", r"__shfl\w*", r"atomic\w*\s*\(", r"__ballot\w*",
+                       r"cooperative_groups", r"__shared__"):
+            assert not re.search(banned, text), (f, banned)
+    assert "#include" not in _code(os.path.join(KDIR, "hvdcomp.cuh"))
+
+
+@pytest.mark.requires_nvcc
+@pytest.mark.parametrize("arch", ["80", "90"])
+@pytest.mark.parametrize("source", CU_FILES)
+def test_nvcc_compiles_without_warnings(tmp_path, arch, source):
+    cmd = [nvcc_path(), "-c", os.path.join(KDIR, source), "-o", str(tmp_path / "k.o"),
+           "-std=c++17", "--fmad=false", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+           "-Werror", "all-warnings", "-Xptxas", "-Werror",
+           "-Xcompiler", "-Wall,-Wextra,-Werror"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}{r.stderr}"
+    assert "warning" not in (r.stdout + r.stderr).lower(), r.stdout + r.stderr
+
+
+def test_host_build_without_warnings(host, tmp_path):
+    out = str(tmp_path / "hvd_host.so")
+    cmd = host.compile_command(out, werror=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}{r.stderr}"
+    lib = ctypes.CDLL(out)
+    assert lib.hvd_host_abi_version() == host.ABI_VERSION
+    # the cached library the tests use reports the launcher's signatures
+    assert host.openmp_version() >= 0
+    for name, sig in _common.SIGNATURES.items():
+        assert host._kernels[name][1] == sig
+
+
+def test_host_build_refuses_fast_math(host, tmp_path):
+    cmd = host.compile_command(str(tmp_path / "x.so"), extra=["-ffast-math"])
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "fast-math" in r.stderr
+
+
+# ---- NVRTC (what CuPy runs) ---------------------------------------------------------------------
+
+def _nvrtc_library():
+    path = os.environ.get("HVDCOMP_NVRTC")
+    cands = [path] if path else []
+    for base in sys.path:
+        cands += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libnvrtc.so*")))
+        cands += sorted(glob.glob(os.path.join(base, "nvidia", "*", "*", "lib",
+                                               "libnvrtc.so*")))
+    found = ctypes.util.find_library("nvrtc")
+    if found:
+        cands.append(found)
+    cands += sorted(glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*"))
+    for c in cands:
+        if c and "builtins" not in c:
+            # NVRTC dlopens its builtins library by name: load the one beside it first
+            d = os.path.dirname(c)
+            for b in sorted(glob.glob(os.path.join(d, "libnvrtc-builtins.so*"))) if d else []:
+                try:
+                    ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+                    break
+                except OSError:
+                    continue
+            try:
+                return ctypes.CDLL(c), c
+            except OSError:
+                continue
+    return None, None
+
+
+def _nvrtc_compile(lib, source_text, name, options):
+    prog = ctypes.c_void_p()
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), source_text.encode(), name.encode(), 0,
+                                None, None)
+    assert rc == 0, f"nvrtcCreateProgram: {rc}"
+    try:
+        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        rc = lib.nvrtcCompileProgram(prog, len(options), opts)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, buf)
+        return rc, buf.value.decode(errors="replace")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+@pytest.mark.parametrize("source", CU_FILES)
+def test_nvrtc_compiles_as_cupy_does(arch, source):
+    lib, where = _nvrtc_library()
+    if lib is None:
+        pytest.skip("no NVRTC library (comes with CuPy / nvidia-cuda-nvrtc; or set "
+                    "HVDCOMP_NVRTC=/path/to/libnvrtc.so)")
+    from hvdcomp.backends import cuda
+    options = list(cuda.compile_options()) + [f"-arch=compute_{arch}"]
+    text = open(os.path.join(KDIR, source)).read()
+    rc, log = _nvrtc_compile(lib, text, source, options)
+    if rc != 0 and "libnvrtc-builtins" in log:
+        pytest.skip(f"NVRTC at {where} cannot find its builtins library: {log.strip()}")
+    assert rc == 0, f"NVRTC ({where}) {options}:\n{log}"
+    assert "warning" not in log.lower(), log

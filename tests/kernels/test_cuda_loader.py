@@ -1,0 +1,147 @@
+"""hvdcomp.backends.cuda without a GPU: the Python side of the CuPy path, run against a
+stand-in ``cupy`` module that records what the loader asks for (the real thing runs in
+test_gpu.py on a GPU machine).  Checks: importing never needs CuPy; one RawModule per
+source, built once, with --fmad=false, -std=c++17, the include path and the source hash;
+launches on PyTorch's current stream (ExternalStream, else Stream.from_external, one cached
+wrapper per stream); scalars typed exactly as the kernel signature; pointers through DLPack.
+"""
+import contextlib
+import importlib
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from hvdcomp.backends import _common
+
+
+def test_import_without_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)     # "import cupy" raises ImportError
+    import hvdcomp.backends.cuda as cuda
+    importlib.reload(cuda)
+    assert not cuda.is_available()
+    with pytest.raises(ImportError, match="CuPy"):
+        cuda.require()
+    from hvdcomp import backends
+    with pytest.raises(ImportError, match="CuPy"):
+        backends.for_device("cuda")
+    assert backends.for_device("cpu").__name__ == "hvdcomp.backends.host"
+
+
+class _FakeCupy:
+    """Just enough of CuPy's surface for the loader; records every call."""
+
+    def __init__(self, api="both"):
+        self.modules, self.launches, self.streams, self.devices = [], [], [], []
+        fake = self
+
+        class RawModule:
+            def __init__(self, *, code, options):
+                self.code, self.options = code, options
+                fake.modules.append(self)
+
+            def get_function(self, name):
+                def launch(grid, block, args):
+                    fake.launches.append((name, grid, block, args, fake.current_stream))
+                return _Callable(launch)
+
+        class Stream:
+            def __init__(self, ptr):
+                self.ptr = ptr
+
+            def __enter__(self):
+                fake.current_stream = self.ptr
+                return self
+
+            def __exit__(self, *a):
+                fake.current_stream = None
+
+        if api in ("both", "from_external"):
+            def from_external(obj):
+                version, ptr = obj.__cuda_stream__()
+                assert version == 0
+                fake.streams.append(("from_external", ptr))
+                return Stream(ptr)
+            Stream.from_external = staticmethod(from_external)
+
+        def ExternalStream(ptr, device_id=-1):
+            fake.streams.append(("ExternalStream", ptr, device_id))
+            return Stream(ptr)
+
+        @contextlib.contextmanager
+        def Device(i):
+            fake.devices.append(i)
+            yield
+
+        self.RawModule = RawModule
+        self.cuda = types.SimpleNamespace(Stream=Stream, Device=Device)
+        if api in ("both", "external"):
+            self.cuda.ExternalStream = ExternalStream
+        self.current_stream = None
+
+    def from_dlpack(self, t):
+        assert self.current_stream is not None, "from_dlpack outside torch's stream"
+        return ("dlpack", t)
+
+
+class _Callable:
+    def __init__(self, f):
+        self.f = f
+        self.kernel = None
+
+    def __call__(self, *a):
+        return self.f(*a)
+
+
+@pytest.mark.parametrize("api", ["both", "external", "from_external"])
+def test_loader_and_launch_with_stand_in_cupy(monkeypatch, api):
+    # CuPy 14 has both (ExternalStream deprecated); older ones ExternalStream only; a future
+    # one may keep only Stream.from_external
+    fake = _FakeCupy(api)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    import hvdcomp.backends.cuda as cuda
+    cuda = importlib.reload(cuda)                       # fresh per-process caches
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda dev=None: types.SimpleNamespace(cuda_stream=0xABC))
+
+    class Backend(cuda._CudaBackend):                   # CPU tensors stand in for CUDA ones
+        device_type = "cpu"
+    ops = _common.Ops(Backend())
+    lv = torch.tensor([0.0, 0.25, 0.5, 1.0])
+    x = torch.randn(1000)
+    norms = ops.bucket_norms(x, 100, "l2")
+    ops.quantize_pack(x, norms, lv, 3, 100, seed=-1, rank=2, tensor_id=3, step=2**32 + 4)
+    ops.dequantize_add(torch.zeros(375, dtype=torch.uint8), 1000, norms, lv, 3, 100,
+                       torch.zeros(1000))
+    ops.uniform(10, seed=1, step=2, rank=3, tensor_id=4)
+
+    # one module per source file, each built once, with the options that keep it exact
+    assert sorted(m.code.count("extern \"C\" __global__") for m in fake.modules) == [2, 4]
+    for m in fake.modules:
+        assert "--fmad=false" in m.options and "-std=c++17" in m.options
+        assert f"-I{_common.kernel_dir()}" in m.options
+        assert any(o.startswith("-DHVDCOMP_SOURCE_HASH=0x") for o in m.options)
+    # every launch on torch's stream, scalars typed as the C signature
+    names = [ln[0] for ln in fake.launches]
+    assert names == ["hvd_bucket_norms_l2", "hvd_quantize_pack", "hvd_dequantize_add",
+                     "hvd_uniform"]
+    want = {"q": np.int64, "i": np.int32, "I": np.uint32}
+    for name, grid, block, args, stream in fake.launches:
+        assert stream == 0xABC
+        assert len(grid) == 3 and len(block) == 3
+        for code, a in zip(_common.SIGNATURES[name], args):
+            if code == "P":
+                assert a[0] == "dlpack"
+            else:
+                assert type(a) is want[code], (name, code, type(a))
+    q = fake.launches[1]
+    assert q[2] == (256, 1, 1) and q[1] == (1, 1, 1)
+    assert q[3][6] == np.uint32(0xFFFFFFFF) and q[3][9] == np.uint32(4)   # seed, step mod 2^32
+    assert fake.launches[0][2] == (128, 1, 1)            # reduce_block(100)
+    # ExternalStream whenever it exists (CuPy 14's from_external wrapper would destroy
+    # torch's stream when collected); one wrapper per stream, reused
+    assert [s[0] for s in fake.streams] == (["from_external"] if api == "from_external"
+                                            else ["ExternalStream"])
+    importlib.reload(cuda)                               # leave no stand-in behind
