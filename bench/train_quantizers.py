@@ -31,7 +31,10 @@ def specs():
         for bucket in (8192, 65536):
             for q in BUCKETED:
                 name, _, extra = q.partition(":")
-                yield f"{name}:bits={bits},bucket_size={bucket}" + (f",{extra}" if extra else ""), bits, bucket
+                if name == "ndqsg":              # nested codes must be narrower than bits
+                    extra = f"nested_bits={bits - 1}"
+                yield (f"{name}:bits={bits},bucket_size={bucket}" + (f",{extra}" if extra else ""),
+                       bits, bucket)
         for q in UNBUCKETED:
             yield f"{q}:bits={bits}", bits, None
 
