@@ -62,6 +62,7 @@ from ..codecs import code_section, packed_size, read_code_section
 from ..errors import WireFormatError
 from ..wire import CODECS, FLAG_NONFINITE, Message, dtype_code
 from .base import Compressor, TensorKey, register
+from .state import load_tensors
 
 __all__ = ["SignEF"]
 
@@ -200,25 +201,5 @@ class SignEF(Compressor):
         extra = sorted(set(state) - {"residuals"})
         if extra:
             raise ValueError(f"signef: unknown state keys {extra}; expected 'residuals'")
-        res = state.get("residuals", {})
-        if not isinstance(res, dict):
-            raise ValueError(f"signef: 'residuals' must map parameter names to tensors, got "
-                             f"{type(res).__name__}")
-        new: Dict[str, torch.Tensor] = {}
-        for name, t in res.items():
-            if not isinstance(name, str):
-                raise ValueError(f"signef: residual names must be strings, got {name!r}")
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"signef: residual of {name!r} must be a torch.Tensor, got "
-                                 f"{type(t).__name__}")
-            if t.dtype != torch.float32:
-                raise ValueError(f"signef: residual of {name!r} has dtype {t.dtype}, "
-                                 f"residuals are torch.float32")
-            if t.numel() and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"signef: residual of {name!r} holds NaN or Inf")
-            cur = self._residuals.get(name)
-            if cur is not None and tuple(cur.shape) != tuple(t.shape):
-                raise ValueError(f"signef: residual of {name!r} has shape {tuple(t.shape)}, "
-                                 f"the one held for it has shape {tuple(cur.shape)}")
-            new[name] = t.detach().to(cur.device if cur is not None else "cpu").clone()
+        new = load_tensors("signef", "residual", state.get("residuals", {}), self._residuals)
         self._residuals = new
