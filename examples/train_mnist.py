@@ -26,9 +26,9 @@ import hvdcomp.torch as hvd  # noqa: E402
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--compression", default="alq:bits=3",
+    ap.add_argument("--compression", default=os.environ.get("HVDCOMP_COMPRESSION") or "alq:bits=3",
                     help="compressor spec, e.g. none, fp16, qsgd:bits=4, alq:bits=3 "
-                         "(default: %(default)s)")
+                         "(default: $HVDCOMP_COMPRESSION, else alq:bits=3)")
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
     ap.add_argument("--lr", type=float, default=0.1, help="peak learning rate (cosine decay)")
@@ -38,6 +38,14 @@ def main(argv=None):
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--json", default="", help="write the per-epoch results here (rank 0)")
     args = ap.parse_args(argv)
+    try:
+        import hvdcomp
+        hvdcomp.get(args.compression)
+    except hvdcomp.ConfigError as e:
+        # one clear line (from the first rank only) instead of a traceback per rank
+        if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")) == "0":
+            print(f"train_mnist.py: --compression {args.compression!r}: {e}", file=sys.stderr)
+        sys.exit(2)
 
     t_start = time.time()
     hvd.init()

@@ -204,10 +204,8 @@ class Compressor:
 
     def spec(self) -> str:
         """The one-line spec that ``hvdcomp.get`` turns back into an equal compressor."""
-        def fmt(v):
-            return "/".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
         s = self.settings()
-        return self.name + (":" + ",".join(f"{k}={fmt(v)}" for k, v in s.items()) if s else "")
+        return self.name + (":" + ",".join(f"{k}={_fmt(v)}" for k, v in s.items()) if s else "")
 
     def __repr__(self) -> str:
         return f"hvdcomp.get({self.spec()!r})"
@@ -240,10 +238,16 @@ def available() -> List[str]:
     return sorted(REGISTRY)
 
 
+def _fmt(v: Any) -> str:
+    """A setting's value as a spec string writes it (tuples as a/b/c)."""
+    return "/".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+
+
 def _describe(cls) -> str:
+    """The compressor's default spec, e.g. ``qsgd:bits=3,bucket_size=8192,entropy=False``."""
     sig = inspect.signature(cls.__init__)
-    parts = [f"{p.name}={p.default!r}" for p in sig.parameters.values() if p.name != "self"]
-    return f"{cls.name}({', '.join(parts)})"
+    parts = [f"{p.name}={_fmt(p.default)}" for p in sig.parameters.values() if p.name != "self"]
+    return f"{cls.name}:{','.join(parts)}" if parts else f"{cls.name} (no settings)"
 
 
 def _convert(cls, pname: str, raw: str, default: Any) -> Any:
@@ -292,7 +296,7 @@ def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
 
 def _lookup(name: str):
     if name not in REGISTRY:
-        raise ConfigError(f"unknown compressor {name!r}; valid: "
+        raise ConfigError(f"unknown compressor {name!r}; valid (with their defaults): "
                           + "; ".join(_describe(REGISTRY[n]) for n in available()))
     return REGISTRY[name]
 
