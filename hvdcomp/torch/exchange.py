@@ -51,7 +51,8 @@ class StepStats:
     compressors:  parameter name -> name of the compressor applied to it.
     nonfinite:    names of tensors that held NaN/Inf on some rank (their average is NaN).
     events:       notable events reported by compressors (e.g. side information too far).
-    encode_s, comm_s, decode_s: seconds spent in each phase (worker thread).
+    encode_s, comm_s, decode_s: seconds spent in each phase (summed over buckets; the
+                  phases of different buckets overlap in the pipeline).
     """
     step: int = 0
     bytes_sent: int = 0
