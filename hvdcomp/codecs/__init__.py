@@ -9,7 +9,6 @@ __all__ = ["pack_bits", "unpack_bits", "packed_size", "encode_symbols", "decode_
 def code_section(codes, bits: int, entropy: bool):
     """The symbol section of a quantizer's message and the header flag it needs:
     ``codes`` (int tensor, values < 2**bits) packed at ``bits`` each, or rANS-coded."""
-    import torch  # noqa: F401  (codes is a torch tensor)
     from ..wire import FLAG_ENTROPY
     if entropy:
         return encode_symbols(codes.cpu().numpy(), 1 << bits), FLAG_ENTROPY

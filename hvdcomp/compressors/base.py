@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ConfigError, WireFormatError
 from ..wire import FLAG_NONFINITE, Message, dtype_code
+from .state import finite
 
 __all__ = ["Compressor", "TensorKey", "register", "get", "parse_spec", "available",
            "REGISTRY"]
@@ -228,9 +229,7 @@ def _all_finite(grad: torch.Tensor) -> bool:
     """Whether every value is finite once cast to float32 (float64 values beyond float32's
     range become Inf when quantized).  min/max propagate NaN and are ~20x cheaper on a CPU
     than isfinite().all()."""
-    probe = grad.float() if grad.dtype == torch.float64 else grad
-    lo, hi = torch.aminmax(probe.detach().reshape(-1))
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    return finite(grad.detach().float() if grad.dtype == torch.float64 else grad.detach())
 
 
 def available() -> List[str]:

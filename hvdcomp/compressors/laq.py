@@ -112,7 +112,7 @@ import torch
 
 from ..codecs import code_section, packed_size, read_code_section
 from ..errors import WireFormatError
-from ..wire import CODECS, FLAG_NONFINITE, Message, dtype_code
+from ..wire import CODECS, Message, dtype_code
 from .base import Compressor, TensorKey, register
 
 __all__ = ["LAQ", "quantize_innovation", "dequantize_innovation"]
@@ -270,11 +270,6 @@ class LAQ(Compressor):
             del self._hist[self.history:]
 
     # --- encode -----------------------------------------------------------------------
-    def _nonfinite(self, grad, key) -> Message:
-        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       flags=FLAG_NONFINITE, tensor_id=key.tensor_id, rank=key.rank,
-                       seed=key.seed, step=key.step, **self._header_fields())
-
     def encode(self, grad: torch.Tensor, key: TensorKey) -> Optional[Message]:
         """Quantize the innovation of ``grad`` and apply the lazy rule.
 

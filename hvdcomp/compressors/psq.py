@@ -106,7 +106,7 @@ import torch
 from ..codecs import decode_symbols, encode_symbols, pack_bits, packed_size, unpack_bits
 from ..errors import WireFormatError
 from ..random import uniform
-from ..wire import CODECS, FLAG_ENTROPY, FLAG_NONFINITE, Message, dtype_code
+from ..wire import CODECS, FLAG_ENTROPY, Message, dtype_code
 from .base import Compressor, TensorKey, register
 
 __all__ = ["PSQ", "BHQ", "rows_of", "quantize_rows", "dequantize_rows", "row_variance",
@@ -314,11 +314,6 @@ class _RowQuantizer(Compressor):
         if x.numel() and not bool(torch.isfinite(x).all()):
             return None
         return x
-
-    def _nonfinite(self, grad, key) -> Message:
-        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       flags=FLAG_NONFINITE, tensor_id=key.tensor_id, rank=key.rank,
-                       seed=key.seed, step=key.step, **self._header_fields())
 
     def _uniforms(self, n: int, key: TensorKey, device) -> torch.Tensor:
         return uniform(n, seed=key.seed, step=key.step, rank=key.rank, tensor_id=key.tensor_id,

@@ -19,7 +19,7 @@ So a message costs numel * bits / 8 + 4 * ceil(numel / bucket_size) bytes plus i
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from ..codecs import decode_symbols, encode_symbols, pack_bits, packed_size, unp
 from ..errors import WireFormatError
 from ..random import uniform
 from ..wire import CODECS, FLAG_ENTROPY, Message, dtype_code
-from .base import Compressor, TensorKey, register
+from .base import Compressor, register
 
 __all__ = ["BucketQuantizer", "QSGD", "QSGDInf", "NUQSGD", "ALQ", "AMQ",
            "quantize_reference", "dequantize_reference"]

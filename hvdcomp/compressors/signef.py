@@ -60,7 +60,7 @@ import torch
 
 from ..codecs import code_section, packed_size, read_code_section
 from ..errors import WireFormatError
-from ..wire import CODECS, FLAG_NONFINITE, Message, dtype_code
+from ..wire import CODECS, Message, dtype_code
 from .base import Compressor, TensorKey, register
 from .state import load_tensors
 
@@ -129,11 +129,6 @@ class SignEF(Compressor):
         if nb:
             counts[-1] = n - (nb - 1) * bs
         return (a.view(nb, bs).sum(dim=1) / counts).to(torch.float32)
-
-    def _nonfinite(self, grad, key) -> Message:
-        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       flags=FLAG_NONFINITE, tensor_id=key.tensor_id, rank=key.rank,
-                       seed=key.seed, step=key.step, **self._header_fields())
 
     def _encode(self, grad: torch.Tensor, key: TensorKey) -> Message:
         if not grad.is_floating_point():

@@ -229,11 +229,6 @@ class _Sparse(Compressor):
     def _header_fields(self) -> Dict[str, int]:
         return {"bits": self.value_bits, "bucket_size": 0, "level_version": 0}
 
-    def _nonfinite(self, grad: torch.Tensor, key: TensorKey) -> Message:
-        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       flags=FLAG_NONFINITE, tensor_id=key.tensor_id, rank=key.rank,
-                       seed=key.seed, step=key.step, **self._header_fields())
-
     def _message(self, grad, key, sections) -> Message:
         return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
                        sections=tuple(sections), tensor_id=key.tensor_id, rank=key.rank,

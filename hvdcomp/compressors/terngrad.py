@@ -53,10 +53,10 @@ from typing import Dict
 import numpy as np
 import torch
 
-from ..codecs import pack_bits, packed_size, unpack_bits
+from ..codecs import packed_size
 from ..errors import WireFormatError
 from ..random import uniform
-from ..wire import CODECS, FLAG_NONFINITE, Message, dtype_code
+from ..wire import CODECS, Message
 from .base import TensorKey, register
 from .quantizers import BucketQuantizer, dequantize_reference, quantize_reference
 
@@ -159,11 +159,6 @@ class TernGrad(BucketQuantizer):
         """The clipped gradient that encode quantizes (flat float32); ``E[decode] ==``
         this, reshaped to ``grad.shape``."""
         return clip_gradient(grad, self.clip)
-
-    def _nonfinite(self, grad, key) -> Message:
-        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       flags=FLAG_NONFINITE, tensor_id=key.tensor_id, rank=key.rank,
-                       seed=key.seed, step=key.step, **self._header_fields())
 
     def _encode(self, grad: torch.Tensor, key: TensorKey) -> Message:
         if not grad.is_floating_point():

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..compressors import Compressor, NoneCompressor, TensorKey
+from ..compressors.state import finite as all_finite
 from ..transport import Transport, error_frame, frame_error, join_frames, split_frames
 from ..wire import Message
 
@@ -290,7 +291,7 @@ class Exchange:
                     g = self._grad(e)
                     comp = e.compressor
                     if (comp.wants_stats(step) and g.is_floating_point()
-                            and bool(torch.isfinite(g).all())):
+                            and all_finite(g)):
                         comp.observe(g)
                     m = comp.encode(g, self._key(e, self.rank))
                     msgs.append(b"" if m is None else m.to_bytes())   # None: skipped upload
@@ -350,7 +351,7 @@ class Exchange:
                 acc.mul_(self.size)
             if self.predivide != 1.0:
                 acc.mul_(self.predivide)
-            finite = bool(torch.isfinite(acc).all())
+            finite = all_finite(acc)
         if not finite:
             # NaN policy: a tensor that was non-finite on any rank is NaN on every rank.
             acc.fill_(float("nan"))
