@@ -2,7 +2,10 @@
 //
 // The .cu sources are included verbatim; this file only adds the C entry points through
 // which hvdcomp/backends/host.py (ctypes) finds and launches them.  Kernel logic lives in the
-// .cu files alone.
+// .cu files alone.  Which .cu files and kernels there are comes from hvd_host_kernels.h,
+// which host.py writes next to each build from the `extern "C" __global__` declarations it
+// finds in kernels/*.cu (one #include per file, then HVD_HOST_KERNEL_TABLE: one
+// HVD_HOST_KERNEL(name) per kernel).
 //
 //   int         hvd_host_abi_version(void)
 //   int         hvd_host_kernel_count(void)
@@ -14,19 +17,11 @@
 //   int         hvd_host_openmp(void)                  OpenMP version macro, 0 without OpenMP
 #include "host_shim.h"
 
-#include "quantize.cu"
-#include "random.cu"
+#include "hvd_host_kernels.h"
 
 namespace {
 
-const hvd_host::Entry kKernels[] = {
-    HVD_HOST_KERNEL(hvd_bucket_norms_l2),
-    HVD_HOST_KERNEL(hvd_bucket_norms_linf),
-    HVD_HOST_KERNEL(hvd_quantize_pack),
-    HVD_HOST_KERNEL(hvd_dequantize_add),
-    HVD_HOST_KERNEL(hvd_philox_words),
-    HVD_HOST_KERNEL(hvd_uniform),
-};
+const hvd_host::Entry kKernels[] = {HVD_HOST_KERNEL_TABLE};
 constexpr int kCount = (int)(sizeof(kKernels) / sizeof(kKernels[0]));
 
 }  // namespace

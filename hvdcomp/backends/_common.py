@@ -12,41 +12,62 @@ from __future__ import annotations
 import hashlib
 import operator
 import os
+import re
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["kernel_dir", "source_hash", "SIGNATURES", "KERNEL_SOURCE", "DEVICE_SOURCES",
-           "HOST_SOURCES", "BLOCK", "MAX_GRID", "reduce_block", "packed_size",
+__all__ = ["kernel_dir", "source_hash", "discover", "SIGNATURES", "KERNEL_SOURCE",
+           "DEVICE_SOURCES", "HOST_SOURCES", "check_tensor", "check_int", "u32", "grid_for", "BLOCK", "MAX_GRID", "reduce_block", "packed_size",
            "Ops"]
 
 # ---- sources ------------------------------------------------------------------------------
+#
+# Every kernel is an ``extern "C" __global__ void hvd_...(...)`` in some kernels/*.cu file.
+# Nothing lists them by hand: the sources, the kernel -> file map and each kernel's parameter
+# types are read from the .cu files themselves (``discover``).  The host build checks the
+# types once more against the C++ declarations (kernels/host_shim.h) before the first launch.
 
-DEVICE_SOURCES = ("hvdcomp.cuh", "quantize.cu", "random.cu")
-HOST_SOURCES = DEVICE_SOURCES + ("host_shim.h", "host_launch.cpp")
+SHARED_SOURCES = ("hvdcomp.cuh",)                 # included by every .cu file
+HOST_ONLY = ("host_shim.h", "host_launch.cpp")    # the g++ build of the same sources
 
-# kernel -> the .cu file that defines it (one CuPy RawModule per file)
-KERNEL_SOURCE = {
-    "hvd_bucket_norms_l2": "quantize.cu",
-    "hvd_bucket_norms_linf": "quantize.cu",
-    "hvd_quantize_pack": "quantize.cu",
-    "hvd_dequantize_add": "quantize.cu",
-    "hvd_philox_words": "random.cu",
-    "hvd_uniform": "random.cu",
-}
+_DECL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)')
 
-# kernel -> parameter types, one letter each (the host build reports the same strings from
-# the C++ types themselves, kernels/host_shim.h, and host.py refuses a library that differs):
-# P pointer, q long long, i int, I unsigned int, f float, d double.
-SIGNATURES = {
-    "hvd_bucket_norms_l2": "PqqP",          # x, n, bucket_size, norms
-    "hvd_bucket_norms_linf": "PqqP",        # x, n, bucket_size, norms
-    "hvd_quantize_pack": "PqPqPiIIIIP",     # x, n, norms, bucket_size, levels, bits,
-                                            #   seed, rank, tensor_id, step, out
-    "hvd_dequantize_add": "PqPqPiP",        # packed, n, norms, bucket_size, levels, bits, out
-    "hvd_philox_words": "PqqIIII",          # out, n, offset, seed, rank, tensor_id, step
-    "hvd_uniform": "PqqIIII",               # out, n, offset, seed, rank, tensor_id, step
-}
+
+def _type_code(param: str, kernel: str) -> str:
+    """One parameter's letter: P pointer, q long long, i int, I unsigned int, f float,
+    d double (host_shim.h's type_code)."""
+    p = re.sub(r"__restrict__|const|volatile", " ", param)
+    if "*" in p:
+        return "P"
+    words = p.split()[:-1]                         # drop the parameter name
+    t = " ".join(words)
+    table = {"long long": "q", "long long int": "q", "int": "i", "unsigned int": "I",
+             "unsigned": "I", "hvd::u32": "I", "float": "f", "double": "d",
+             "hvd::i64": "q"}
+    if t not in table:
+        raise ValueError(f"kernel {kernel}: unsupported parameter type {param.strip()!r} "
+                         f"(use pointers, long long, int, unsigned int, float or double)")
+    return table[t]
+
+
+def discover(directory: Optional[str] = None):
+    """(cu_files, {kernel: file}, {kernel: signature}) read from the sources in ``directory``
+    (default kernel_dir()).  Raises ValueError on a kernel declared twice or a parameter type
+    outside the launchers' set."""
+    d = directory or kernel_dir()
+    files = tuple(sorted(f for f in os.listdir(d) if f.endswith(".cu")))
+    source, sigs = {}, {}
+    for f in files:
+        with open(os.path.join(d, f), encoding="utf-8") as fh:
+            text = re.sub(r"//[^\n]*", "", fh.read())
+        for name, params in _DECL.findall(text):
+            if name in source:
+                raise ValueError(f"kernel {name} is declared in {source[name]} and {f}")
+            source[name] = f
+            sigs[name] = "".join(_type_code(p, name) for p in params.split(",") if p.strip())
+    return files, source, sigs
+
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -65,22 +86,32 @@ def kernel_dir() -> str:
     cands += [os.path.join(pkg, "kernels"), os.path.join(os.path.dirname(pkg), "kernels")]
     for d in cands:
         tried.append(d)
-        if all(os.path.isfile(os.path.join(d, f)) for f in HOST_SOURCES):
+        if all(os.path.isfile(os.path.join(d, f)) for f in SHARED_SOURCES + HOST_ONLY):
             return os.path.abspath(d)
     raise FileNotFoundError(
         "hvdcomp kernel sources (%s) not found; tried %s. Set HVDCOMP_KERNEL_DIR to the folder "
-        "holding them." % (", ".join(HOST_SOURCES), ", ".join(tried)))
+        "holding them." % (", ".join(SHARED_SOURCES + HOST_ONLY), ", ".join(tried)))
 
 
-def source_hash(names: Sequence[str] = HOST_SOURCES, directory: Optional[str] = None) -> str:
-    """SHA-256 (hex) over the names and bytes of the given kernel source files."""
+def source_hash(names: Optional[Sequence[str]] = None, directory: Optional[str] = None) -> str:
+    """SHA-256 (hex) over the names and bytes of the given kernel source files (default:
+    HOST_SOURCES, every source of the host build)."""
     d = directory or kernel_dir()
     h = hashlib.sha256()
-    for name in names:
+    for name in (HOST_SOURCES if names is None else names):
         with open(os.path.join(d, name), "rb") as f:
             data = f.read()
         h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
     return h.hexdigest()
+
+
+try:
+    _CU_FILES, KERNEL_SOURCE, SIGNATURES = discover()
+except FileNotFoundError:             # no sources here: load() reports it with the places tried
+    _CU_FILES, KERNEL_SOURCE, SIGNATURES = (), {}, {}
+
+DEVICE_SOURCES = SHARED_SOURCES + _CU_FILES
+HOST_SOURCES = DEVICE_SOURCES + HOST_ONLY
 
 
 # ---- geometry ------------------------------------------------------------------------------
@@ -102,13 +133,14 @@ def packed_size(n: int, bits: int) -> int:
     return (n * bits + 7) // 8
 
 
-def _grid(items: int, block: int = BLOCK) -> int:
+def grid_for(items: int, block: int = BLOCK) -> int:
+    """Blocks for ``items`` work items of ``block`` threads (at least 1, at most MAX_GRID)."""
     return max(1, min((items + block - 1) // block, MAX_GRID))
 
 
 # ---- argument checks -----------------------------------------------------------------------
 
-def _int(v, name: str, lo: int, hi: int) -> int:
+def check_int(v, name: str, lo: int, hi: int) -> int:
     if isinstance(v, bool):
         raise TypeError(f"{name} must be an integer, got bool")
     try:
@@ -120,17 +152,45 @@ def _int(v, name: str, lo: int, hi: int) -> int:
     return i
 
 
-def _u32(v, name: str) -> int:
+def u32(v, name: str) -> int:
     """A key/counter word: any integer, taken modulo 2**32 as hvdcomp.random does."""
-    return _int(v, name, -2**63, 2**63 - 1) & 0xFFFFFFFF
+    return check_int(v, name, -2**63, 2**63 - 1) & 0xFFFFFFFF
 
 
 def _bits(bits) -> int:
-    return _int(bits, "bits", 2, 8)
+    return check_int(bits, "bits", 2, 8)
 
 
 def _bucket(bucket_size) -> int:
-    return _int(bucket_size, "bucket_size", 1, 2**62)
+    return check_int(bucket_size, "bucket_size", 1, 2**62)
+
+
+def check_tensor(be, t, name: str, dtype: torch.dtype, numel: Optional[int] = None, *,
+                 output: bool = False, device: Optional[torch.device] = None) -> torch.Tensor:
+    """A kernel argument checked for backend ``be``: a 1-D torch tensor of ``dtype`` on ``be``'s
+    device type (and on ``device`` when given), of ``numel`` elements when given.  Inputs are
+    returned contiguous (a copy only if they were not); outputs must already be contiguous and
+    not require grad.  Raises TypeError (type, dtype) or ValueError (device, shape, layout)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.device.type != be.device_type:
+        raise ValueError(f"{name} must be on a {be.device_type} device for the "
+                         f"{be.name} backend, got {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the other arguments on {device}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} must have {numel} elements, got {t.numel()}")
+    if output:
+        if not t.is_contiguous():
+            raise ValueError(f"{name} (written by the kernel) must be contiguous")
+        if t.requires_grad:
+            raise ValueError(f"{name} (written by the kernel) must not require grad")
+        return t
+    return t.detach().contiguous()    # kernels read storage order
 
 
 class Ops:
@@ -148,26 +208,7 @@ class Ops:
     # -- checks --
     def _tensor(self, t, name: str, dtype: torch.dtype, numel: Optional[int] = None,
                 *, output: bool = False, device: Optional[torch.device] = None) -> torch.Tensor:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != dtype:
-            raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-        if t.device.type != self.be.device_type:
-            raise ValueError(f"{name} must be on a {self.be.device_type} device for the "
-                             f"{self.be.name} backend, got {t.device}")
-        if device is not None and t.device != device:
-            raise ValueError(f"{name} is on {t.device}, the other arguments on {device}")
-        if t.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-        if numel is not None and t.numel() != numel:
-            raise ValueError(f"{name} must have {numel} elements, got {t.numel()}")
-        if output:
-            if not t.is_contiguous():
-                raise ValueError(f"{name} (written by the kernel) must be contiguous")
-            if t.requires_grad:
-                raise ValueError(f"{name} (written by the kernel) must not require grad")
-            return t
-        return t.detach().contiguous()    # kernels read storage order
+        return check_tensor(self.be, t, name, dtype, numel, output=output, device=device)
 
     def _levels(self, levels, bits: int, device) -> torch.Tensor:
         return self._tensor(levels, "levels", torch.float32, 1 << (bits - 1), device=device)
@@ -219,10 +260,10 @@ class Ops:
             out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
         out = self._tensor(out, "out", torch.uint8, nbytes, output=True, device=x.device)
         if n:
-            self.be.launch("hvd_quantize_pack", _grid((n + 7) // 8), BLOCK,
-                           (x, n, norms, bs, levels, b, _u32(seed, "seed"),
-                            _u32(rank, "rank"), _u32(tensor_id, "tensor_id"),
-                            _u32(step, "step"), out))
+            self.be.launch("hvd_quantize_pack", grid_for((n + 7) // 8), BLOCK,
+                           (x, n, norms, bs, levels, b, u32(seed, "seed"),
+                            u32(rank, "rank"), u32(tensor_id, "tensor_id"),
+                            u32(step, "step"), out))
         return out
 
     def quantize(self, x: torch.Tensor, levels: torch.Tensor, bits: int, bucket_size: int,
@@ -241,7 +282,7 @@ class Ops:
         bucket_size, bits - 1)``, bit for bit, without materializing the dense values.
         out: float32 (n,), contiguous, updated in place and returned."""
         b = _bits(bits)
-        n = _int(n, "n", 0, 2**62)
+        n = check_int(n, "n", 0, 2**62)
         bs = _bucket(bucket_size)
         out = self._tensor(out, "out", torch.float32, n, output=True)
         dev = out.device
@@ -249,18 +290,18 @@ class Ops:
         norms = self._tensor(norms, "norms", torch.float32, (n + bs - 1) // bs, device=dev)
         levels = self._levels(levels, b, dev)
         if n:
-            self.be.launch("hvd_dequantize_add", _grid((n + 7) // 8), BLOCK,
+            self.be.launch("hvd_dequantize_add", grid_for((n + 7) // 8), BLOCK,
                            (packed, n, norms, bs, levels, b, out))
         return out
 
     def _philox(self, kernel, dtype, n, seed, step, rank, tensor_id, offset, device):
-        n = _int(n, "n", 0, 2**62)
-        offset = _int(offset, "offset", 0, 2**62)
+        n = check_int(n, "n", 0, 2**62)
+        offset = check_int(offset, "offset", 0, 2**62)
         out = torch.empty(n, dtype=dtype, device=device)
         if n:
-            self.be.launch(kernel, _grid(n), BLOCK,
-                           (out, n, offset, _u32(seed, "seed"), _u32(rank, "rank"),
-                            _u32(tensor_id, "tensor_id"), _u32(step, "step")))
+            self.be.launch(kernel, grid_for(n), BLOCK,
+                           (out, n, offset, u32(seed, "seed"), u32(rank, "rank"),
+                            u32(tensor_id, "tensor_id"), u32(step, "step")))
         return out
 
     def random_words(self, n: int, *, seed: int, step: int, rank: int, tensor_id: int,

@@ -171,7 +171,8 @@ class _CudaBackend:
                 fn((grid, 1, 1), (block, 1, 1), typed)
 
 
-_ops = Ops(_CudaBackend())
+backend = _CudaBackend()     # what the kernel families' modules launch through
+_ops = Ops(backend)
 bucket_norms = _ops.bucket_norms
 quantize_pack = _ops.quantize_pack
 quantize = _ops.quantize
