@@ -25,9 +25,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-METHODS = ["none", "fp16", "alq:bits=3", "qsgd:bits=4", "terngrad", "signef",
-           "dgc:density=0.001", "dqsg:bits=4", "ndqsg:bits=4", "psq:bits=4", "bhq:bits=4",
-           "laq:bits=4"]
+METHODS = ["none", "fp16", "alq:bits=3", "auto+alq:bits=3", "qsgd:bits=4", "terngrad",
+           "signef", "dgc:density=0.001", "auto+dgc:density=0.001", "dqsg:bits=4",
+           "ndqsg:bits=4", "psq:bits=4", "bhq:bits=4", "laq:bits=4"]
+
+
+def make_compression(spec):
+    """A method name: a compressor spec, or "auto+SPEC" for hvdcomp.Auto(SPEC)."""
+    import hvdcomp
+    if spec.startswith("auto+"):
+        return hvdcomp.Auto(spec[len("auto+"):])
+    return hvdcomp.get(spec)
 
 
 def worker(args):
@@ -48,10 +56,13 @@ def worker(args):
         p.grad = torch.randn(shape, generator=g) * 1e-3
         params.append((name, p))
     rows = []
-    for spec in args.methods.split(","):
-        if spec.split(":")[0] not in hvdcomp.available():
+    for spec in _split_methods(args.methods):
+        if spec.split("+")[-1].split(":")[0] not in hvdcomp.available():
             continue
-        ex = Exchange(params, hvdcomp.get(spec), make("mpi"), hvd=hvd, seed=1)
+        ex = Exchange(params, make_compression(spec), make("mpi"), hvd=hvd, seed=1)
+        plan = {}
+        for e in ex.entries.values():
+            plan[e.compressor.name] = plan.get(e.compressor.name, 0) + e.param.numel()
         times, stats = [], []
         for rep in range(args.reps + 1):
             hvd.allreduce(torch.zeros(1), name="barrier")          # start together
@@ -71,7 +82,10 @@ def worker(args):
                    bytes_per_rank=stats[-1].bytes_sent, fp32_bytes=stats[-1].fp32_bytes,
                    encode_s=statistics.median(s.encode_s for s in stats),
                    comm_s=statistics.median(s.comm_s for s in stats),
-                   decode_s=statistics.median(s.decode_s for s in stats))
+                   decode_s=statistics.median(s.decode_s for s in stats),
+                   elements_by_compressor=plan)
+        if ex.auto is not None:
+            row["cost_model"] = ex.auto.model.as_dict()
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
@@ -80,8 +94,20 @@ def worker(args):
             json.dump(rows, f)
 
 
+def _split_methods(text):
+    """Methods are separated by ';' (or ',' when no method has a comma inside)."""
+    return [m for m in (text.split(";") if ";" in text else text.split(",")) if m]
+
+
 def driver(args):
-    out_rows = {}
+    res_path = os.path.join(ROOT, "bench", "results", f"exchange_{args.model}.json")
+    res = {"model": args.model, "ranks": 4, "results": {}, "commands": {}}
+    if os.path.exists(res_path):          # runs at other rates are kept
+        with open(res_path) as f:
+            old = json.load(f)
+        if "commands" in old:
+            res = old
+    out_rows = res["results"]
     for rate in args.rates.split(","):
         path = os.path.join("/tmp", f"hvdcomp-exchange-{args.model}-{rate}.json")
         cmd = [os.path.join(ROOT, "launch", "netem"), rate, "--",
@@ -97,11 +123,63 @@ def driver(args):
                   f"[{r['min_s']:.3f}-{r['max_s']:.3f}]  {r['bytes_per_rank'] / 1e6:8.2f} MB  "
                   f"enc {r['encode_s']:.3f} comm {r['comm_s']:.3f} dec {r['decode_s']:.3f}",
                   flush=True)
-    res = {"command": "python bench/exchange.py " + " ".join(sys.argv[1:]),
-           "date": time.strftime("%Y-%m-%d"), "model": args.model, "ranks": 4,
-           "results": out_rows}
-    with open(os.path.join(ROOT, "bench", "results", f"exchange_{args.model}.json"), "w") as f:
-        json.dump(res, f, indent=1)
+        res["commands"][rate] = {"command": "python bench/exchange.py " + " ".join(sys.argv[1:]),
+                                 "date": time.strftime("%Y-%m-%d %H:%M")}
+        with open(res_path, "w") as f:
+            json.dump(res, f, indent=1)
+    with open(os.path.join(ROOT, "bench", "results", f"exchange_{args.model}.table.md"),
+              "w") as f:
+        f.write(render(res))
+    plot(res, os.path.join(ROOT, "bench", "results", f"exchange_{args.model}.png"))
+
+
+RATE_BITS = {"100mbit": 1e8, "1gbit": 1e9, "10gbit": 1e10}
+
+
+def render(res) -> str:
+    """The markdown table of a results file (rates from slow to fast is not assumed)."""
+    lines = [f"| rate | method | time (s), median [min-max] | vs fp32 | vs fp16 | "
+             f"MB sent per rank | encode / comm / decode (s) | elements by compressor |",
+             "|---|---|---|---|---|---|---|---|"]
+    for rate in sorted(res["results"], key=lambda r: -RATE_BITS.get(r, 0)):
+        rows = res["results"][rate]
+        base = {r["method"]: r["median_s"] for r in rows}
+        for r in rows:
+            vs32 = base["none"] / r["median_s"] if "none" in base else float("nan")
+            vs16 = base["fp16"] / r["median_s"] if "fp16" in base else float("nan")
+            plan = ", ".join(f"{k} {v / 1e6:.1f}M"
+                             for k, v in sorted(r.get("elements_by_compressor", {}).items()))
+            lines.append(f"| {rate} | {r['method']} | {r['median_s']:.2f} "
+                         f"[{r['min_s']:.2f}-{r['max_s']:.2f}] | {vs32:.1f}x | {vs16:.1f}x | "
+                         f"{r['bytes_per_rank'] / 1e6:.2f} | {r['encode_s']:.2f} / "
+                         f"{r['comm_s']:.2f} / {r['decode_s']:.2f} | {plan} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res, path) -> None:
+    """Exchange time against link rate, one line per method (log-log)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    series = {}
+    for rate, rows in res["results"].items():
+        for r in rows:
+            series.setdefault(r["method"], []).append((RATE_BITS[rate], r["median_s"]))
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for method, pts in series.items():
+        pts.sort()
+        style = "--" if method in ("none", "fp16") else "-"
+        ax.plot([p[0] / 1e9 for p in pts], [p[1] for p in pts], style, marker="o",
+                label=method, lw=2.2 if method in ("none", "fp16") else 1.3)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link rate (Gbit/s, shared by 4 ranks)")
+    ax.set_ylabel("one gradient exchange (s, median)")
+    ax.set_title(f"{res['model']}: gradient exchange, 4 ranks (bench/exchange.py)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main():

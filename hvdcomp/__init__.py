@@ -11,6 +11,7 @@ from .compressors import (ALQ, AMQ, BF16, BHQ, DGC, DQSG, FP16, LAQ, NDQSG, NUQS
                           QSGD, Compressor, NoneCompressor, QSGDInf, RandK, SignEF, TensorKey,
                           TernGrad, TopK, available, get, parse_spec, register)
 from . import levels, wire
+from .auto import Auto, CostModel
 from .errors import ConfigError, WireFormatError
 from .wire import Message
 
@@ -19,4 +20,4 @@ __version__ = "0.1.0"
 __all__ = ["ALQ", "AMQ", "BF16", "FP16", "NUQSGD", "QSGD", "QSGDInf", "NoneCompressor",
            "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG", "TopK", "RandK", "DGC", "LAQ",
            "Compressor", "TensorKey", "available", "get", "parse_spec", "register",
-           "ConfigError", "WireFormatError", "Message", "__version__"]
+           "ConfigError", "WireFormatError", "Message", "Auto", "CostModel", "__version__"]

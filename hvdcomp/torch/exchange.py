@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..auto import Auto
 from ..compressors import Compressor, NoneCompressor, TensorKey
 from ..compressors.state import finite as all_finite
 from ..transport import Transport, error_frame, frame_error, join_frames, split_frames
@@ -84,7 +85,9 @@ class Exchange:
     """Averages gradients across ranks with real encoded bytes (see module docstring).
 
     named_params: [(name, parameter)] in registration order; names unique.
-    compression: the compressor for tensors that qualify; ``none`` for the rest.
+    compression: the compressor for tensors that qualify; ``none`` for the rest; or an
+      :class:`hvdcomp.Auto`, which picks fp32, fp16 or its compressor per qualifying tensor
+      from measured costs (collectives on every rank: all ranks construct together).
     transport: carrier of the allgather path; hvd: the horovod.torch module or None.
     """
 
@@ -99,7 +102,11 @@ class Exchange:
             raise ValueError(f"parameter names must be unique, repeated: {dup}")
         if fusion_bytes < 1:
             raise ValueError("fusion_bytes must be >= 1")
+        auto = None
+        if isinstance(compression, Auto):
+            auto, compression = compression, compression.compressor
         self.compression = compression
+        self.auto = auto
         self.transport = transport
         self.hvd = hvd
         self.rank, self.size = transport.rank, transport.size
@@ -108,9 +115,16 @@ class Exchange:
         self.predivide = float(predivide)
         self._none = NoneCompressor()
         order = {n: i for i, n in enumerate(sorted(names))}
+        plan = {}
+        if auto is not None:     # the cost model's choice for every tensor we would compress
+            sizes = {n: p.numel() for n, p in named_params
+                     if self._route(p, compression, min_compress_numel, compress_1d)
+                     is compression}
+            plan = auto.make_plan(sizes, transport, hvd if allreduce_summable else None)
         self.entries: Dict[str, _Entry] = {}
         for name, p in named_params:
-            comp = self._route(p, compression, min_compress_numel, compress_1d)
+            comp = plan.get(name) or self._route(p, compression, min_compress_numel,
+                                                 compress_1d)
             ar = (allreduce_summable and hvd is not None and comp.summable
                   and _wire_dtype(comp, p.dtype) in _HVD_ALLREDUCE_DTYPES)
             self.entries[name] = _Entry(name, p, order[name], comp, ar)

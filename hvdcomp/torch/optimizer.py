@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 import torch
 
 from .. import compressors
+from ..auto import Auto
 from ..compressors import Compressor
 from ..transport import make as make_transport
 from .exchange import Exchange, StepStats
@@ -24,6 +25,8 @@ _STATE_KEY = "hvdcomp"
 
 
 def _as_compressor(compression) -> Compressor:
+    if isinstance(compression, Auto):
+        return compression
     if compression is None:
         return compressors.get(os.environ.get("HVDCOMP_COMPRESSION") or "none")
     if isinstance(compression, (str, Compressor)):
@@ -65,6 +68,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         named = [(n, p) for n, p in named if p.requires_grad]
         self._hvd = hvd
         self._compression = _as_compressor(compression)
+        self._auto = None
+        if isinstance(self._compression, Auto):        # the plan is made in Exchange()
+            self._auto, self._compression = self._compression, self._compression.compressor
         self._bpps = int(backward_passes_per_step)
         if self._bpps < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
@@ -73,7 +79,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("hvdcomp.torch.DistributedOptimizer supports op=Average and "
                              "op=Sum (Adasum cannot combine decoded messages)")
         tp = make_transport(transport) if isinstance(transport, str) else transport
-        self._exchange = Exchange(named, self._compression, tp, hvd=hvd,
+        self._exchange = Exchange(named, self._auto or self._compression, tp, hvd=hvd,
                                   fusion_bytes=fusion_bytes,
                                   min_compress_numel=min_compress_numel,
                                   compress_1d=compress_1d, seed=seed, average=average,
@@ -134,7 +140,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def compression(self) -> Compressor:
+        """The compressor (with ``Auto``, its inner compressor)."""
         return self._compression
+
+    @property
+    def plan(self) -> Dict[str, str]:
+        """{parameter name: name of the compressor its gradient travels with}."""
+        return {n: e.compressor.name for n, e in self._exchange.entries.items()}
 
     def synchronize(self) -> StepStats:
         """Finish the exchange and write the averaged gradients into ``p.grad``.
@@ -240,7 +252,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     Same signature as ``horovod.torch.DistributedOptimizer``, plus keyword-only settings:
 
     compression: an hvdcomp compressor, a spec string ("alq:bits=3,bucket_size=8192"),
-        Horovod's Compression.none/fp16, or None (then $HVDCOMP_COMPRESSION, else "none").
+        Horovod's Compression.none/fp16, None (then $HVDCOMP_COMPRESSION, else "none"), or
+        ``hvdcomp.Auto(compressor)``: per tensor, fp32, fp16 or the compressor, whichever the
+        cost model measured at construction says is fastest (``optimizer.plan``).
     op: hvd.Average (default) or hvd.Sum.  gradient_predivide_factor: as in Horovod.
     num_groups, groups: not used (hvdcomp fuses by ``fusion_bytes``); must be left default.
     process_set: only the global process set is supported.

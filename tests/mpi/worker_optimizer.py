@@ -164,6 +164,24 @@ def main():
     except TypeError as e:
         assert "DistributedOptimizer" in str(e)
 
+    # Auto: given costs that favour QSGD for the 600-element weight and fp32 for the
+    # 120-element one (hand-worked: t32 = 2e-6 * 4n; tQSGD = 1e-6 * (100 + n / 2) + N * 5e-4),
+    # the plan is that, identical on every rank, and the step is exact as above.
+    from hvdcomp.auto import CodecCost, LinkCost
+    auto = hvdcomp.Auto("qsgd:bits=4,bucket_size=64",
+                        link=LinkCost(0.0, 2e-6, 0.0, 1e-6),
+                        codec=CodecCost(0.0, 0.0, 5e-4, 0.0, 100.0, 0.5, 1e-3))
+    _, opt = train_steps(auto, "mpi", 2)
+    plan = opt.plan
+    assert plan["0.weight"] == "qsgd" and plan["2.weight"] == "none", plan
+    assert plan["0.bias"] == "none" and plan["2.bias"] == "none", plan
+    assert opt.compression is auto.compressor and auto.plan == {"0.weight": "qsgd",
+                                                                "2.weight": "none"}
+    # measured costs: whatever the plan, every rank makes the same one and steps exactly
+    _, opt = train_steps(hvdcomp.Auto("qsgd:bits=4,bucket_size=64"), "mpi", 1)
+    digests = hvd.allgather_object(sorted(opt.plan.items()))
+    assert all(d == digests[0] for d in digests), digests
+
     # Ranks that disagree on the compressor: every rank raises, nobody hangs.
     spec = "alq:bits=3" if rank == 0 else "alq:bits=4"
     m = model_fn()

@@ -1,0 +1,243 @@
+"""When does compressing a tensor pay?  A cost model, and ``Auto``, which uses it.
+
+One exchange of a tensor of ``n`` float32 elements among ``N`` ranks costs, on each path:
+
+    fp32 allreduce     t32(n) = a_ar + b_ar * 4n
+    fp16 allreduce     t16(n) = a_ar + b_ar * 2n + c16 * n
+    compressor C       tC(n)  = e0 + e * n  +  a_ag + b_ag * m(n)  +  N * (d0 + d * n)
+
+with m(n) = m0 + m1 * n the bytes of one rank's message.  ``a``/``b`` are the latency and
+the seconds per byte of one collective *as measured on this job's link* (Horovod's allreduce
+of a buffer of B bytes per rank; the transport's allgather of B bytes from every rank), so
+the ring algorithm, the link's bandwidth and how many ranks share it are all inside the
+measurement.  ``e``/``d`` are the compressor's measured encode and decode seconds per element
+(encoding once, decoding one message per rank), ``c16`` the fp16 cast.  The model sums the
+phases: the exchange pipeline overlaps them, so it overestimates every path, the compressed
+one most (it has three phases to overlap), i.e. it leans towards sending uncompressed.
+
+``Auto(compressor)`` measures these numbers once, when the optimizer is built (a second or
+two: collectives of 64 KiB and 1 MiB, and an encode/decode of a 2^20-element tensor), takes
+the slowest rank's value of each, so that every rank computes the same plan, and sends each
+tensor by the cheapest of fp32 allreduce, fp16 allreduce and the compressor.  Tensors that
+the exchange never compresses (1-D, small, non-float) stay as they are.
+
+    opt = hvdcomp.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                             compression=hvdcomp.Auto("alq:bits=3"))
+    opt.plan        # {name: "none" | "fp16" | "alq"} and the measured costs (CostModel)
+
+There is no paper behind this: it is the "does it pay?" arithmetic of e.g. Agarwal et al.,
+"On the utility of gradient compression in distributed training systems" (MLSys 2022), made
+per tensor and measured instead of assumed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .compressors import Compressor, FP16, NoneCompressor, TensorKey, get
+
+__all__ = ["Auto", "CostModel", "LinkCost", "CodecCost", "fit_line"]
+
+CHOICES = ("none", "fp16", "compressor")
+
+
+def fit_line(x1: float, t1: float, x2: float, t2: float) -> Tuple[float, float]:
+    """(intercept, slope) of the line through (x1, t1), (x2, t2), both clamped at >= 0."""
+    slope = max(0.0, (t2 - t1) / (x2 - x1))
+    return max(0.0, t1 - slope * x1), slope
+
+
+@dataclass
+class LinkCost:
+    """Measured collective costs on this job's link (seconds; bytes contributed per rank).
+
+    ar_latency + ar_per_byte * B: Horovod allreduce of a B-byte buffer;
+    ag_latency + ag_per_byte * B: the transport's allgather of B bytes from every rank.
+    """
+    ar_latency: float
+    ar_per_byte: float
+    ag_latency: float
+    ag_per_byte: float
+
+
+@dataclass
+class CodecCost:
+    """Measured compressor costs: seconds per element and fixed seconds per tensor, of one
+    encode and of one message's decode; message bytes = bytes_fixed + bytes_per_elem * n;
+    fp16_per_elem: the float32 -> float16 -> float32 casts around an fp16 allreduce."""
+    encode_fixed: float
+    encode_per_elem: float
+    decode_fixed: float
+    decode_per_elem: float
+    bytes_fixed: float
+    bytes_per_elem: float
+    fp16_per_elem: float = 0.0
+
+
+@dataclass
+class CostModel:
+    """Predicted seconds of one exchange of an n-element tensor on each path (module doc)."""
+    link: LinkCost
+    codec: CodecCost
+    world_size: int
+    allreduce: bool = True      # False: no Horovod, fp32/fp16 go through the allgather too
+
+    def seconds(self, n: int) -> Dict[str, float]:
+        L, C, N = self.link, self.codec, self.world_size
+        if self.allreduce:
+            t32 = L.ar_latency + L.ar_per_byte * 4 * n
+            t16 = L.ar_latency + L.ar_per_byte * 2 * n + C.fp16_per_elem * n
+        else:                    # uncompressed messages through the allgather path
+            t32 = L.ag_latency + L.ag_per_byte * 4 * n
+            t16 = L.ag_latency + L.ag_per_byte * 2 * n + C.fp16_per_elem * n
+        tc = (C.encode_fixed + C.encode_per_elem * n
+              + L.ag_latency + L.ag_per_byte * (C.bytes_fixed + C.bytes_per_elem * n)
+              + N * (C.decode_fixed + C.decode_per_elem * n))
+        return {"none": t32, "fp16": t16, "compressor": tc}
+
+    def choose(self, n: int, allowed: Sequence[str] = CHOICES) -> str:
+        """The cheapest allowed path for n elements (ties: the earlier in CHOICES)."""
+        t = self.seconds(n)
+        return min((c for c in CHOICES if c in allowed), key=lambda c: t[c])
+
+    def as_dict(self) -> dict:
+        return {"link": asdict(self.link), "codec": asdict(self.codec),
+                "world_size": self.world_size, "allreduce": self.allreduce}
+
+
+class Auto:
+    """Send each tensor by whichever of fp32 allreduce, fp16 allreduce and ``compressor`` the
+    measured cost model (module docstring) says is fastest on this job's link.
+
+    compressor: an hvdcomp compressor or spec string (default "alq:bits=3").
+    fallbacks: the uncompressed paths allowed, a subset of ("none", "fp16").
+    link / codec: LinkCost / CodecCost to use instead of measuring (tests, or a plan made
+      elsewhere); every rank must pass the same values.
+    calibrate_numel: elements of the tensor encoded and decoded to measure the compressor.
+
+    Used through ``hvdcomp.torch.DistributedOptimizer(..., compression=Auto(...))``; the
+    optimizer's ``compression`` is then the inner compressor and ``plan`` the choice per
+    tensor.  Raises ValueError for an unknown fallback, ConfigError for a bad spec.
+    """
+
+    def __init__(self, compressor="alq:bits=3", fallbacks: Sequence[str] = ("none", "fp16"),
+                 *, link: Optional[LinkCost] = None, codec: Optional[CodecCost] = None,
+                 calibrate_numel: int = 2**20):
+        self.compressor: Compressor = (get(compressor) if isinstance(compressor, str)
+                                       else compressor)
+        if not isinstance(self.compressor, Compressor):
+            raise TypeError(f"compressor must be an hvdcomp compressor or spec, got "
+                            f"{compressor!r}")
+        bad = [f for f in fallbacks if f not in ("none", "fp16")]
+        if bad:
+            raise ValueError(f"fallbacks must be among 'none' and 'fp16', got {bad}")
+        self.fallbacks = tuple(fallbacks)
+        self.link, self.codec = link, codec
+        self.calibrate_numel = int(calibrate_numel)
+        self.model: Optional[CostModel] = None
+        self.plan: Dict[str, str] = {}
+
+    def spec(self) -> str:
+        return f"auto({self.compressor.spec()}; fallbacks={','.join(self.fallbacks)})"
+
+    def __repr__(self) -> str:
+        return f"hvdcomp.Auto({self.compressor.spec()!r}, fallbacks={self.fallbacks})"
+
+    # --- planning (called by hvdcomp.torch.exchange.Exchange, on every rank together) ----
+    def make_plan(self, sizes: Dict[str, int], transport, hvd=None) -> Dict[str, Compressor]:
+        """{name: compressor} for the tensors of ``sizes`` ({name: numel}) that the exchange
+        would compress: ``self.compressor``, a NoneCompressor or an FP16 (all ranks agree:
+        the measurements are the slowest rank's)."""
+        allreduce = hvd is not None
+        link = self.link or measure_link(transport, hvd)
+        codec = self.codec or measure_codec(self.compressor, transport, self.calibrate_numel)
+        self.model = CostModel(link, codec, transport.size, allreduce)
+        allowed = self.fallbacks + ("compressor",)
+        none, fp16 = NoneCompressor(), FP16()
+        out = {}
+        for name, n in sizes.items():
+            c = self.model.choose(n, allowed)
+            self.plan[name] = self.compressor.name if c == "compressor" else c
+            out[name] = {"none": none, "fp16": fp16, "compressor": self.compressor}[c]
+        return out
+
+
+# --- measuring ---------------------------------------------------------------------------
+
+def _slowest(transport, values: List[float]) -> List[float]:
+    """Each value's maximum over ranks (every rank gets the same list)."""
+    got = transport.allgather(np.asarray(values, dtype=np.float64).view(np.uint8))
+    return np.max(np.stack([g.view(np.float64) for g in got]), axis=0).tolist()
+
+
+def _best_of(fn: Callable[[], None], reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_link(transport, hvd=None, sizes=(1 << 16, 1 << 20), reps: int = 2) -> LinkCost:
+    """Time Horovod's allreduce (if ``hvd``) and the transport's allgather at two buffer
+    sizes (bytes per rank) and fit latency + per-byte cost; slowest rank's values."""
+    vals = []
+    for i, b in enumerate(sizes):
+        if hvd is not None:
+            buf = torch.zeros(b // 4)
+            hvd.allreduce(buf, name=f"hvdcomp.auto.warm.{i}")
+            vals.append(_best_of(lambda: hvd.allreduce(buf, name=f"hvdcomp.auto.ar.{i}"), reps))
+        else:
+            vals.append(0.0)
+        msg = np.zeros(b, dtype=np.uint8)
+        transport.allgather(msg)
+        vals.append(_best_of(lambda: transport.allgather(msg), reps))
+    ar1, ag1, ar2, ag2 = _slowest(transport, vals)
+    a_ar, b_ar = fit_line(sizes[0], ar1, sizes[1], ar2)
+    a_ag, b_ag = fit_line(sizes[0], ag1, sizes[1], ag2)
+    return LinkCost(a_ar, b_ar, a_ag, b_ag)
+
+
+def measure_codec(compressor: Compressor, transport, numel: int = 2**20,
+                  reps: int = 2) -> CodecCost:
+    """Encode and decode a fresh copy of ``compressor`` (same settings; the real one's state is
+    untouched) on N(0, 1e-6) tensors of 4096 and ``numel`` elements; slowest rank's values."""
+    comp = get(compressor.spec())
+    rank, size = transport.rank, transport.size
+    gen = torch.Generator().manual_seed(12345 + rank)
+    vals = []
+    for n in (4096, numel):
+        x = torch.randn(n, generator=gen) * 1e-3
+        # as rank 0 on every rank: a message any compressor decodes alone (NDQSG nests
+        # ranks >= 1 behind side information)
+        key = TensorKey(f"hvdcomp.auto.calibration.{n}", 2**31 - 1, 0, 0, size, 0)
+        holder = {}
+
+        def enc():
+            holder["m"] = comp.encode(x, key)
+        enc()
+        t_enc = _best_of(enc, reps)
+        msg = holder["m"]
+        nbytes = 0 if msg is None else len(msg.to_bytes())
+        acc = torch.zeros(n)
+
+        def dec():                    # one message: this rank's
+            if msg is not None:
+                comp.decode(msg, key, acc)
+        t_dec = _best_of(dec, reps)
+        t16 = _best_of(lambda: x.to(torch.float16).to(torch.float32), reps)
+        vals += [t_enc, t_dec, float(nbytes), t16]
+    e1, d1, m1, c1, e2, d2, m2, c2 = _slowest(transport, vals)
+    n1, n2 = 4096, numel
+    # a noisy machine can make the small tensor look as slow as the large one: the per-
+    # element cost is never taken below half the large tensor's average
+    e0, e = fit_line(n1, e1, n2, e2)
+    d0, d = fit_line(n1, d1, n2, d2)
+    e, d = max(e, 0.5 * e2 / n2), max(d, 0.5 * d2 / n2)
+    b0, b = fit_line(n1, m1, n2, m2)
+    return CodecCost(e0, e, d0, d, b0, b, c2 / n2)

@@ -1,0 +1,98 @@
+"""hvdcomp.auto: the cost model's arithmetic on hand-worked numbers, the plan it makes, and
+the measurement of a compressor's costs (single process; the multi-rank plan is checked in
+tests/mpi/worker_optimizer.py)."""
+import numpy as np
+import pytest
+import torch
+
+import hvdcomp
+from hvdcomp.auto import Auto, CodecCost, CostModel, LinkCost, fit_line, measure_codec
+
+
+def test_fit_line_hand_case():
+    assert fit_line(10, 3.0, 20, 5.0) == pytest.approx((1.0, 0.2))
+    # a noisy second point below the first: slope clamped at 0, intercept = first time
+    assert fit_line(10, 3.0, 20, 2.0) == (3.0, 0.0)
+    # a line through negative intercept is clamped at 0
+    assert fit_line(10, 1.0, 20, 3.0) == (0.0, 0.2)
+
+
+LINK = LinkCost(ar_latency=1e-3, ar_per_byte=8e-9, ag_latency=2e-3, ag_per_byte=4e-9)
+CODEC = CodecCost(encode_fixed=1e-4, encode_per_elem=5e-9, decode_fixed=2e-5,
+                  decode_per_elem=2e-9, bytes_fixed=64, bytes_per_elem=0.4,
+                  fp16_per_elem=1e-9)
+
+
+def test_cost_model_seconds_hand_worked():
+    m = CostModel(LINK, CODEC, world_size=4)
+    n = 1_000_000
+    t = m.seconds(n)
+    assert t["none"] == pytest.approx(1e-3 + 8e-9 * 4e6)                   # 0.033
+    assert t["fp16"] == pytest.approx(1e-3 + 8e-9 * 2e6 + 1e-9 * 1e6)      # 0.018
+    assert t["compressor"] == pytest.approx(1e-4 + 5e-9 * 1e6 + 2e-3 + 4e-9 * (64 + 0.4e6)
+                                            + 4 * (2e-5 + 2e-9 * 1e6))      # 0.0167...
+    assert m.choose(n) == "compressor"
+    assert m.choose(n, ("none", "fp16")) == "fp16"
+    # 1000 elements: t32 = 1e-3 + 3.2e-5, t16 = 1e-3 + 1.6e-5 + 1e-6, tC = 2.1e-3 + ...
+    assert m.choose(1000) == "fp16"
+    assert m.choose(1000, ("none", "compressor")) == "none"
+    # without Horovod, the uncompressed paths go through the allgather
+    t2 = CostModel(LINK, CODEC, 4, allreduce=False).seconds(n)
+    assert t2["none"] == pytest.approx(2e-3 + 4e-9 * 4e6)
+
+
+class _NoCollectives:
+    rank, size = 0, 4
+
+    def allgather(self, x):
+        raise AssertionError("given link and codec costs, Auto must not measure")
+
+
+def test_plan_from_given_costs():
+    auto = Auto("alq:bits=3", link=LINK, codec=CODEC)
+    plan = auto.make_plan({"big": 1_000_000, "small": 1000}, _NoCollectives(), hvd=object())
+    assert plan["big"] is auto.compressor and isinstance(plan["small"], hvdcomp.FP16)
+    assert auto.plan == {"big": "alq", "small": "fp16"}
+    # only fp32 as fallback: the small tensor goes fp32 instead
+    auto = Auto("alq:bits=3", fallbacks=("none",), link=LINK, codec=CODEC)
+    plan = auto.make_plan({"small": 1000}, _NoCollectives(), hvd=object())
+    assert auto.plan == {"small": "none"} and isinstance(plan["small"], hvdcomp.NoneCompressor)
+    # a slow link makes everything big enough worth compressing; a fast one nothing
+    slow = LinkCost(1e-3, 8e-7, 2e-3, 4e-7)
+    auto = Auto("alq:bits=3", link=slow, codec=CODEC)
+    auto.make_plan({"a": 100_000}, _NoCollectives(), hvd=object())
+    assert auto.plan == {"a": "alq"}
+    fast = LinkCost(1e-5, 8e-12, 2e-5, 4e-12)
+    auto = Auto("alq:bits=3", link=fast, codec=CODEC)
+    auto.make_plan({"a": 10_000_000}, _NoCollectives(), hvd=object())
+    # t32 = 1e-5 + 8e-12 * 4e7 = 3.3e-4 s; fp16's casts alone cost 1e-9 * 1e7 = 1e-2 s
+    assert auto.plan == {"a": "none"}
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="fallbacks"):
+        Auto("alq", fallbacks=("bf16",))
+    with pytest.raises(TypeError):
+        Auto(3)
+    with pytest.raises(hvdcomp.ConfigError):
+        Auto("alq:bits=99")
+
+
+class _OneRank:
+    rank, size = 0, 1
+
+    def allgather(self, x):
+        return [np.array(x, copy=True)]
+
+
+def test_measure_codec_bytes_and_state():
+    comp = hvdcomp.get("alq:bits=3,bucket_size=4096")
+    cost = measure_codec(comp, _OneRank(), numel=1 << 16, reps=2)
+    # message bytes are exactly linear here: header + norms (4 B per bucket) + 3 bits/elem
+    n1, n2 = 4096, 1 << 16
+    m = lambda n: len(comp.encode(torch.randn(n), hvdcomp.TensorKey("x", 0, 0, 0, 1)).to_bytes())
+    slope = (m(n2) - m(n1)) / (n2 - n1)
+    assert cost.bytes_per_elem == pytest.approx(slope) and slope == pytest.approx(3 / 8 + 4 / 4096)
+    assert cost.encode_per_elem > 0 and cost.decode_per_elem > 0 and cost.fp16_per_elem > 0
+    # the real compressor's state is untouched (a fresh copy was measured)
+    assert comp.level_version == 0
