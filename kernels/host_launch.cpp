@@ -42,6 +42,8 @@ HVD_EXPORT const char* hvd_host_kernel_signature(int k) {
 
 HVD_EXPORT int hvd_host_launch(int k, unsigned grid, unsigned block, int nthreads,
                                void** args) {
+  hvd_host::ctx.status = nullptr;  // errors found here go to this thread's caller_status
+  hvd_host::caller_status.flag.store(0);
   if (k < 0 || k >= kCount) {
     hvd_host::report_error("hvd_host_launch: no such kernel");
     return 2;
@@ -53,7 +55,7 @@ HVD_EXPORT int hvd_host_launch(int k, unsigned grid, unsigned block, int nthread
   return kKernels[k].launch(grid, block, nthreads, args);
 }
 
-HVD_EXPORT const char* hvd_host_last_error(void) { return hvd_host::error_message; }
+HVD_EXPORT const char* hvd_host_last_error(void) { return hvd_host::caller_status.message; }
 
 HVD_EXPORT int hvd_host_openmp(void) {
 #if defined(_OPENMP)

@@ -51,27 +51,35 @@ struct dim3 {
 
 namespace hvd_host {
 
+// The outcome of one launch: the first error a kernel reported during it (a launcher bug:
+// kernels only report violated launch preconditions).  One per calling thread, so that
+// launches from several threads (the exchange's encoder and decoder) run concurrently.
+struct LaunchStatus {
+  std::atomic<int> flag{0};
+  char message[256] = {0};
+};
+
 struct Context {
   uint3 thread_idx;
   uint3 block_idx;
   dim3 block_dim;
   dim3 grid_dim;
+  LaunchStatus* status;  // the launch this OS thread is running blocks for
 };
 
 // initial-exec: one %fs-relative load per access instead of a __tls_get_addr call (the
 // library is dlopen'ed, which glibc's static TLS surplus allows for a few dozen bytes).
 inline thread_local Context ctx __attribute__((tls_model("initial-exec")));
 
-// First error reported by a kernel during the current launch (a launcher bug: kernels only
-// report violated launch preconditions).
-inline std::atomic<int> error_flag{0};
-inline char error_message[256];
+// The calling thread's last launch (read back by hvd_host_last_error on the same thread).
+inline thread_local LaunchStatus caller_status;
 
 inline void report_error(const char* msg) {
+  LaunchStatus* s = ctx.status ? ctx.status : &caller_status;
   int expected = 0;
-  if (error_flag.compare_exchange_strong(expected, 1)) {
-    std::strncpy(error_message, msg, sizeof(error_message) - 1);
-    error_message[sizeof(error_message) - 1] = '\0';
+  if (s->flag.compare_exchange_strong(expected, 1)) {
+    std::strncpy(s->message, msg, sizeof(s->message) - 1);
+    s->message[sizeof(s->message) - 1] = '\0';
   }
 }
 
@@ -84,12 +92,13 @@ std::tuple<A...> unpack_args(void** args, std::index_sequence<I...>) {
 
 // Runs kernel<<<grid, block>>>(*args[0], *args[1], ...), args as for cuLaunchKernel: one
 // pointer per kernel parameter, pointing to a value of exactly that parameter's type.
-// Returns 0, or 1 if a kernel reported an error (message: error_message).
+// Returns 0, or 1 if a kernel reported an error (message: caller_status.message).
 template <class... A>
 int launch(void (*kernel)(A...), unsigned grid, unsigned block, int nthreads, void** args) {
   const std::tuple<A...> a = unpack_args<A...>(args, std::index_sequence_for<A...>{});
-  error_flag.store(0);
-  error_message[0] = '\0';
+  LaunchStatus* status = &caller_status;
+  status->flag.store(0);
+  status->message[0] = '\0';
   const long long nblocks = grid;
   // Blocks are handed out in chunks of about 1/16 of a thread's share: on a shared machine
   // a descheduled thread then delays only its current chunk, not a fixed half of the grid.
@@ -105,12 +114,14 @@ int launch(void (*kernel)(A...), unsigned grid, unsigned block, int nthreads, vo
     c.grid_dim = dim3{grid, 1, 1};
     c.block_dim = dim3{block, 1, 1};
     c.block_idx = uint3{(unsigned)b, 0, 0};
+    c.status = status;
     for (unsigned t = 0; t < block; ++t) {
       c.thread_idx = uint3{t, 0, 0};
       std::apply(kernel, a);
     }
   }
-  return error_flag.load() ? 1 : 0;
+  ctx.status = nullptr;
+  return status->flag.load() ? 1 : 0;
 }
 
 // ---- kernel signatures, checked by the Python launcher before the first launch ---------------

@@ -62,7 +62,6 @@ BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fn
 OPENMP_FLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()        # loading
-_launch_lock = threading.Lock() # the library's error slot is per process: one launch at a time
 _lib = None
 _kernels: Dict[str, Tuple[int, str]] = {}
 _threads: Optional[int] = None
@@ -261,10 +260,10 @@ class _HostBackend:
             else:
                 vals.append(_CTYPES[code](a))
         argv = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        with _launch_lock:
-            rc = lib.hvd_host_launch(index, grid, block, get_num_threads(), argv)
-            if rc:
-                raise RuntimeError(f"{kernel}: {lib.hvd_host_last_error().decode()}")
+        # launches from several threads run concurrently: each thread has its own error slot
+        rc = lib.hvd_host_launch(index, grid, block, get_num_threads(), argv)
+        if rc:
+            raise RuntimeError(f"{kernel}: {lib.hvd_host_last_error().decode()}")
 
 
 backend = _HostBackend()     # what the kernel families' modules launch through

@@ -354,3 +354,32 @@ def test_kernel_backend_falls_back_loudly_or_raises(monkeypatch):
     monkeypatch.setenv("HVDCOMP_BACKEND", "kernels")
     with pytest.raises(RuntimeError, match="HVDCOMP_BACKEND=kernels"):
         backends.kernel_backend("cuda")
+
+
+def test_concurrent_launches_from_threads(host):
+    # the exchange encodes and decodes on two threads at once: launches do not serialize and
+    # each gets its own result (and its own error slot)
+    import threading
+    lv = tables(3)["fitted"]
+    xs = [gradient(300_001 + k, 512, seed=k) for k in range(4)]
+    want = [host.quantize(x, lv, 3, 512, "l2", **KEY) for x in xs]
+    got, errors = [None] * 4, []
+
+    def work(k):
+        try:
+            for _ in range(3):
+                got[k] = host.quantize(xs[k], lv, 3, 512, "l2", **KEY)
+            if k == 0:   # a failing launch on one thread does not fail the others
+                with pytest.raises(RuntimeError, match="blockDim"):
+                    host.backend.launch("hvd_bucket_norms_l2", 1, 100,
+                                        (xs[0], xs[0].numel(), 512, torch.empty(1)))
+        except BaseException as e:     # noqa: BLE001
+            errors.append(e)
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    for (n1, p1), (n2, p2) in zip(got, want):
+        assert torch.equal(n1, n2) and torch.equal(p1, p2)
