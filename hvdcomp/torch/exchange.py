@@ -7,9 +7,9 @@ One :class:`Exchange` per optimizer.  It owns
     same order whatever order its hooks fire in;
   * the routing: which compressor each tensor uses (non-float, 1-D and small tensors go
     uncompressed by default);
-  * two worker threads in a pipeline: for each bucket, as soon as all its gradients are
-    ready, one encodes it while the other communicates and decodes the bucket before, and
-    backward goes on computing earlier layers;
+  * three worker threads in a pipeline: as soon as all gradients of a bucket are ready, the
+    encoder encodes it, while the communicator has the bucket before on the wire and the
+    decoder decodes the one before that, and backward goes on computing earlier layers;
   * per-step statistics (:class:`StepStats`).
 
 Summable tensors (``none``, ``fp16``) travel through Horovod's allreduce when Horovod is
@@ -143,6 +143,7 @@ class Exchange:
         self._handshake()
         self._q: "queue.Queue" = queue.Queue()
         self._cq: "queue.Queue" = queue.Queue()
+        self._dq: "queue.Queue" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._reset(0)
 
@@ -179,6 +180,8 @@ class Exchange:
                                             daemon=True)
             self._thread.start()
             threading.Thread(target=self._comm_worker, name="hvdcomp-communicate",
+                             daemon=True).start()
+            threading.Thread(target=self._decode_worker, name="hvdcomp-decode",
                              daemon=True).start()
 
     # --- per step -------------------------------------------------------------------
@@ -229,9 +232,10 @@ class Exchange:
         return self._results, self._stats
 
     # --- workers --------------------------------------------------------------------
-    # Two threads form a pipeline: the encoder takes buckets in the fixed order as they
-    # become ready and encodes them; the communicator sends bucket k and decodes it while
-    # the encoder already works on bucket k+1 (and backward on the layers before).
+    # Three threads form a pipeline: the encoder takes buckets in the fixed order as they
+    # become ready and encodes them; the communicator puts bucket k on the wire while the
+    # encoder works on bucket k+1 (and backward on the layers before) and the decoder decodes
+    # and averages bucket k-1.  Kernels, MPI and PyTorch release the GIL while they work.
     def _worker(self) -> None:
         ready, nxt, step = set(), 0, 0
         while True:
@@ -255,9 +259,20 @@ class Exchange:
     def _comm_worker(self) -> None:
         while True:
             k, job = self._cq.get()
+            frames = None
             if job is not None and self._error is None:
                 try:
-                    self._communicate(k, job)
+                    frames = self._communicate(k, job)
+                except BaseException as e:      # surfaced by finish()
+                    self._error = e
+            self._dq.put((k, job, frames))
+
+    def _decode_worker(self) -> None:
+        while True:
+            k, job, frames = self._dq.get()
+            if job is not None and self._error is None:
+                try:
+                    self._decode(k, job, frames)
                 except BaseException as e:      # surfaced by finish()
                     self._error = e
             if k == len(self.buckets) - 1:
@@ -316,9 +331,9 @@ class Exchange:
         st.encode_s += time.perf_counter() - t0
         return {"ag": ag, "frame": frame, "failed": failed, "handles": handles}
 
-    def _communicate(self, k: int, job: dict) -> None:
-        """Communicator stage: allgather the frame, wait for the allreduce, decode every
-        rank's messages in rank order and average."""
+    def _communicate(self, k: int, job: dict):
+        """Communicator stage: allgather the frame and wait for the allreduce; returns every
+        rank's frame (None without an allgather part)."""
         st = self._stats
         ag, frame, handles = job["ag"], job["frame"], job["handles"]
         t1 = time.perf_counter()
@@ -342,8 +357,14 @@ class Exchange:
                 r, text = errors[0]
                 raise RuntimeError(f"hvdcomp: rank {r} failed to encode bucket {k} "
                                    f"(tensors {[e.name for e in ag]}): {text}")
+        st.comm_s += time.perf_counter() - t1
+        return frames
+
+    def _decode(self, k: int, job: dict, frames) -> None:
+        """Decoder stage: decode every rank's messages in rank order and average."""
+        st = self._stats
+        ag, handles = job["ag"], job["handles"]
         t2 = time.perf_counter()
-        st.comm_s += t2 - t1
         for _, flat, groups in handles:
             self._unflatten_summable(flat, groups)
         if ag:
