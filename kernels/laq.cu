@@ -53,9 +53,14 @@ __device__ __forceinline__ u32 code_of(float v, double r) {
   constexpr int L = (1 << BITS) - 1;
   if (r == 0.0) return 0u;
   const double u = (((double)v + r) * (double)L) / (2.0 * r);
-  double f = floor(u + 0.5);
-  f = f < 0.0 ? 0.0 : (f > (double)L ? (double)L : f);
-  return (u32)f;
+  // floor(u + 0.5) clamped to [0, L]: clamping first to [-1, L + 1] keeps the integer
+  // conversion in range, and an exact floor by truncation (no libm call on the host)
+  double f = u + 0.5;
+  f = f < -1.0 ? -1.0 : (f > (double)(L + 1) ? (double)(L + 1) : f);
+  int c = (int)f;                       // truncation toward zero
+  c -= (double)c > f ? 1 : 0;           // floor
+  c = c < 0 ? 0 : (c > L ? L : c);
+  return (u32)c;
 }
 
 // The grid point of a code (dequantize_innovation): float32(R * (2c - L) / L), float64 ops.
