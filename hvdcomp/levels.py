@@ -218,16 +218,17 @@ def histogram_stats(x, bucket_size: int, norm: str = "l2") -> np.ndarray:
     if n == 0:
         return np.zeros(3 * B)
     nb = (n + bucket_size - 1) // bucket_size
-    b = torch.cat([x, torch.zeros(nb * bucket_size - n, dtype=torch.float64)]).view(nb, -1)
+    b = torch.cat([x, torch.zeros(nb * bucket_size - n, dtype=torch.float64,
+                                  device=x.device)]).view(nb, -1)
     nrm = b.norm(dim=1) if norm == "l2" else b.abs().amax(dim=1)
     w = (nrm * nrm).unsqueeze(1).expand_as(b).reshape(-1)[:n]
     safe = torch.where(nrm > 0, nrm, torch.ones_like(nrm))
     r = (b.abs() / safe.unsqueeze(1)).reshape(-1)[:n].clamp(0.0, 1.0)
-    edges = torch.from_numpy(HIST_EDGES)
+    edges = torch.from_numpy(HIST_EDGES).to(x.device)
     k = (torch.searchsorted(edges, r, right=True) - 1).clamp(0, B - 1)
     out = torch.stack([torch.bincount(k, weights=w * r ** p, minlength=B) for p in (0, 1, 2)],
                       dim=1)
-    return out.reshape(-1).numpy()
+    return out.reshape(-1).cpu().numpy()
 
 
 class HistogramModel:

@@ -37,7 +37,9 @@ With ``Qnew = Qprev + delta``, ``eps = Qnew - x`` (this step's quantization erro
     on upload: Qprev = Qnew, eps_hat = eps, silent = 0;  on a skip: nothing changes but the
     silent counter, and ``encode`` returns None (a zero-length message, the empty upload).
 
-All squared norms are float64 sums of float32 values.  ``>=`` follows the authors' code and
+All squared norms are float64 sums of float32 values squared, summed in the fixed order of
+:func:`fixed_sum` (a tree order that does not depend on the device or the thread count,
+and that the kernels of kernels/laq.cu reproduce bit for bit).  ``>=`` follows the authors' code and
 seeds.md; the paper's criterion skips on equality, which only matters for an all-zero innovation
 with no parameter history (e.g. an all-zero gradient at the first step: sent here).
 
@@ -110,15 +112,47 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..codecs import code_section, packed_size, read_code_section
+from ..backends import k_laq, kernel_backend
+from ..codecs import code_section, packed_size, read_code_section, unpack_bits
 from ..errors import WireFormatError
-from ..wire import CODECS, Message, dtype_code
+from ..wire import CODECS, FLAG_ENTROPY, Message, dtype_code
 from .base import Compressor, TensorKey, register
 
-__all__ = ["LAQ", "quantize_innovation", "dequantize_innovation"]
+__all__ = ["LAQ", "quantize_innovation", "dequantize_innovation", "fixed_sum"]
 
 _SPLITS = ("numel", "full")
 _RECORD_KEYS = {"numel", "qprev", "aggregate", "eps_hat_sq", "silent", "uploads", "skips"}
+
+
+FIXED_SUM_CHUNK = 2048          # 256 groups of 8: the block of kernels/laq.cu
+
+
+def fixed_sum(t: torch.Tensor) -> float:
+    """The sum of the float64 values of flat ``t`` in a fixed order (kernels/laq.cu's):
+    pad with zeros to a multiple of 2048; per chunk of 2048, each group of 8 (t0..t7) as
+    ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)), then the 256 group sums folded in
+    halves (s[j] = s[j] + s[j + w] for w = 128, 64, ..., 1); repeat on the chunk sums until
+    one value is left.  Elementwise float64 additions only, so the result is the same on
+    every device and for every thread count (torch.sum's order is neither).  0.0 if empty.
+    Padding adds +0.0: exact for the non-negative terms LAQ sums."""
+    t = t.reshape(-1).to(torch.float64)
+    if t.numel() == 0:
+        return 0.0
+    while True:
+        n = t.numel()
+        c = (n + FIXED_SUM_CHUNK - 1) // FIXED_SUM_CHUNK
+        if c * FIXED_SUM_CHUNK != n:
+            t = torch.cat([t, t.new_zeros(c * FIXED_SUM_CHUNK - n)])
+        g = t.view(c, FIXED_SUM_CHUNK // 8, 8)
+        s = ((g[..., 0] + g[..., 1]) + (g[..., 2] + g[..., 3])) \
+            + ((g[..., 4] + g[..., 5]) + (g[..., 6] + g[..., 7]))
+        w = s.shape[1] // 2
+        while w >= 1:
+            s = s[:, :w] + s[:, w:2 * w]
+            w //= 2
+        t = s[:, 0]
+        if c == 1:
+            return float(t[0])
 
 
 def quantize_innovation(v: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -293,16 +327,25 @@ class LAQ(Compressor):
                              f"{have}, but its gradient has shape {tuple(grad.shape)} (was a "
                              f"checkpoint of another model loaded?)")
         x = grad.detach().reshape(-1).to(torch.float32)
-        q = (rec.qprev.to(x.device).reshape(-1) if rec.qprev is not None
-             else torch.zeros_like(x))
-        v = x - q
-        if n and not bool(torch.isfinite(v).all()):
-            return self._nonfinite(grad, key)               # state unchanged
-        R, codes = quantize_innovation(v, self.bits)
-        delta = dequantize_innovation(R, codes, self.bits)
-        qnew = q + delta
-        eps_sq = float((qnew - x).double().pow(2).sum())
-        delta_sq = float(delta.double().pow(2).sum())
+        be = kernel_backend(x.device)
+        codes = packed = None
+        if be is not None:      # kernels/laq.cu: the same codes, Qnew and sums as below
+            q = rec.qprev.to(x.device).reshape(-1) if rec.qprev is not None else None
+            inn = k_laq.encode(be.backend, x, q, self.bits)
+            if inn is None:
+                return self._nonfinite(grad, key)           # state unchanged
+            R, packed, qnew, eps_sq, delta_sq = inn
+        else:
+            q = (rec.qprev.to(x.device).reshape(-1) if rec.qprev is not None
+                 else torch.zeros_like(x))
+            v = x - q
+            if n and not bool(torch.isfinite(v).all()):
+                return self._nonfinite(grad, key)           # state unchanged
+            R, codes = quantize_innovation(v, self.bits)
+            delta = dequantize_innovation(R, codes, self.bits)
+            qnew = q + delta
+            eps_sq = fixed_sum((qnew - x).double().pow(2))
+            delta_sq = fixed_sum(delta.double().pow(2))
         upload = (delta_sq >= self.threshold(key.name, eps_sq)
                   or rec.silent >= self.t_max)
         if not upload:
@@ -313,7 +356,12 @@ class LAQ(Compressor):
         rec.eps_hat_sq = eps_sq
         rec.silent = 0
         rec.uploads += 1
-        sec, flags = code_section(codes, self.bits, self.entropy)
+        if packed is not None and not self.entropy:
+            sec, flags = packed.cpu().numpy(), 0            # == pack_bits(codes, bits)
+        else:
+            if codes is None:
+                codes = unpack_bits(packed, n, self.bits)
+            sec, flags = code_section(codes, self.bits, self.entropy)
         return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
                        sections=(R.reshape(1).cpu().numpy().view(np.uint8), sec), flags=flags,
                        tensor_id=key.tensor_id, rank=key.rank, seed=key.seed, step=key.step,
@@ -327,6 +375,15 @@ class LAQ(Compressor):
         R = torch.from_numpy(np.array(msg.sections[0]).view(np.float32).copy()).reshape(())
         if not bool(torch.isfinite(R)) or float(R) < 0:
             raise WireFormatError(f"laq: radius R must be finite and >= 0, got {float(R)}")
+        be = kernel_backend(out.device)
+        if (be is not None and not msg.flags & FLAG_ENTROPY and out.dtype == torch.float32
+                and out.dim() == 1 and out.is_contiguous()):
+            # kernels/laq.cu: out += the decoded innovation, bit for bit as below
+            msg.section_size_check(1, packed_size(n, self.bits), "codes")
+            packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8))
+            k_laq.dequantize_add(be.backend, packed.to(out.device), n, float(R), self.bits,
+                                 out)
+            return
         codes = read_code_section(msg, 1, n, self.bits)
         out.add_(dequantize_innovation(R, codes, self.bits).to(out.device))
 

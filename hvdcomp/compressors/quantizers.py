@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .. import levels as L
-from ..backends import kernel_backend
+from ..backends import k_stats, kernel_backend
 from ..codecs import decode_symbols, encode_symbols, pack_bits, packed_size, unpack_bits
 from ..errors import WireFormatError
 from ..random import uniform
@@ -277,8 +277,16 @@ class _Adaptive(BucketQuantizer):
         return np.zeros(3 if self.model == "normal" else 3 * (len(L.HIST_EDGES) - 1))
 
     def statistics(self, grad: torch.Tensor) -> np.ndarray:
-        """This gradient's contribution to the fit (summable across tensors and ranks)."""
-        x = grad.reshape(-1).float()
+        """This gradient's contribution to the fit (summable across tensors and ranks):
+        float64 NumPy (3,) for model "normal" (levels.bucket_stats), (768,) for "hist"
+        (levels.histogram_stats).  With a kernel backend for the gradient's device
+        (hvdcomp.backends.k_stats) the per-element terms are the reference's and the sums are
+        in the kernels' fixed order (equal to a few float64 ulps; deterministic)."""
+        x = grad.detach().reshape(-1).float()
+        be = kernel_backend(x.device)
+        if be is not None:      # kernels/stats.cu: the same statistics, sums in a fixed order
+            fn = k_stats.bucket_stats if self.model == "normal" else k_stats.histogram_stats
+            return fn(be.backend, x, self.bucket_size, self.norm).cpu().numpy()
         if self.model == "normal":
             return L.bucket_stats(x, self.bucket_size, self.norm)
         return L.histogram_stats(x, self.bucket_size, self.norm)
