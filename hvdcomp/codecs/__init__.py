@@ -1,9 +1,10 @@
 """Byte-level codecs shared by the compressors: bit packing and rANS entropy coding."""
 from .bitpack import pack_bits, packed_size, unpack_bits
-from .rans import decode_symbols, empirical_entropy_bits, encode_symbols
+from .rans import decode_codes, decode_symbols, empirical_entropy_bits, encode_codes, encode_symbols
 
 __all__ = ["pack_bits", "unpack_bits", "packed_size", "encode_symbols", "decode_symbols",
-           "empirical_entropy_bits", "code_section", "read_code_section"]
+           "empirical_entropy_bits", "code_section", "read_code_section", "encode_codes",
+           "decode_codes"]
 
 
 def code_section(codes, bits: int, entropy: bool):
@@ -11,7 +12,7 @@ def code_section(codes, bits: int, entropy: bool):
     ``codes`` (int tensor, values < 2**bits) packed at ``bits`` each, or rANS-coded."""
     from ..wire import FLAG_ENTROPY
     if entropy:
-        return encode_symbols(codes.cpu().numpy(), 1 << bits), FLAG_ENTROPY
+        return encode_symbols(codes, 1 << bits), FLAG_ENTROPY
     return pack_bits(codes, bits).cpu().numpy(), 0
 
 

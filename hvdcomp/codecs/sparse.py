@@ -70,7 +70,8 @@ import torch
 from ..errors import WireFormatError
 from .bitpack import pack_bits, unpack_bits
 
-__all__ = ["encode_indices", "decode_indices", "encode_values", "decode_values",
+__all__ = ["encode_indices", "decode_indices", "encode_indices_reference",
+           "decode_indices_reference", "encode_values", "decode_values",
            "rice_parameter", "kiely_parameter", "count_width", "pack_uint", "unpack_uint",
            "index_section_header", "VALUE_BITS", "MAX_RICE_K", "FP16_MAX"]
 
@@ -167,11 +168,19 @@ def rice_parameter(gaps: np.ndarray) -> int:
     if g.size == 0:
         return 0
     # float64 mean: exact enough for a parameter estimate even for sums beyond 2**53
-    k0 = kiely_parameter(float(np.sum(g.astype(np.float64))) / g.size)
+    return best_rice_parameter(g.size, float(np.sum(g.astype(np.float64))),
+                               lambda k: int(np.sum(g >> k)))
+
+
+def best_rice_parameter(m: int, gap_sum: float, quotient_sum) -> int:
+    """The rule of :func:`rice_parameter` for ``m`` >= 1 gaps whose float64 sum is
+    ``gap_sum`` (as np.sum of the gaps in float64 gives it), given ``quotient_sum(k)`` =
+    sum of (gap >> k) for k in k0 - 1 .. k0 + 1 (shared by the reference and the kernels)."""
+    k0 = kiely_parameter(gap_sum / m)
     best, best_bits = None, None
     for k in (k0 - 1, k0, k0 + 1):
         if 0 <= k <= MAX_RICE_K:
-            b = _rice_bits(g, k)
+            b = m * (k + 1) + int(quotient_sum(k))
             if best_bits is None or b < best_bits:
                 best, best_bits = k, b
     return best
@@ -184,8 +193,14 @@ def count_width(numel: int) -> int:
 
 # --- indices -------------------------------------------------------------------------------------
 
-def encode_indices(indices, numel: int, k: int = -1) -> np.ndarray:
-    """The index section (module docstring) for ``indices``: int64 (numpy array, torch
+def index_section_head(k: int, m: int, numel: int) -> bytes:
+    """The fixed part of an index section: k, then m in count_width(numel) bytes."""
+    return struct.pack("<B" + ("I" if count_width(numel) == 4 else "Q"), k, m)
+
+
+def encode_indices_reference(indices, numel: int, k: int = -1) -> np.ndarray:
+    """The specification of :func:`encode_indices` (NumPy): the index section (module
+    docstring) for ``indices``: int64 (numpy array, torch
     tensor or sequence), strictly increasing, in [0, numel).  ``numel`` may be any size up
     to 2**63 - 1 (no tensor is needed: only the index values).  ``k`` forces a Rice
     parameter (0..62); -1 (default) chooses it (:func:`rice_parameter`).
@@ -215,8 +230,7 @@ def encode_indices(indices, numel: int, k: int = -1) -> np.ndarray:
         raise ValueError(f"Rice parameter must be in 0..{MAX_RICE_K}, got {k}")
     if m == 0:
         k = 0
-    w = count_width(numel)
-    head = struct.pack("<B" + ("I" if w == 4 else "Q"), k, m)
+    head = index_section_head(k, m, numel)
     if m == 0:
         return np.frombuffer(head, dtype=np.uint8).copy()
     q = gaps >> k
@@ -252,8 +266,39 @@ def index_section_header(section, numel: int) -> Tuple[int, int]:
     return k, m
 
 
-def decode_indices(section, numel: int) -> np.ndarray:
-    """Inverse of :func:`encode_indices`: the int64 indices, strictly increasing, < numel.
+def check_empty_section(b: np.ndarray, k: int, off: int) -> None:
+    if k != 0 or b.size != off:
+        raise WireFormatError(f"an empty index section must be exactly {off} bytes with "
+                              f"k = 0, got {b.size} bytes and k = {k}")
+
+
+def check_unary_size(size: int, m: int, k: int, ubytes: int) -> None:
+    if ubytes < (m + 7) // 8:
+        raise WireFormatError(f"index section truncated: {size} bytes cannot hold {m} "
+                              f"indices with k = {k}")
+
+
+def check_unary_end(unary_bytes: np.ndarray, last: int, ubytes: int) -> None:
+    """The last terminator (bit ``last``) must lie in the stream's last byte, followed by
+    zero bits only."""
+    if last // 8 != ubytes - 1:
+        raise WireFormatError(f"unary stream is {ubytes} bytes but its last terminator is "
+                              f"in byte {last // 8}")
+    if int(unary_bytes[last // 8]) >> (last % 8 + 1):
+        raise WireFormatError("nonzero padding bits after the unary stream")
+
+
+def check_packed_padding(buf: np.ndarray, n: int, bits: int) -> None:
+    """As :func:`unpack_uint`'s checks, without unpacking."""
+    need = (n * bits + 7) // 8
+    if buf.size != need:
+        raise WireFormatError(f"{n} codes of {bits} bits need {need} bytes, got {buf.size}")
+    if n and int(buf[-1]) >> (n * bits - 8 * (need - 1)):
+        raise WireFormatError("nonzero padding bits after the last packed code")
+
+
+def decode_indices_reference(section, numel: int) -> np.ndarray:
+    """The specification of :func:`decode_indices` (NumPy).
 
     ``section``: bytes, uint8 array or tensor.  Raises WireFormatError for any malformed or
     inconsistent section (module docstring, "Validation").
@@ -263,15 +308,11 @@ def decode_indices(section, numel: int) -> np.ndarray:
     k, m = index_section_header(b, numel)
     off = 1 + count_width(numel)
     if m == 0:
-        if k != 0 or b.size != off:
-            raise WireFormatError(f"an empty index section must be exactly {off} bytes with "
-                                  f"k = 0, got {b.size} bytes and k = {k}")
+        check_empty_section(b, k, off)
         return np.zeros(0, dtype=np.int64)
     rbytes = (m * k + 7) // 8
     ubytes = b.size - off - rbytes
-    if ubytes < (m + 7) // 8:
-        raise WireFormatError(f"index section truncated: {b.size} bytes cannot hold {m} "
-                              f"indices with k = {k}")
+    check_unary_size(b.size, m, k, ubytes)
     unary = np.unpackbits(b[off:off + ubytes], bitorder="little")
     zeros = np.flatnonzero(unary == 0)
     if zeros.size < m:
@@ -298,6 +339,59 @@ def decode_indices(section, numel: int) -> np.ndarray:
     if (m > 1 and not bool(np.all(idx[1:] > idx[:-1]))) or idx[0] < 0 or idx[-1] >= numel:
         raise WireFormatError(f"indices reach beyond the tensor's {numel} elements")
     return idx
+
+
+def _kernels(device):
+    from ..backends import kernel_backend
+    be = kernel_backend(device)
+    return None if be is None else be.backend
+
+
+def encode_indices(indices, numel: int, k: int = -1) -> np.ndarray:
+    """The index section (module docstring) for ``indices``: int64 (numpy array, torch
+    tensor on any device, or sequence), strictly increasing, in [0, numel).  ``numel`` may
+    be any size up to 2**63 - 1 (no tensor is needed: only the index values).  ``k`` forces
+    a Rice parameter (0..62); -1 (default) chooses it (:func:`rice_parameter`).
+
+    Returns uint8 bytes (numpy): ``1 + W + ceil((m + sum q) / 8) + ceil(m k / 8)``.
+    Raises ValueError for indices that are not strictly increasing or out of range.
+
+    Runs kernels/sparse.cu on the indices' device where a kernel backend is available
+    (hvdcomp.backends.kernel_backend; HVDCOMP_BACKEND=reference: never), else
+    :func:`encode_indices_reference`; the bytes are identical.
+    """
+    if isinstance(indices, torch.Tensor):
+        dev = indices.device
+        t = indices.detach().reshape(-1)
+    else:
+        dev = torch.device("cpu")
+        t = None
+    be = _kernels(dev)
+    if be is None:
+        return encode_indices_reference(indices, numel, k)
+    if t is None:
+        a = np.ascontiguousarray(indices, dtype=np.int64).reshape(-1)
+        t = torch.from_numpy(a if a.flags.writeable else a.copy())
+    elif t.dtype != torch.int64:
+        t = t.to(torch.int64)
+    from ..backends import k_sparse
+    return k_sparse.encode(be, t, numel, k).cpu().numpy()
+
+
+def decode_indices(section, numel: int) -> np.ndarray:
+    """Inverse of :func:`encode_indices`: the int64 indices, strictly increasing, < numel.
+
+    ``section``: bytes, uint8 array or tensor (decoded on its device).  Raises
+    WireFormatError for any malformed or inconsistent section (module docstring,
+    "Validation").  Kernels (kernels/sparse.cu) where a backend is available, else
+    :func:`decode_indices_reference`; same indices, same errors.
+    """
+    dev = section.device if isinstance(section, torch.Tensor) else torch.device("cpu")
+    be = _kernels(dev)
+    if be is None:
+        return decode_indices_reference(section, numel)
+    from ..backends import k_sparse
+    return k_sparse.decode(be, section, numel).cpu().numpy()
 
 
 # --- values --------------------------------------------------------------------------------------

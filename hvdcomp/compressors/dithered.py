@@ -284,7 +284,7 @@ class DQSG(Compressor):
     def _symbols(self, codes: torch.Tensor, width: int) -> np.ndarray:
         """The code section: ``width``-bit packed codes, or rANS-coded (entropy)."""
         if self.entropy:
-            return encode_symbols(codes.cpu().numpy(), 1 << width)
+            return encode_symbols(codes, 1 << width)
         return pack_bits(codes, width).cpu().numpy()
 
     @staticmethod

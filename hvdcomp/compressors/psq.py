@@ -330,7 +330,7 @@ class _RowQuantizer(Compressor):
     def _pack(self, codes: torch.Tensor) -> np.ndarray:
         """The code section: packed, or rANS-coded with ``entropy`` (flag ENTROPY)."""
         if self.entropy:
-            return encode_symbols(codes.cpu().numpy(), 1 << self.bits)
+            return encode_symbols(codes, 1 << self.bits)
         return _np_bytes(pack_bits(codes, self.bits))
 
     def _flags(self) -> int:

@@ -27,6 +27,7 @@ import torch
 from .. import levels as L
 from ..backends import k_stats, kernel_backend
 from ..codecs import decode_symbols, encode_symbols, pack_bits, packed_size, unpack_bits
+from ..codecs.rans import decode_codes, encode_codes
 from ..errors import WireFormatError
 from ..random import uniform
 from ..wire import CODECS, FLAG_ENTROPY, Message, dtype_code
@@ -147,9 +148,10 @@ class BucketQuantizer(Compressor):
     def _message(self, grad, key, norms, codes, packed=None) -> Message:
         """codes (int64) or packed (uint8, pack_bits of the codes): either may be None."""
         if self.entropy:
-            if codes is None:
-                codes = unpack_bits(packed, grad.numel(), self.bits)
-            sec = encode_symbols(codes.cpu().numpy(), 1 << self.bits)
+            # kernels/rans.cu straight from the packed codes (no int64 round trip); the
+            # reference's int64 codes: encode_symbols (kernels too where a backend runs)
+            sec = (encode_codes(packed, grad.numel(), self.bits) if packed is not None
+                   else encode_symbols(codes, 1 << self.bits))
         else:
             sec = (packed if packed is not None else pack_bits(codes, self.bits)).cpu().numpy()
         return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
@@ -174,12 +176,16 @@ class BucketQuantizer(Compressor):
         if not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
             raise WireFormatError(f"{self.name}: bucket norms must be finite and >= 0")
         be = kernel_backend(out.device)
-        if (be is not None and not msg.flags & FLAG_ENTROPY and out.dtype == torch.float32
-                and out.dim() == 1 and out.is_contiguous()):
-            # kernels/quantize.cu: out += the decoded values, bit for bit as below
-            msg.section_size_check(1, packed_size(n, self.bits), "codes")
+        if (be is not None and out.dtype == torch.float32 and out.dim() == 1
+                and out.is_contiguous()):
+            # kernels/quantize.cu: out += the decoded values, bit for bit as below; entropy
+            # sections decoded to packed codes by kernels/rans.cu on the same device
             dev = out.device
-            packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(dev)
+            if msg.flags & FLAG_ENTROPY:
+                packed = decode_codes(msg.sections[1], n, self.bits, device=dev)
+            else:
+                msg.section_size_check(1, packed_size(n, self.bits), "codes")
+                packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(dev)
             be.dequantize_add(packed, n, norms.to(dev), self.levels.to(dev), self.bits,
                               self.bucket_size, out)
             return
