@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -141,6 +142,17 @@ class Exchange:
             self.buckets.append(cur)
         self.bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b}
         self._handshake()
+        # CUDA parameters: encoded and decoded by the GPU kernels on the parameter's device;
+        # the messages (compressed bytes) cross to the host for the collective.
+        self.cuda_aware = None
+        if any(p.is_cuda for _, p in named_params):
+            from ..transport.mpi import cuda_aware
+            self.cuda_aware = cuda_aware()
+            if self.rank == 0:
+                print(f"hvdcomp: CUDA parameters; MPI CUDA-aware: "
+                      f"{ {True: 'yes', False: 'no', None: 'unknown'}[self.cuda_aware] }; "
+                      f"compressed messages are staged through host memory", file=sys.stderr,
+                      flush=True)
         self._q: "queue.Queue" = queue.Queue()
         self._cq: "queue.Queue" = queue.Queue()
         self._dq: "queue.Queue" = queue.Queue()
@@ -370,7 +382,8 @@ class Exchange:
         if ag:
             per_rank = [split_frames(f, len(ag)) for f in frames]
             for i, e in enumerate(ag):
-                acc = torch.zeros(e.param.numel(), dtype=torch.float32)
+                acc = torch.zeros(e.param.numel(), dtype=torch.float32,
+                                  device=e.param.device)
                 msgs = [Message.from_bytes(per_rank[r][i]) if len(per_rank[r][i]) else None
                         for r in range(self.size)]
                 keys = [self._key(e, r) for r in range(self.size)]

@@ -1,13 +1,34 @@
 """The mpi4py carrier: Allgather of counts, then Allgatherv of bytes."""
 from __future__ import annotations
 
-from typing import List, Sequence
+import ctypes
+import os
+from typing import List, Optional, Sequence
 
 import numpy as np
 
 from .base import Transport
 
-__all__ = ["MPITransport"]
+__all__ = ["MPITransport", "cuda_aware"]
+
+
+def cuda_aware() -> Optional[bool]:
+    """Whether the MPI library can read CUDA device buffers: $HVDCOMP_CUDA_AWARE (0/1) if
+    set, else Open MPI's MPIX_Query_cuda_support() (True/False), else None (unknown, e.g. an
+    MPI without that extension).  hvdcomp reports it when a model has CUDA parameters; its
+    messages travel through host memory either way (each carries a host-built header and
+    CRC), so only the compressed bytes, never the dense gradient, cross to the host."""
+    env = os.environ.get("HVDCOMP_CUDA_AWARE")
+    if env is not None and env.strip():
+        return env.strip() not in ("0", "false", "no")
+    try:
+        from mpi4py import MPI
+        lib = ctypes.CDLL(MPI.__file__, mode=ctypes.RTLD_GLOBAL)
+        fn = lib.MPIX_Query_cuda_support
+    except (OSError, AttributeError, ImportError):
+        return None
+    fn.restype = ctypes.c_int
+    return bool(fn())
 
 
 class MPITransport(Transport):
