@@ -60,6 +60,14 @@ its header fields):
                               payload: 8*nb + ceil(numel*nested_bits/8) bytes
 E.g. bits=4, nested_bits=2, bucket_size=512: 4.0625 bits/coordinate for DQSG, 2.125 for a
 nested message (47.7 % fewer) at the same step Delta, i.e. the same variance bound.
+Kernels: where ``hvdcomp.backends.kernel_backend(device)`` returns a backend (host build on
+the CPU, CuPy on CUDA), encode, decode and NDQSG's combine run kernels/dithered.cu through
+hvdcomp/backends/k_dithered.py (bucket maxima, dithered quantization with the Philox dither,
+packing, the checks, validation of received codes, reconstruction, the nested-lattice decode
+with its check and fallback, added straight into the accumulator).  The functions below stay
+the specification: message bytes, decoded sums and NDQSG's events are the same bit for bit
+either way (HVDCOMP_BACKEND=reference runs them).  Entropy-coded messages, and accumulators
+that are not contiguous float32 (numel,), decode on the reference path.
 """
 from __future__ import annotations
 

@@ -94,6 +94,17 @@ bhq (codec 18; header bits = bits, bucket_size = block_size):
   payload = 12 R + 8 G + ceil(R D bits / 8) bytes.
 Malformed sections (sizes, non-finite or inverted ranges, a perm that is not a permutation,
 invalid block sizes or scales) raise :class:`hvdcomp.WireFormatError`.
+
+Kernels
+-------
+Where ``hvdcomp.backends.kernel_backend(device)`` returns a backend (host build on the CPU,
+CuPy on CUDA), encode and decode run kernels/psq.cu through hvdcomp/backends/k_psq.py: the
+stochastic rounding with its Philox uniforms, the packing, the unpacking and dequantization
+(BHQ: with the inverse transform and the row permutation, added straight into the
+accumulator), BHQ's Householder transform and the per-coordinate variance terms of its plan.
+The functions above stay the specification: the message bytes and the decoded sums are the
+same bit for bit either way (HVDCOMP_BACKEND=reference runs them).  Entropy-coded messages,
+and accumulators that are not contiguous float32 (numel,), decode on the reference path.
 """
 from __future__ import annotations
 
