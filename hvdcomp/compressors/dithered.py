@@ -60,6 +60,14 @@ its header fields):
                               payload: 8*nb + ceil(numel*nested_bits/8) bytes
 E.g. bits=4, nested_bits=2, bucket_size=512: 4.0625 bits/coordinate for DQSG, 2.125 for a
 nested message (47.7 % fewer) at the same step Delta, i.e. the same variance bound.
+Kernels: where ``hvdcomp.backends.kernel_backend(device)`` returns a backend (host build on
+the CPU, CuPy on CUDA), encode, decode and NDQSG's combine run kernels/dithered.cu through
+hvdcomp/backends/k_dithered.py (bucket maxima, dithered quantization with the Philox dither,
+packing, the checks, validation of received codes, reconstruction, the nested-lattice decode
+with its check and fallback, added straight into the accumulator).  The functions below stay
+the specification: message bytes, decoded sums and NDQSG's events are the same bit for bit
+either way (HVDCOMP_BACKEND=reference runs them).  Entropy-coded messages, and accumulators
+that are not contiguous float32 (numel,), decode on the reference path.
 """
 from __future__ import annotations
 
@@ -70,6 +78,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..backends import k_dithered, kernel_backend
 from ..codecs import decode_symbols, encode_symbols, pack_bits, packed_size, unpack_bits
 from ..errors import WireFormatError
 from ..random import random_words, uniform
@@ -209,6 +218,10 @@ def _read_u32(sec) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(bytes(sec), dtype="<u4").astype(np.int64))
 
 
+def _key_args(key: TensorKey) -> dict:
+    return dict(seed=key.seed, rank=key.rank, tensor_id=key.tensor_id, step=key.step)
+
+
 # --- DQSG ------------------------------------------------------------------------------------
 
 @register("dqsg")
@@ -277,9 +290,24 @@ class DQSG(Compressor):
         x = self._flat(grad)
         if x.numel() and not bool(torch.isfinite(x).all()):   # float64 beyond float32 range
             return self._message(grad, key, self.bits, (), FLAG_NONFINITE)
+        be = kernel_backend(x.device)
+        if be is not None:      # kernels/dithered.cu: the same bytes as below
+            x = x.contiguous()
+            delta = k_dithered.steps(be.backend, x, self.bits, self.bucket_size)
+            packed = k_dithered.quantize_pack(be.backend, x, delta, self.bits,
+                                              self.bucket_size, 0, **_key_args(key))
+            return self._message(grad, key, self.bits,
+                                 (_f32_section(delta),
+                                  self._symbols_packed(packed, x.numel(), self.bits)))
         delta, q = self._quantize(x, key)
         return self._message(grad, key, self.bits,
                              (_f32_section(delta), self._symbols(q + self.M, self.bits)))
+
+    def _symbols_packed(self, packed: torch.Tensor, n: int, width: int) -> np.ndarray:
+        """The code section from kernel-packed codes (the same bytes as :meth:`_symbols`)."""
+        if self.entropy:
+            return encode_symbols(unpack_bits(packed, n, width).cpu().numpy(), 1 << width)
+        return packed.cpu().numpy()
 
     def _symbols(self, codes: torch.Tensor, width: int) -> np.ndarray:
         """The code section: ``width``-bit packed codes, or rANS-coded (entropy)."""
@@ -319,7 +347,41 @@ class DQSG(Compressor):
             raise WireFormatError(f"{self.name}: non-zero code in a bucket with step 0")
         return delta, q
 
+    def _kernel_decode(self, msgs, out: torch.Tensor):
+        """The kernel backend for decoding ``msgs`` into ``out``, or None (reference path):
+        packed sections (no entropy coding) into a contiguous float32 (numel,) accumulator."""
+        if (out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous()
+                or any(m is None or m.flags & FLAG_ENTROPY for m in msgs)):
+            return None
+        return kernel_backend(out.device)
+
+    def _parse_dqsg_kernel(self, be, msg: Message, device):
+        """:meth:`_parse_dqsg` with the codes validated by a kernel (the same checks, the same
+        errors, in the same order); returns (Delta float32 (nb,), packed codes uint8), both
+        on ``device``."""
+        n = msg.numel
+        nb = _nbuckets(n, self.bucket_size)
+        msg.expect(nsections=2)
+        delta = self._parse_steps(msg, nb).to(device)
+        msg.section_size_check(1, packed_size(n, self.bits), "codes")
+        packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(device)
+        invalid, nonzero = k_dithered.validate(be.backend, packed, n, delta, self.bucket_size,
+                                               self.bits, self.M, 2 * self.M)
+        if invalid:
+            raise WireFormatError(f"{self.name}: code {2 * self.M + 1} is not a valid "
+                                  f"{self.bits}-bit DQSG code (codes are q + {self.M} <= "
+                                  f"{2 * self.M})")
+        if nonzero:
+            raise WireFormatError(f"{self.name}: non-zero code in a bucket with step 0")
+        return delta, packed
+
     def _decode(self, msg, key, out):
+        be = self._kernel_decode([msg], out)
+        if be is not None:      # kernels/dithered.cu: out += x_hat, bit for bit as below
+            delta, packed = self._parse_dqsg_kernel(be, msg, out.device)
+            k_dithered.decode_add(be.backend, packed, msg.numel, delta, self.bits,
+                                  self.bucket_size, out, **_key_args(key))
+            return
         delta, q = self._parse_dqsg(msg)
         s = dither(msg.numel, key)
         out.add_(dqsg_reconstruct(delta, q, s, self.bucket_size).to(out.device))
@@ -447,6 +509,18 @@ class NDQSG(DQSG):
         nb_bits = self.nested_bits
         if x.numel() and not bool(torch.isfinite(x).all()):
             return self._message(grad, key, nb_bits, (), FLAG_NONFINITE)
+        be = kernel_backend(x.device)
+        if be is not None:      # kernels/dithered.cu: the same bytes as below
+            x = x.contiguous()
+            delta = k_dithered.steps(be.backend, x, self.bits, self.bucket_size)
+            packed = k_dithered.quantize_pack(be.backend, x, delta, self.bits,
+                                              self.bucket_size, nb_bits, **_key_args(key))
+            check = k_dithered.checks(be.backend, x, delta, self.bits, self.bucket_size,
+                                      **_key_args(key))
+            return self._message(grad, key, nb_bits,
+                                 (_f32_section(delta),
+                                  self._symbols_packed(packed, x.numel(), nb_bits),
+                                  _u32_section(check)))
         delta, q = self._quantize(x, key)
         resid = q & (self.k - 1)
         check = bucket_checksums(q, check_weights(q.numel(), key, device=q.device),
@@ -479,6 +553,28 @@ class NDQSG(DQSG):
         if bool((zero & (check != 0)).any()):
             raise WireFormatError(f"{self.name}: non-zero check in a bucket with step 0")
         return delta, c, check
+
+    def _parse_nested_kernel(self, be, msg: Message, device):
+        """:meth:`_parse_nested` with the residues validated by a kernel (same checks, same
+        errors, same order); returns (Delta float32 (nb,), packed residues uint8, S int64
+        (nb,)), all on ``device``."""
+        n = msg.numel
+        nb = _nbuckets(n, self.bucket_size)
+        msg.expect(nsections=3)
+        delta = self._parse_steps(msg, nb)
+        msg.section_size_check(2, 4 * nb, "bucket checks")
+        msg.section_size_check(1, packed_size(n, self.nested_bits), "residues")
+        packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(device)
+        check = _read_u32(msg.sections[2])
+        zero = delta == 0
+        delta_d = delta.to(device)
+        _, nonzero = k_dithered.validate(be.backend, packed, n, delta_d, self.bucket_size,
+                                         self.nested_bits, 0, self.k - 1)
+        if nonzero:
+            raise WireFormatError(f"{self.name}: non-zero residue in a bucket with step 0")
+        if bool((zero & (check != 0)).any()):
+            raise WireFormatError(f"{self.name}: non-zero check in a bucket with step 0")
+        return delta_d, packed, check.to(device)
 
     def decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> bool:
         """Decode one DQSG-group message (as :meth:`DQSG.decode`).
@@ -568,6 +664,9 @@ class NDQSG(DQSG):
         per nested rank with buckets whose side information was too far off (class
         docstring).  Raises WireFormatError / ValueError as :meth:`resolve`.
         """
+        be = self._kernel_decode(msgs, out)
+        if be is not None:
+            return self._combine_kernels(be, msgs, keys, out)
         res = self.resolve(msgs, keys, out.numel())
         if res is None:
             return False
@@ -581,4 +680,47 @@ class NDQSG(DQSG):
                     f"ndqsg: side information too far off in {nf} of {res.failed[r].numel()} "
                     f"buckets of rank {r} (step {k.step}, tensor {k.tensor_id}); used the "
                     f"DQSG-group mean (ranks 0..{res.group - 1}) there")
+        return True
+
+    def _failure_event(self, nf: int, nb: int, r: int, k: TensorKey, group: int) -> str:
+        return (f"ndqsg: side information too far off in {nf} of {nb} buckets of rank {r} "
+                f"(step {k.step}, tensor {k.tensor_id}); used the DQSG-group mean "
+                f"(ranks 0..{group - 1}) there")
+
+    def _combine_kernels(self, be, msgs: List[Message], keys: List[TensorKey],
+                         out: torch.Tensor) -> bool:
+        """:meth:`combine` through kernels/dithered.cu: the same validation and errors in the
+        same order, the same float32 sums into ``out``, bit for bit, and the same events.
+        The side information, the coset resolution, the checks and the fallback are
+        computed on ``out``'s device (the reference computes them on the CPU: the kernels'
+        arithmetic, true division included, gives the same bits on either device)."""
+        world = self._check_keys(msgs, keys)
+        n = out.numel()
+        G = self.group_size(world)
+        dev = out.device
+        parsed = []
+        for msg, key in zip(msgs, keys):
+            self._validate(msg, key, n)
+            if msg.flags & FLAG_NONFINITE:
+                parsed.append(None)
+            elif key.rank < G:
+                parsed.append(self._parse_dqsg_kernel(be, msg, dev))
+            else:
+                parsed.append(self._parse_nested_kernel(be, msg, dev))
+        if any(p is None for p in parsed):
+            return False
+        side_sum = torch.zeros(n, dtype=torch.float32, device=dev)
+        for r in range(G):
+            delta, packed = parsed[r]
+            k_dithered.decode_add(be.backend, packed, n, delta, self.bits, self.bucket_size,
+                                  side_sum, **_key_args(keys[r]))
+        out.add_(side_sum)
+        for r in range(G, world):
+            delta, packed, check = parsed[r]
+            failed = k_dithered.resolve_add(be.backend, packed, n, delta, check, side_sum, G,
+                                            self.bits, self.nested_bits, self.bucket_size,
+                                            out, **_key_args(keys[r]))
+            nf = int(failed.sum())
+            if nf:
+                self._events.append(self._failure_event(nf, failed.numel(), r, keys[r], G))
         return True

@@ -94,6 +94,17 @@ bhq (codec 18; header bits = bits, bucket_size = block_size):
   payload = 12 R + 8 G + ceil(R D bits / 8) bytes.
 Malformed sections (sizes, non-finite or inverted ranges, a perm that is not a permutation,
 invalid block sizes or scales) raise :class:`hvdcomp.WireFormatError`.
+
+Kernels
+-------
+Where ``hvdcomp.backends.kernel_backend(device)`` returns a backend (host build on the CPU,
+CuPy on CUDA), encode and decode run kernels/psq.cu through hvdcomp/backends/k_psq.py: the
+stochastic rounding with its Philox uniforms, the packing, the unpacking and dequantization
+(BHQ: with the inverse transform and the row permutation, added straight into the
+accumulator), BHQ's Householder transform and the per-coordinate variance terms of its plan.
+The functions above stay the specification: the message bytes and the decoded sums are the
+same bit for bit either way (HVDCOMP_BACKEND=reference runs them).  Entropy-coded messages,
+and accumulators that are not contiguous float32 (numel,), decode on the reference path.
 """
 from __future__ import annotations
 
@@ -103,6 +114,7 @@ from typing import Dict, Tuple
 import numpy as np
 import torch
 
+from ..backends import k_psq, kernel_backend
 from ..codecs import decode_symbols, encode_symbols, pack_bits, packed_size, unpack_bits
 from ..errors import WireFormatError
 from ..random import uniform
@@ -333,6 +345,37 @@ class _RowQuantizer(Compressor):
             return encode_symbols(codes, 1 << self.bits)
         return _np_bytes(pack_bits(codes, self.bits))
 
+    def _pack_packed(self, packed: torch.Tensor, n: int) -> np.ndarray:
+        """The code section from kernel-packed codes (the same bytes as :meth:`_pack`)."""
+        if self.entropy:
+            return encode_symbols(unpack_bits(packed, n, self.bits).cpu().numpy(),
+                                  1 << self.bits)
+        return _np_bytes(packed)
+
+    def _quantize(self, y: torch.Tensor, key: TensorKey):
+        """(lohi float32 (R, 2), code section) of the rows y (R, D): kernels/psq.cu where a
+        kernel backend is there, else quantize_rows; the same bytes either way."""
+        be = kernel_backend(y.device)
+        if be is not None:
+            lohi, packed = k_psq.quantize_rows(be.backend, y, self.bits, seed=key.seed,
+                                               rank=key.rank, tensor_id=key.tensor_id,
+                                               step=key.step)
+            return lohi, self._pack_packed(packed, y.numel())
+        u = self._uniforms(y.numel(), key, y.device)
+        lohi, codes = quantize_rows(y, self.bits, u)
+        return lohi, self._pack(codes)
+
+    def _kernel_decode(self, msg: Message, out: torch.Tensor):
+        """The kernel backend for decoding ``msg`` into ``out``, or None (reference path):
+        packed codes (no entropy coding) into a contiguous float32 (numel,) accumulator."""
+        if (msg.flags & FLAG_ENTROPY or out.dtype != torch.float32 or out.dim() != 1
+                or not out.is_contiguous()):
+            return None
+        return kernel_backend(out.device)
+
+    def _packed_codes(self, msg: Message, device) -> torch.Tensor:
+        return torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(device)
+
     def _flags(self) -> int:
         return FLAG_ENTROPY if self.entropy else 0
 
@@ -386,10 +429,9 @@ class PSQ(_RowQuantizer):
         x = self._rows(grad)
         if x is None:
             return self._nonfinite(grad, key)
-        u = self._uniforms(x.numel(), key, x.device)
-        lohi, codes = quantize_rows(x, self.bits, u)
+        lohi, codes = self._quantize(x, key)
         return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=(_np_bytes(lohi), self._pack(codes)), flags=self._flags(),
+                       sections=(_np_bytes(lohi), codes), flags=self._flags(),
                        tensor_id=key.tensor_id, rank=key.rank, seed=key.seed, step=key.step,
                        **self._header_fields())
 
@@ -401,6 +443,11 @@ class PSQ(_RowQuantizer):
         if R * D == 0:
             return
         lohi = self._lohi(msg, R)
+        be = self._kernel_decode(msg, out)
+        if be is not None:      # kernels/psq.cu: out += the decoded values, bit for bit
+            k_psq.dequantize_add(be.backend, self._packed_codes(msg, out.device), R, D,
+                                 lohi.to(out.device), self.bits, out)
+            return
         v = dequantize_rows(lohi, self._codes(msg, R * D), self.bits)
         out.add_(v.to(torch.float32).reshape(-1).to(out.device))
 
@@ -460,10 +507,14 @@ class BHQ(_RowQuantizer):
         x = self._rows(grad)
         if x is None:
             return self._nonfinite(grad, key)
-        perm, sizes, scales, y, _ = bhq_plan(x, self.bits, self.block_size)
-        u = self._uniforms(y.numel(), key, y.device)
-        lohi, codes = quantize_rows(y, self.bits, u)
-        secs = (_np_bytes(lohi), self._pack(codes),
+        be = kernel_backend(x.device)
+        if be is not None:      # kernels/psq.cu: the same plan, bit for bit
+            perm, sizes, scales, y, _ = k_psq.bhq_plan(be.backend, x, self.bits,
+                                                       self.block_size)
+        else:
+            perm, sizes, scales, y, _ = bhq_plan(x, self.bits, self.block_size)
+        lohi, codes = self._quantize(y, key)
+        secs = (_np_bytes(lohi), codes,
                 perm.to(torch.int64).numpy().astype("<u4").view(np.uint8),
                 sizes.numpy().astype("<u4").view(np.uint8),
                 scales.numpy().astype("<f4").view(np.uint8))
@@ -505,6 +556,13 @@ class BHQ(_RowQuantizer):
         if R * D == 0:
             return
         lohi = self._lohi(msg, R)
+        be = self._kernel_decode(msg, out)
+        if be is not None:      # kernels/psq.cu: out[perm] += the decoded rows, bit for bit
+            dev = out.device
+            k_psq.bhq_dequantize_add(be.backend, self._packed_codes(msg, dev), R, D,
+                                     lohi.to(dev), self.bits, perm.to(dev), sizes.to(dev),
+                                     scales.to(dev), out)
+            return
         yhat = dequantize_rows(lohi, self._codes(msg, R * D), self.bits)
         xhat = householder_blocks(yhat, sizes, scales, inverse=True).to(torch.float32)
         full = torch.empty_like(xhat)

@@ -1,0 +1,352 @@
+"""DQSG and NDQSG kernels (kernels/dithered.cu, hvdcomp/backends/k_dithered.py) against the
+PyTorch specification (hvdcomp/compressors/dithered.py), bit for bit: the host build here, the
+CUDA backend on a GPU (tests marked requires_cuda), and end to end through the compressors
+(kernel path vs HVDCOMP_BACKEND=reference: identical message bytes, decoded sums, events),
+NDQSG's fallback where the side information is too far off included.
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import hvdcomp
+import hvdcomp.backends as B
+from hvdcomp.backends import k_dithered
+from hvdcomp.codecs import pack_bits
+from hvdcomp.compressors.base import TensorKey
+from hvdcomp.compressors.dithered import (bucket_checksums, check_weights, dither,
+                                          dqsg_quantize, dqsg_reconstruct)
+from hvdcomp.errors import WireFormatError
+from hvdcomp.wire import Message
+
+from kernel_cases import same_bits
+
+KEY = TensorKey("w", 3, 7, 2, 4, 11)
+KW = dict(seed=KEY.seed, rank=KEY.rank, tensor_id=KEY.tensor_id, step=KEY.step)
+SIZES = (1, 7, 8, 9, 1000, 8193)
+BUCKETS = (1, 3, 8, 100, 512)
+
+
+def gradient(n, bs, seed):
+    """float32: heavy tails, ±0, denormals, an all-zero bucket, a bucket of tiny values whose
+    step underflows, values at the bucket maximum."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(2.0 * torch.randn(n, generator=g))
+    x[::7] = 0.0
+    x[3::11] = -0.0
+    x[5::13] *= 1e-39
+    if n > 2 * bs:
+        x[bs:2 * bs] = 0.0
+    if n > 3 * bs:
+        x[2 * bs:3 * bs] = 1e-45                       # delta = m / M underflows to 0
+    if n > 5 * bs:
+        x[4 * bs:5 * bs] = 3e38                        # near the float32 maximum
+    return x.to(torch.float32)
+
+
+def reference_encode(x, bits, bs, nested_bits=0, key=KEY):
+    delta, q = dqsg_quantize(x, bits, bs, dither(x.numel(), key))
+    M = (1 << (bits - 1)) - 1
+    if nested_bits:
+        return delta, q, pack_bits(q & ((1 << nested_bits) - 1), nested_bits)
+    return delta, q, pack_bits(q + M, bits)
+
+
+# ---- kernels vs the reference functions (host) ------------------------------------------------
+
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_quantize_pack_and_decode(host, bits):
+    be = host.backend
+    for n in SIZES:
+        for bs in BUCKETS:
+            x = gradient(n, bs, seed=bits * 1000 + n + bs)
+            delta_r, q, packed_r = reference_encode(x, bits, bs)
+            delta = k_dithered.steps(be, x, bits, bs)
+            assert same_bits(delta, delta_r), (n, bs)
+            assert torch.equal(k_dithered.quantize_pack(be, x, delta, bits, bs, **KW),
+                               packed_r), (n, bs)
+            for nb in range(1, bits):
+                got = k_dithered.quantize_pack(be, x, delta, bits, bs, nb, **KW)
+                assert torch.equal(got, reference_encode(x, bits, bs, nb)[2]), (n, bs, nb)
+            out = torch.randn(n)
+            want = out + dqsg_reconstruct(delta_r, q, dither(n, KEY), bs)
+            k_dithered.decode_add(be, packed_r, n, delta_r, bits, bs, out, **KW)
+            assert same_bits(out, want), (n, bs)
+
+
+@pytest.mark.parametrize("bits", (2, 4, 8))
+def test_checks(host, bits):
+    be = host.backend
+    for n in SIZES:
+        for bs in BUCKETS + (8192,):
+            x = gradient(n, bs, seed=bits + n + bs)
+            delta, q, _ = reference_encode(x, bits, bs)
+            want = bucket_checksums(q, check_weights(n, KEY), bs)
+            assert torch.equal(k_dithered.checks(be, x, delta, bits, bs, **KW), want), (n, bs)
+
+
+def test_validate(host):
+    be = host.backend
+    bits, bs, n = 3, 10, 95
+    M = 3
+    delta = torch.rand(10) + 0.1
+    codes = torch.randint(0, 2 * M + 1, (n,))
+    assert k_dithered.validate(be, pack_bits(codes, bits), n, delta, bs, bits, M, 2 * M) \
+        == (False, False)
+    bad = codes.clone()
+    bad[94] = 2 * M + 1
+    assert k_dithered.validate(be, pack_bits(bad, bits), n, delta, bs, bits, M, 2 * M)[0]
+    d0 = delta.clone()
+    d0[4] = 0.0
+    zc = codes.clone()
+    zc[40:50] = M
+    assert k_dithered.validate(be, pack_bits(zc, bits), n, d0, bs, bits, M, 2 * M) \
+        == (False, False)
+    zc[47] = M + 1
+    assert k_dithered.validate(be, pack_bits(zc, bits), n, d0, bs, bits, M, 2 * M) \
+        == (False, True)
+
+
+def _resolve_reference(msgs_q, keys, deltas, bits, nbits, bs, n, G):
+    """values of the nested ranks as NDQSG.resolve computes them, from their true q."""
+    from hvdcomp.compressors.dithered import nested_resolve, _per_coord
+    side = torch.zeros(n)
+    for r in range(G):
+        side.add_(dqsg_reconstruct(deltas[r], msgs_q[r], dither(n, keys[r]), bs))
+    y = side / G
+    vals, fails = [], []
+    for r in range(G, len(keys)):
+        s = dither(n, keys[r])
+        d = _per_coord(deltas[r], bs, n)
+        z = y / torch.where(d > 0, d, torch.ones_like(d)) + s
+        c = msgs_q[r] & ((1 << nbits) - 1)
+        qh = nested_resolve(c, z, bits, nbits)
+        qh = torch.where(d > 0, qh, torch.zeros_like(qh))
+        check = bucket_checksums(msgs_q[r], check_weights(n, keys[r]), bs)
+        bad = bucket_checksums(qh, check_weights(n, keys[r]), bs) != check
+        v = dqsg_reconstruct(deltas[r], qh, s, bs)
+        vals.append(torch.where(_per_coord(bad, bs, n), y, v))
+        fails.append(bad)
+    return side, vals, fails
+
+
+@pytest.mark.parametrize("bits,nbits", [(2, 1), (4, 2), (4, 3), (6, 2), (8, 7)])
+@pytest.mark.parametrize("spread", (0.0, 0.02, 3.0))
+def test_resolve_add(host, bits, nbits, spread):
+    be = host.backend
+    world, G = 4, 2
+    for n, bs in ((1, 1), (9, 3), (1000, 64), (5003, 512)):
+        base = gradient(n, bs, seed=n + bs)
+        keys = [TensorKey("w", 3, 7, r, world, 11) for r in range(world)]
+        xs, deltas, qs = [], [], []
+        for r in range(world):
+            g = torch.Generator().manual_seed(r)
+            x = base + spread * base.abs() * torch.randn(n, generator=g)
+            d, q = dqsg_quantize(x, bits, bs, dither(n, keys[r]))
+            xs.append(x)
+            deltas.append(d)
+            qs.append(q)
+        side, vals, fails = _resolve_reference(qs, keys, deltas, bits, nbits, bs, n, G)
+        for j, r in enumerate(range(G, world)):
+            k = keys[r]
+            kw = dict(seed=k.seed, rank=k.rank, tensor_id=k.tensor_id, step=k.step)
+            check = bucket_checksums(qs[r], check_weights(n, k), bs)
+            packed = pack_bits(qs[r] & ((1 << nbits) - 1), nbits)
+            out = torch.randn(n)
+            want = out + vals[j]
+            failed = k_dithered.resolve_add(be, packed, n, deltas[r], check, side, G, bits,
+                                            nbits, bs, out, **kw)
+            assert torch.equal(failed, fails[j]), (n, bs)
+            assert same_bits(out, want), (n, bs)
+
+
+def test_argument_checks(host):
+    be = host.backend
+    x = torch.randn(10)
+    d = torch.ones(1)
+    with pytest.raises(ValueError):
+        k_dithered.quantize_pack(be, x, d, 1, 10, **KW)
+    with pytest.raises(ValueError):
+        k_dithered.quantize_pack(be, x, d, 4, 10, 4, **KW)
+    with pytest.raises(ValueError):
+        k_dithered.quantize_pack(be, x, torch.ones(2), 4, 10, **KW)
+    with pytest.raises(TypeError):
+        k_dithered.decode_add(be, torch.zeros(5, dtype=torch.uint8), 10, d, 4, 10,
+                              torch.zeros(10, dtype=torch.float64), **KW)
+    with pytest.raises(ValueError):
+        k_dithered.resolve_add(be, torch.zeros(3, dtype=torch.uint8), 10, d, torch.zeros(1),
+                               torch.zeros(10), 0, 4, 2, 10, torch.zeros(10), **KW)
+    assert k_dithered.quantize_pack(be, torch.zeros(0), torch.zeros(0), 4, 10, **KW).numel() == 0
+
+
+# ---- end to end through the compressors ------------------------------------------------------
+
+def _use(monkeypatch, mode):
+    monkeypatch.setenv("HVDCOMP_BACKEND", mode)
+    B._choice.clear()
+
+
+def _run(spec, grads, monkeypatch, mode, device="cpu", wire=None):
+    """Encode every rank's gradient (or take ``wire``), combine on every rank's behalf once;
+    returns (message bytes, accumulator, events)."""
+    _use(monkeypatch, mode)
+    c = hvdcomp.get(spec)
+    world = len(grads)
+    keys = [TensorKey("w", 3, 7, r, world, 11) for r in range(world)]
+    if wire is None:
+        wire = [c.encode(g, k).to_bytes() for g, k in zip(grads, keys)]
+    acc = torch.zeros(grads[0].numel(), device=device)
+    finite = c.combine([Message.from_bytes(w) for w in wire], keys, acc)
+    assert finite == all(bool(torch.isfinite(g.float()).all()) for g in grads)
+    return wire, acc.cpu(), list(getattr(c, "_events", []))
+
+
+def _grads(make, world, spread, relative=True):
+    """world gradients: make() plus per-rank noise of scale spread (times |value| when
+    relative)."""
+    base = make()
+    out = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(r)
+        noise = torch.randn(base.shape, generator=g).float() * spread
+        if relative:
+            noise = noise * base.float().abs()
+        out.append(base + noise.to(base.dtype))
+    return out
+
+
+GRADS = [
+    ("1-D", lambda: gradient(3001, 100, 1)),
+    ("0-D", lambda: torch.tensor(-1.25)),
+    ("empty", lambda: torch.zeros(0, 3)),
+    ("conv", lambda: gradient(8 * 5 * 9, 64, 2).reshape(8, 5, 3, 3)),
+    ("transposed", lambda: gradient(40 * 30, 64, 3).reshape(40, 30).t()),
+    ("half", lambda: torch.randn(33, 19).half()),
+    ("bfloat16", lambda: torch.randn(1025).bfloat16()),
+    ("float64", lambda: gradient(999, 7, 4).double()),
+]
+SPECS = ["dqsg:bits=4,bucket_size=512", "dqsg:bits=2,bucket_size=3", "dqsg:bits=8,bucket_size=64",
+         "dqsg:bits=4,bucket_size=100,entropy=True",
+         "ndqsg:bits=4,nested_bits=2,bucket_size=64",
+         "ndqsg:bits=5,nested_bits=3,bucket_size=7",
+         "ndqsg:bits=8,nested_bits=1,bucket_size=512,dqsg_ranks=1",
+         "ndqsg:bits=4,nested_bits=2,bucket_size=100,entropy=True"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("name,make", GRADS, ids=[g[0] for g in GRADS])
+def test_compressor_kernels_equal_reference(monkeypatch, host, spec, name, make):
+    grads = _grads(make, 4, 0.01)
+    want = _run(spec, grads, monkeypatch, "reference")
+    got = _run(spec, grads, monkeypatch, "kernels")
+    assert got[0] == want[0], name
+    assert same_bits(got[1], want[1]), name
+    assert got[2] == want[2]
+
+
+@pytest.mark.parametrize("spec", ["ndqsg:bits=4,nested_bits=2,bucket_size=64",
+                                  "ndqsg:bits=3,nested_bits=1,bucket_size=5,dqsg_ranks=2"])
+@pytest.mark.parametrize("spread", (0.3, 5.0))
+def test_ndqsg_fallback_when_side_information_fails(monkeypatch, host, spec, spread):
+    grads = _grads(lambda: torch.randn(4000), 5, spread, relative=False)
+    want = _run(spec, grads, monkeypatch, "reference")
+    got = _run(spec, grads, monkeypatch, "kernels")
+    assert want[2], "the workers differ enough for some buckets to fail"
+    assert got[0] == want[0] and got[2] == want[2]
+    assert same_bits(got[1], want[1])
+
+
+def test_kernel_messages_decode_on_the_reference_path(monkeypatch, host):
+    spec = "ndqsg:bits=4,nested_bits=2,bucket_size=64"
+    grads = _grads(lambda: gradient(2000, 64, 5), 3, 0.05)
+    wire = _run(spec, grads, monkeypatch, "kernels")[0]
+    got = _run(spec, grads, monkeypatch, "kernels", wire=wire)
+    want = _run(spec, grads, monkeypatch, "reference", wire=wire)
+    assert same_bits(got[1], want[1]) and got[2] == want[2]
+
+
+def test_nonfinite_and_malformed(monkeypatch, host):
+    spec = "ndqsg:bits=4,nested_bits=2,bucket_size=10"
+    grads = _grads(lambda: torch.randn(100), 3, 0.01)
+    bad = [g.clone() for g in grads]
+    bad[2][5] = float("inf")
+    assert _run(spec, bad, monkeypatch, "kernels")[0] == _run(spec, bad, monkeypatch,
+                                                              "reference")[0]
+    # malformed sections: the same error on both paths
+    _use(monkeypatch, "reference")
+    c = hvdcomp.get(spec)
+    keys = [TensorKey("w", 3, 7, r, 3, 11) for r in range(3)]
+    msgs = [c.encode(g, k) for g, k in zip(grads, keys)]
+    delta0 = np.zeros(10, dtype="<f4").view(np.uint8)
+    cases = [
+        [msgs[0], msgs[1], dataclasses.replace(msgs[2], sections=(delta0,) + msgs[2].sections[1:])],
+        [dataclasses.replace(msgs[0], sections=(msgs[0].sections[0],
+                                                np.full(50, 0xFF, dtype=np.uint8))),
+         msgs[1], msgs[2]],
+        [dataclasses.replace(msgs[0], sections=(delta0, msgs[0].sections[1])), msgs[1],
+         msgs[2]],
+    ]
+    for case in cases:
+        errs = []
+        for mode in ("reference", "kernels"):
+            _use(monkeypatch, mode)
+            with pytest.raises(WireFormatError) as e:
+                hvdcomp.get(spec).combine(case, keys, torch.zeros(100))
+            errs.append(str(e.value))
+        assert errs[0] == errs[1]
+
+
+def test_reference_mode_never_launches(monkeypatch, host):
+    def boom(*a, **k):
+        raise AssertionError("kernel launched in reference mode")
+    monkeypatch.setattr(host.backend, "launch", boom)
+    _run("ndqsg:bits=4,nested_bits=2", _grads(lambda: torch.randn(300), 3, 0.01), monkeypatch,
+         "reference")
+
+
+def test_large(monkeypatch, host):
+    grads = _grads(lambda: torch.randn(1_000_003), 3, 0.001)
+    for spec in ("dqsg:bits=4,bucket_size=512", "ndqsg:bits=4,nested_bits=2,bucket_size=512"):
+        want = _run(spec, grads, monkeypatch, "reference")
+        got = _run(spec, grads, monkeypatch, "kernels")
+        assert got[0] == want[0] and same_bits(got[1], want[1]) and got[2] == want[2]
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("bits", (2, 4, 8))
+def test_dqsg_kernels_on_gpu(cuda_backend, maybe_host, bits):
+    be = cuda_backend.backend
+    for n in SIZES + (1_000_003,):
+        for bs in BUCKETS:
+            x = gradient(n, bs, seed=bits + n + bs).cuda()
+            delta_r, q = dqsg_quantize(x, bits, bs, dither(n, KEY, device="cuda"))
+            delta = k_dithered.steps(be, x, bits, bs)
+            assert same_bits(delta.cpu(), delta_r.cpu())
+            M = (1 << (bits - 1)) - 1
+            packed = k_dithered.quantize_pack(be, x, delta, bits, bs, **KW)
+            assert torch.equal(packed, pack_bits(q + M, bits))
+            if maybe_host is not None:
+                assert torch.equal(packed.cpu(), k_dithered.quantize_pack(
+                    maybe_host.backend, x.cpu(), delta.cpu(), bits, bs, **KW))
+            want = bucket_checksums(q, check_weights(n, KEY, device="cuda"), bs)
+            assert torch.equal(k_dithered.checks(be, x, delta, bits, bs, **KW), want)
+            out = torch.randn(n, device="cuda")
+            exp = out + dqsg_reconstruct(delta_r, q, dither(n, KEY, device="cuda"), bs)
+            k_dithered.decode_add(be, packed, n, delta, bits, bs, out, **KW)
+            assert same_bits(out.cpu(), exp.cpu())
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("spec", ["dqsg:bits=4,bucket_size=512",
+                                  "ndqsg:bits=4,nested_bits=2,bucket_size=64"])
+@pytest.mark.parametrize("spread", (0.01, 2.0))
+def test_compressors_on_gpu(monkeypatch, cuda_backend, spec, spread):
+    # the reference resolves NDQSG on the CPU; the kernels on the GPU give the same bits
+    grads = [g.cuda() for g in _grads(lambda: gradient(100_003, 64, 3), 4, spread)]
+    want = _run(spec, grads, monkeypatch, "reference", "cuda")
+    got = _run(spec, grads, monkeypatch, "kernels", "cuda")
+    assert got[0] == want[0] and got[2] == want[2]
+    assert same_bits(got[1], want[1])
