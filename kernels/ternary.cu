@@ -72,21 +72,35 @@ struct TernStatsOp {
   }
 };
 
-// Thread t of `stride` threads: coordinates t, t + stride, ... < len of segment xs.
+// Thread t of `stride` threads: coordinates t, t + stride, ... < len of segment xs; the sums
+// in two interleaved partials each (their order does not matter: see the top of the file).
+// The maximum is a plain max (no branch on NaN in the loop); NaN is restored at the end
+// from the sum of |x|, which is NaN exactly when some |x| is (the other terms are >= 0).
 __device__ inline TernStats tern_stats_partial(const float* __restrict__ xs, i64 len, i64 t,
                                                i64 stride) {
-  const MaxNanOp mop;
-  TernStats r;
-  r.mx = 0.0f;
-  r.sum = 0.0;
-  r.asum = 0.0;
-  for (i64 i = t; i < len; i += stride) {
-    const float v = xs[i];
-    const float a = fabsf(v);
-    r.mx = mop(r.mx, a);
-    r.sum = r.sum + (double)v;
-    r.asum = r.asum + (double)a;
+  float m0 = 0.0f, m1 = 0.0f;
+  double s0 = 0.0, s1 = 0.0, a0 = 0.0, a1 = 0.0;
+  i64 i = t;
+  for (; i + stride < len; i += 2 * stride) {
+    const float v0 = fabsf(xs[i]);
+    const float v1 = fabsf(xs[i + stride]);
+    m0 = v0 > m0 ? v0 : m0;
+    m1 = v1 > m1 ? v1 : m1;
+    s0 = s0 + (double)xs[i];
+    s1 = s1 + (double)xs[i + stride];
+    a0 = a0 + (double)v0;
+    a1 = a1 + (double)v1;
   }
+  for (; i < len; i += stride) {
+    const float v = fabsf(xs[i]);
+    m0 = v > m0 ? v : m0;
+    s0 = s0 + (double)xs[i];
+    a0 = a0 + (double)v;
+  }
+  TernStats r;
+  r.sum = s0 + s1;
+  r.asum = a0 + a1;
+  r.mx = r.asum != r.asum ? (float)r.asum : (m1 > m0 ? m1 : m0);
   return r;
 }
 
@@ -164,7 +178,7 @@ __device__ __forceinline__ u32 terngrad_group(const float* __restrict__ x, i64 n
 // out[i] + where(neg, -v, v), v = levels[idx] * s with levels = {0, 1}
 // (quantizers.dequantize_reference, then out.add_).
 __device__ __forceinline__ float terngrad_add_one(float o, u32 code, float s) {
-  const float v = ((code & 1u) ? 1.0f : 0.0f) * s;
+  const float v = (float)(code & 1u) * s;  // levels[idx]: 0.0f or 1.0f, without a branch
   return o + negate_if(v, code >> 1);
 }
 
@@ -405,31 +419,40 @@ extern "C" __global__ void hvd_signef_segments(const float* __restrict__ g, cons
 // scales[b] = float32(M / len) (signef.py SignEF.scales: float64 L1 sum, float64 division,
 // one rounding to float32), and uncertain[b] = 1 unless that float32 is the same for EVERY
 // float64 summation order of the bucket's terms (the reference's torch.sum included):
-//   any summation tree of k >= 1 non-negative float64 terms has relative error at most
-//   gamma_k = k u / (1 - k u), u = 2^-53 (Higham, Accuracy and Stability, Sec. 4.2; no
-//   underflow: the terms are float32 magnitudes, multiples of 2^-149).  Both this M and the
-//   reference's sum R are within gamma of the exact sum S (k = bs terms, padding zeros
-//   included), so R lies in [M (1 - d), M (1 + d)] with d = 2.1 gamma + 2^-51 (the margin
-//   covers (1 + gamma) / (1 - gamma) and the roundings of the two products below).
-//   Division by len and the float64 -> float32 conversion are monotone, so if both ends give
-//   the same float32, R gives it too.
+//   a sum of non-negative float64 terms computed by any tree of additions of height h has
+//   relative error at most gamma_h = h u / (1 - h u), u = 2^-53 (Higham, Accuracy and
+//   Stability of Numerical Algorithms, 2nd ed., Sec. 4.2; no underflow: the terms are
+//   float32 magnitudes, multiples of 2^-149, and no overflow in float64).  The reference
+//   sums bs terms (its padding zeros included): height < bs.  This M's tree (4 interleaved
+//   chains of at most ceil(min(bs, seg) / seg_block) terms, joined in 2 levels, the block
+//   tree of log2(seg_block) <= 8 levels, then spb partials in sequence) has height
+//   D <= ceil(min(bs, seg) / seg_block) + spb + 12.  So the reference's sum R lies in
+//   [M (1 - d), M (1 + d)] with d = 1.01 (gamma_bs + gamma_D) + 2^-51 (the margin covers
+//   (1 + gamma) / (1 - gamma) and the roundings of the two products below).  Division by
+//   len and the float64 -> float32 conversion are monotone: if both ends of the interval
+//   give the same float32, R gives it too.
 // A non-finite M (a NaN or Inf in p) gives a non-finite scale; the caller checks.
+// seg_block: blockDim.x of the hvd_signef_segments launch that produced `partial`.
 extern "C" __global__ void hvd_signef_scales(const double* __restrict__ partial, long long nb,
                                              long long spb, long long n, long long bs,
+                                             long long seg, int seg_block,
                                              float* __restrict__ scales,
                                              int* __restrict__ uncertain) {
+  const double u = 1.1102230246251565e-16;  // 2^-53
+  const long long chain = (hvd::min64(bs, seg) + seg_block - 1) / seg_block;
+  const double kr = (double)bs * u;              // exact: scaling by a power of two
+  const double kd = (double)(chain + spb + 12) * u;
+  const bool small = kr < 0.001 && kd < 0.001;
+  const double d = small ? 1.01 * (kr / (1.0 - kr) + kd / (1.0 - kd)) + 4.0 * u : 1.0;
   for (long long b = hvd::global_thread(); b < nb; b += hvd::grid_threads()) {
     double m = 0.0;
     for (long long j = 0; j < spb; ++j) m = m + partial[b * spb + j];
     const long long len = hvd::min64(bs, n - b * bs);
     const double cnt = (double)len;
     scales[b] = (float)(m / cnt);
-    const double ku = (double)bs * 1.1102230246251565e-16;  // bs * 2^-53 (exact scaling)
-    const double gamma = ku / (1.0 - ku);
-    const double d = 2.1 * gamma + 4.440892098500626e-16;   // + 2^-51
     const float lo = (float)((m * (1.0 - d)) / cnt);
     const float hi = (float)((m * (1.0 + d)) / cnt);
-    uncertain[b] = (ku < 0.01 && lo == hi) ? 0 : 1;
+    uncertain[b] = (small && lo == hi) ? 0 : 1;
   }
 }
 

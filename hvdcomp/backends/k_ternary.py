@@ -126,11 +126,13 @@ def terngrad_clip_threshold(be, x: torch.Tensor, clip: float,
     be.launch("hvd_terngrad_sqdev", min(spb, MAX_GRID), block,
               (x, n, n, SEGMENT, spb, s1 / n, part))
     v = float(_sum_rows(be, part, 1, spb)[0])
-    gamma = n * _U / (1.0 - n * _U)
+    gamma = n * _U / (1.0 - n * _U)                        # any order of n terms
+    depth = (min(n, SEGMENT) + block - 1) // block + spb + 12
+    gamma_k = depth * _U / (1.0 - depth * _U)              # the kernels' trees (height)
     a_hi = sa / (1.0 - gamma) * (1.0 + 8 * _U)             # >= the exact sum |x|
     e_mean = (gamma + 3 * _U) * a_hi / n * (1.0 + 8 * _U)  # >= |m - mean| for both means
     w = 2.0 * n * e_mean * e_mean * (1.0 + 8 * _U)
-    eps = 2.1 * gamma + 16 * _U
+    eps = 1.01 * (gamma + gamma_k) + 16 * _U
     s_lo = max(0.0, v * (1.0 - eps) - w)
     s_hi = v * (1.0 + eps) + w
     sig_lo = math.sqrt(s_lo / n) * (1.0 - 2.0 ** -49)
@@ -214,7 +216,8 @@ def signef_scales(be, g: torch.Tensor, e: Optional[torch.Tensor], bucket_size: i
               (g, g if e is None else e, 0 if e is None else 1, n, bs, SEGMENT, spb, part))
     scales = torch.empty(nb, dtype=torch.float32, device=g.device)
     uncertain = torch.empty(nb, dtype=torch.int32, device=g.device)
-    be.launch("hvd_signef_scales", grid_for(nb), BLOCK, (part, nb, spb, n, bs, scales, uncertain))
+    be.launch("hvd_signef_scales", grid_for(nb), BLOCK,
+              (part, nb, spb, n, bs, SEGMENT, block, scales, uncertain))
     return scales, uncertain
 
 
