@@ -217,21 +217,94 @@ __device__ __forceinline__ float signef_p(const float* __restrict__ g, const flo
   return has_e ? g[i] + e[i] : g[i];
 }
 
-// Thread t: sum |p| over t, t + stride, ... < len of the segment at `start`, in float64, in
-// four interleaved partial sums joined as (a0 + a1) + (a2 + a3).
-__device__ inline double signef_l1_partial(const float* __restrict__ g, const float* e,
-                                           int has_e, i64 start, i64 len, i64 t, i64 stride) {
+// The bits of a float32, and +inf (the host build has no __float_as_uint / __int_as_float).
+__device__ __forceinline__ u32 bits32(float v) {
+#if defined(HVD_HOST_BUILD)
+  u32 b;
+  __builtin_memcpy(&b, &v, sizeof b);
+  return b;
+#else
+  return __float_as_uint(v);
+#endif
+}
+
+__device__ __forceinline__ float inf32() {
+#if defined(HVD_HOST_BUILD)
+  return __builtin_inff();
+#else
+  return __int_as_float(0x7f800000);
+#endif
+}
+
+// 2^k as a double, for -1022 <= k <= 1023.
+__device__ __forceinline__ double pow2(int k) {
+  const u64 bits = (u64)(k + 1023) << 52;
+#if defined(HVD_HOST_BUILD)
+  double r;
+  __builtin_memcpy(&r, &bits, sizeof r);
+  return r;
+#else
+  return __longlong_as_double((long long)bits);
+#endif
+}
+
+// The spacing of float32 numbers at a finite v > 0 (its ulp): every float32 value >= v in
+// magnitude is a multiple of it.
+__device__ __forceinline__ double ulp32(float v) {
+  const int biased = (int)((bits32(v) >> 23) & 0xffu);
+  return pow2(biased == 0 ? -149 : biased - 150);
+}
+
+// Sum of |p| (float64) and the smallest non-zero |p| (+inf if none) of some coordinates.
+struct L1Stats {
+  double sum;
+  float minnz;
+};
+
+struct L1StatsOp {
+  __device__ __forceinline__ L1Stats operator()(L1Stats a, L1Stats b) const {
+    L1Stats r;
+    r.sum = a.sum + b.sum;
+    r.minnz = b.minnz < a.minnz ? b.minnz : a.minnz;
+    return r;
+  }
+};
+
+__device__ __forceinline__ float min_nonzero(float m, float a) {
+  return (a < m && a != 0.0f) ? a : m;
+}
+
+// Thread t: over t, t + stride, ... < len of the segment at `start`: the sum of |p| in
+// float64, in four interleaved partial sums joined as (a0 + a1) + (a2 + a3), and min |p| != 0.
+__device__ inline L1Stats signef_l1_partial(const float* __restrict__ g, const float* e,
+                                            int has_e, i64 start, i64 len, i64 t, i64 stride) {
   double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+  const float inf = inf32();
+  float m0 = inf, m1 = inf;
   i64 i = t;
   for (; i + 3 * stride < len; i += 4 * stride) {
-    a0 = a0 + (double)fabsf(signef_p(g, e, has_e, start + i));
-    a1 = a1 + (double)fabsf(signef_p(g, e, has_e, start + i + stride));
-    a2 = a2 + (double)fabsf(signef_p(g, e, has_e, start + i + 2 * stride));
-    a3 = a3 + (double)fabsf(signef_p(g, e, has_e, start + i + 3 * stride));
+    const float v0 = fabsf(signef_p(g, e, has_e, start + i));
+    const float v1 = fabsf(signef_p(g, e, has_e, start + i + stride));
+    const float v2 = fabsf(signef_p(g, e, has_e, start + i + 2 * stride));
+    const float v3 = fabsf(signef_p(g, e, has_e, start + i + 3 * stride));
+    a0 = a0 + (double)v0;
+    a1 = a1 + (double)v1;
+    a2 = a2 + (double)v2;
+    a3 = a3 + (double)v3;
+    m0 = min_nonzero(min_nonzero(m0, v0), v1);
+    m1 = min_nonzero(min_nonzero(m1, v2), v3);
   }
-  for (; i < len; i += stride) a0 = a0 + (double)fabsf(signef_p(g, e, has_e, start + i));
-  return (a0 + a1) + (a2 + a3);
+  for (; i < len; i += stride) {
+    const float v = fabsf(signef_p(g, e, has_e, start + i));
+    a0 = a0 + (double)v;
+    m0 = min_nonzero(m0, v);
+  }
+  L1Stats r;
+  r.sum = (a0 + a1) + (a2 + a3);
+  r.minnz = m1 < m0 ? m1 : m0;
+  return r;
 }
+
 
 // One coordinate (signef.py _encode): bit = p < 0 (zero, also -0.0, is sent as +),
 // decoded = bit ? -s : s, new residual p - decoded.
@@ -396,22 +469,27 @@ extern "C" __global__ void hvd_terngrad_decode_add(const unsigned char* __restri
 
 // ---- kernels: EF-SignSGD ------------------------------------------------------------------
 
-// partial[q] = sum of |p| over segment q, p = g + e (has_e != 0) or g, float64.
+// partial[q] = sum of |p| over segment q, p = g + e (has_e != 0) or g, float64;
+// minnz[q] = the smallest non-zero |p| there (+inf if none).
 // e may be any pointer when has_e == 0 (it is not read).
 extern "C" __global__ void hvd_signef_segments(const float* __restrict__ g, const float* e,
                                                int has_e, long long n, long long bs,
                                                long long seg, long long spb,
-                                               double* __restrict__ partial) {
+                                               double* __restrict__ partial,
+                                               float* __restrict__ minnz) {
   if (!hvd::check_reduce_block()) return;
   const long long nb = (n + bs - 1) / bs;
   const long long nseg = nb * spb;
   for (long long q = blockIdx.x; q < nseg; q += gridDim.x) {
     const hvd::Segment s = hvd::segment_of(q, n, bs, seg, spb);
     const long long stride = blockDim.x;
-    const double v = hvd::block_reduce<double>(hvd::SumOp(), [&](unsigned t) {
+    const hvd::L1Stats v = hvd::block_reduce<hvd::L1Stats>(hvd::L1StatsOp(), [&](unsigned t) {
       return hvd::signef_l1_partial(g, e, has_e, s.start, s.len, t, stride);
     });
-    if (threadIdx.x == 0) partial[q] = v;
+    if (threadIdx.x == 0) {
+      partial[q] = v.sum;
+      minnz[q] = v.minnz;
+    }
   }
 }
 
@@ -431,11 +509,16 @@ extern "C" __global__ void hvd_signef_segments(const float* __restrict__ g, cons
 //   (1 + gamma) / (1 - gamma) and the roundings of the two products below).  Division by
 //   len and the float64 -> float32 conversion are monotone: if both ends of the interval
 //   give the same float32, R gives it too.
+// Also certain: a sum that is EXACT in every order (then R = M; this settles the float32
+// ties that small buckets of few-bit values hit): every term is a multiple of
+// q = ulp32(min |p| != 0), so if the exact sum S <= M (1 + d) is below 2^53 q, every
+// partial sum of every order is a multiple of q below 2^53 q, hence a float64 value.
 // A non-finite M (a NaN or Inf in p) gives a non-finite scale; the caller checks.
 // seg_block: blockDim.x of the hvd_signef_segments launch that produced `partial`.
 extern "C" __global__ void hvd_signef_scales(const double* __restrict__ partial, long long nb,
                                              long long spb, long long n, long long bs,
                                              long long seg, int seg_block,
+                                             const float* __restrict__ minnz,
                                              float* __restrict__ scales,
                                              int* __restrict__ uncertain) {
   const double u = 1.1102230246251565e-16;  // 2^-53
@@ -446,13 +529,19 @@ extern "C" __global__ void hvd_signef_scales(const double* __restrict__ partial,
   const double d = small ? 1.01 * (kr / (1.0 - kr) + kd / (1.0 - kd)) + 4.0 * u : 1.0;
   for (long long b = hvd::global_thread(); b < nb; b += hvd::grid_threads()) {
     double m = 0.0;
-    for (long long j = 0; j < spb; ++j) m = m + partial[b * spb + j];
+    float mn = hvd::inf32();
+    for (long long j = 0; j < spb; ++j) {
+      m = m + partial[b * spb + j];
+      mn = minnz[b * spb + j] < mn ? minnz[b * spb + j] : mn;
+    }
     const long long len = hvd::min64(bs, n - b * bs);
     const double cnt = (double)len;
     scales[b] = (float)(m / cnt);
     const float lo = (float)((m * (1.0 - d)) / cnt);
     const float hi = (float)((m * (1.0 + d)) / cnt);
-    uncertain[b] = (small && lo == hi) ? 0 : 1;
+    const bool exact = small && mn < hvd::inf32() &&
+                       m * (1.0 + d) < 9007199254740992.0 * hvd::ulp32(mn);   // 2^53 q
+    uncertain[b] = (small && (lo == hi || exact)) ? 0 : 1;
   }
 }
 

@@ -212,12 +212,14 @@ def signef_scales(be, g: torch.Tensor, e: Optional[torch.Tensor], bucket_size: i
         raise ValueError("g must not be empty")
     nb, spb, block = _segments(n, bs)
     part = torch.empty(nb * spb, dtype=torch.float64, device=g.device)
+    minnz = torch.empty(nb * spb, dtype=torch.float32, device=g.device)
     be.launch("hvd_signef_segments", min(nb * spb, MAX_GRID), block,
-              (g, g if e is None else e, 0 if e is None else 1, n, bs, SEGMENT, spb, part))
+              (g, g if e is None else e, 0 if e is None else 1, n, bs, SEGMENT, spb, part,
+               minnz))
     scales = torch.empty(nb, dtype=torch.float32, device=g.device)
     uncertain = torch.empty(nb, dtype=torch.int32, device=g.device)
     be.launch("hvd_signef_scales", grid_for(nb), BLOCK,
-              (part, nb, spb, n, bs, SEGMENT, block, scales, uncertain))
+              (part, nb, spb, n, bs, SEGMENT, block, minnz, scales, uncertain))
     return scales, uncertain
 
 
