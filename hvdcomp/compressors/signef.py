@@ -58,11 +58,13 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from ..codecs import code_section, packed_size, read_code_section
+from ..backends import k_ternary, kernel_backend
+from ..codecs import code_section, packed_size, read_code_section, unpack_bits
 from ..errors import WireFormatError
-from ..wire import CODECS, Message, dtype_code
+from ..wire import CODECS, FLAG_ENTROPY, Message, dtype_code
 from .base import Compressor, TensorKey, register
-from .state import load_tensors
+from .bucketing import TensorBuckets
+from .state import finite, load_tensors
 
 __all__ = ["SignEF"]
 
@@ -70,7 +72,7 @@ _BITS = 1
 
 
 @register("signef")
-class SignEF(Compressor):
+class SignEF(TensorBuckets, Compressor):
     """EF-SignSGD (Karimireddy et al., ICML 2019, arXiv 1901.09847, Algorithm 1): the scaled
     sign ``(||p||_1 / d) sign(p)`` of ``p = g + e`` per bucket, 1 bit per coordinate, with
     the residual ``e = p - decoded`` kept per parameter name.  Biased; error feedback
@@ -91,6 +93,7 @@ class SignEF(Compressor):
       are negative or not finite.
     """
     codec = CODECS["signef"]
+    code_bits = _BITS
 
     def __init__(self, bucket_size: int = 0, entropy: bool = False):
         self.entropy = bool(entropy)
@@ -103,19 +106,6 @@ class SignEF(Compressor):
 
     def _header_fields(self) -> Dict[str, int]:
         return {"bits": _BITS, "bucket_size": self.bucket_size, "level_version": 0}
-
-    # --- geometry -----------------------------------------------------------------------
-    def _bs(self, n: int) -> int:
-        return self.bucket_size if self.bucket_size else max(n, 1)
-
-    def num_buckets(self, numel: int) -> int:
-        """Number of float32 scales sent for ``numel`` coordinates."""
-        bs = self._bs(numel)
-        return (numel + bs - 1) // bs
-
-    def message_bytes(self, numel: int) -> int:
-        """Payload bytes for ``numel`` coordinates: ``4 * nb + ceil(numel / 8)``."""
-        return 4 * self.num_buckets(numel) + packed_size(numel, _BITS)
 
     # --- the compressor -----------------------------------------------------------------
     def scales(self, p: torch.Tensor) -> torch.Tensor:
@@ -142,6 +132,10 @@ class SignEF(Compressor):
                     f"{tuple(e.shape)} and dtype {e.dtype}, but its gradient has shape "
                     f"{tuple(grad.shape)} (residuals are float32 of the gradient's shape; "
                     f"was a checkpoint of another model loaded?)")
+        be = kernel_backend(g.device) if g.numel() else None
+        if be is not None:
+            return self._encode_kernels(be.backend, grad, g, e, key)
+        if e is not None:
             p = g + e.to(g.device).reshape(-1)
         else:
             p = g.clone()
@@ -155,10 +149,40 @@ class SignEF(Compressor):
         decoded = torch.where(neg, -sf, sf)
         self._residuals[key.name] = (p - decoded).view(grad.shape)
         sec, flags = code_section(neg.to(torch.int64), _BITS, self.entropy)
+        return self._message(grad, key, s, sec, flags)
+
+    def _message(self, grad: torch.Tensor, key: TensorKey, s: torch.Tensor, sec,
+                 flags: int) -> Message:
         return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
                        sections=(s.cpu().numpy().view(np.uint8), sec), flags=flags,
                        tensor_id=key.tensor_id, rank=key.rank, seed=key.seed, step=key.step,
                        **self._header_fields())
+
+    def _encode_kernels(self, be, grad: torch.Tensor, g: torch.Tensor,
+                        e: Optional[torch.Tensor], key: TensorKey) -> Message:
+        """_encode on kernels/ternary.cu (``be``: a kernel backend's launch object): the same
+        message bytes and the same new residual as the reference path, for a non-empty flat
+        float32 ``g`` and the (already checked) residual ``e`` or None.
+
+        Pass 1: the bucket scales of p = g + e (a scale is used only where it is certified
+        equal to the reference's, else the reference's own scales are computed, see
+        k_ternary.signef_scales); pass 2: sign bits, and the residual p - decoded written
+        over the old one (which this compressor owns)."""
+        n = g.numel()
+        bs = self._bs(n)
+        ef = None if e is None else e.to(g.device).reshape(-1)
+        s, uncertain = k_ternary.signef_scales(be, g, ef, bs)
+        if not finite(s):                        # NaN/Inf in p: residual unchanged
+            return self._nonfinite(grad, key)
+        if bool(uncertain.any()):
+            s = self.scales(g + ef if ef is not None else g)
+        bits, e_new = k_ternary.signef_pack(be, g, ef, s, bs, e_out=ef)
+        self._residuals[key.name] = e_new.view(grad.shape)
+        if self.entropy:                         # the same symbols as the reference's
+            sec, flags = code_section(unpack_bits(bits, n, _BITS), _BITS, True)
+        else:
+            sec, flags = bits.cpu().numpy(), 0
+        return self._message(grad, key, s, sec, flags)
 
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
         n = msg.numel
@@ -168,6 +192,15 @@ class SignEF(Compressor):
         s = torch.from_numpy(np.array(msg.sections[0]).view(np.float32))
         if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
             raise WireFormatError("signef: bucket scales must be finite and >= 0")
+        be = kernel_backend(out.device)
+        if (be is not None and not msg.flags & FLAG_ENTROPY and out.dtype == torch.float32
+                and out.dim() == 1 and out.is_contiguous()):
+            # kernels/ternary.cu: out += the decoded values, bit for bit as below
+            msg.section_size_check(1, packed_size(n, _BITS), "sign bits")
+            dev = out.device
+            packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(dev)
+            k_ternary.signef_decode_add(be.backend, packed, n, s.to(dev), self._bs(n), out)
+            return
         bits = read_code_section(msg, 1, n, _BITS, "sign bits")
         sf = s.repeat_interleave(self._bs(n))[:n] if n else s[:0]
         out.add_(torch.where(bits != 0, -sf, sf).to(out.device))

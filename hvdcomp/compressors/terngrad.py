@@ -53,12 +53,15 @@ from typing import Dict
 import numpy as np
 import torch
 
+from ..backends import k_ternary, kernel_backend
 from ..codecs import packed_size
 from ..errors import WireFormatError
 from ..random import uniform
-from ..wire import CODECS, Message
+from ..wire import CODECS, FLAG_ENTROPY, Message
 from .base import TensorKey, register
+from .bucketing import TensorBuckets
 from .quantizers import BucketQuantizer, dequantize_reference, quantize_reference
+from .state import finite
 
 __all__ = ["TernGrad", "clip_threshold", "clip_gradient"]
 
@@ -95,7 +98,7 @@ def clip_gradient(x: torch.Tensor, clip: float) -> torch.Tensor:
 
 
 @register("terngrad")
-class TernGrad(BucketQuantizer):
+class TernGrad(TensorBuckets, BucketQuantizer):
     """TernGrad (Wen et al., NeurIPS 2017, arXiv 1705.07878, Sec. 3.1 and 3.3): gradient
     clipping at ``clip`` standard deviations, then stochastic ternarization to
     ``{-s, 0, +s}`` per bucket, ``s`` the bucket's L-inf norm.  Unbiased for the CLIPPED
@@ -120,6 +123,7 @@ class TernGrad(BucketQuantizer):
     """
     codec = CODECS["terngrad"]
     norm = "linf"
+    code_bits = _BITS
 
     def __init__(self, clip: float = 2.5, bucket_size: int = 0, entropy: bool = False):
         if isinstance(clip, bool) or not isinstance(clip, (int, float)):
@@ -140,20 +144,6 @@ class TernGrad(BucketQuantizer):
     def initial_levels(self) -> np.ndarray:
         return np.array(_LEVELS, dtype=np.float64)
 
-    # --- geometry -----------------------------------------------------------------------
-    def _bs(self, n: int) -> int:
-        """Effective bucket size for a tensor of ``n`` elements."""
-        return self.bucket_size if self.bucket_size else max(n, 1)
-
-    def num_buckets(self, numel: int) -> int:
-        """Number of float32 scales sent for ``numel`` coordinates."""
-        bs = self._bs(numel)
-        return (numel + bs - 1) // bs
-
-    def message_bytes(self, numel: int) -> int:
-        """Payload bytes for ``numel`` coordinates: ``4 * nb + ceil(2 * numel / 8)``."""
-        return 4 * self.num_buckets(numel) + packed_size(numel, _BITS)
-
     # --- encode / decode -----------------------------------------------------------------
     def clipped(self, grad: torch.Tensor) -> torch.Tensor:
         """The clipped gradient that encode quantizes (flat float32); ``E[decode] ==``
@@ -164,6 +154,9 @@ class TernGrad(BucketQuantizer):
         if not grad.is_floating_point():
             raise TypeError(f"terngrad quantizes floating-point gradients only, got {grad.dtype}")
         x = grad.detach().reshape(-1).to(torch.float32)
+        be = kernel_backend(x.device) if x.numel() else None
+        if be is not None:
+            return self._encode_kernels(be.backend, grad, x, key)
         if x.numel() and not bool(torch.isfinite(x).all()):
             return self._nonfinite(grad, key)        # a float64 value beyond float32's range
         c = clip_gradient(x, self.clip)
@@ -181,9 +174,42 @@ class TernGrad(BucketQuantizer):
         norms = torch.from_numpy(np.array(msg.sections[0]).view(np.float32))
         if not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
             raise WireFormatError("terngrad: bucket scales must be finite and >= 0")
+        be = kernel_backend(out.device)
+        if (be is not None and not msg.flags & FLAG_ENTROPY and out.dtype == torch.float32
+                and out.dim() == 1 and out.is_contiguous()):
+            # kernels/ternary.cu: out += the decoded values, bit for bit as below
+            msg.section_size_check(1, packed_size(n, _BITS), "codes")
+            dev = out.device
+            packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(dev)
+            k_ternary.terngrad_decode_add(be.backend, packed, n, norms.to(dev), self._bs(n),
+                                          out)
+            return
         codes = self._codes(msg, n)                         # unpacked or entropy-decoded
         v = dequantize_reference(norms, codes, self.levels, self._bs(n), _BITS - 1)
         out.add_(v.to(out.device))
+
+    def _encode_kernels(self, be, grad: torch.Tensor, x: torch.Tensor,
+                        key: TensorKey) -> Message:
+        """_encode on kernels/ternary.cu (``be``: a kernel backend's launch object): the same
+        message bytes as the reference path above, for a non-empty flat float32 ``x``.
+
+        One pass gives the bucket maxima of |x| (and the sums of the clipping statistics);
+        the threshold T is the reference's (certified from the kernels' sums, else computed
+        by clip_threshold itself, see k_ternary.terngrad_clip_threshold); the scales are
+        min(max |x|, T) = max |clamp(x, -T, T)| exactly; a second pass clips, ternarizes and
+        packs."""
+        n = x.numel()
+        bs = self._bs(n)
+        maxima, sums = k_ternary.terngrad_bucket_max(be, x, bs)
+        if not finite(maxima):                   # a NaN/Inf in x (NaN propagates in max)
+            return self._nonfinite(grad, key)
+        t = k_ternary.terngrad_clip_threshold(be, x, self.clip, sums)
+        if t is None:                            # not certified: the reference's own value
+            t = clip_threshold(x, self.clip)
+        scales = maxima if math.isinf(t) else maxima.clamp(max=t)
+        packed = k_ternary.terngrad_pack(be, x, scales, bs, t, seed=key.seed, rank=key.rank,
+                                         tensor_id=key.tensor_id, step=key.step)
+        return self._message(grad, key, scales, None, packed)   # packed, or rANS
 
     # --- statistics -----------------------------------------------------------------------
     def variance(self, grad: torch.Tensor) -> float:
