@@ -75,15 +75,18 @@ __device__ __forceinline__ float value_at(const float* __restrict__ g,
   return a;
 }
 
-// The candidate predicate: |v| >= t and |v| > 0 (NaN passes neither).
-__device__ __forceinline__ i64 passes(float mag, float t) {
-  return (mag >= t && mag > 0.0f) ? 1 : 0;
+// The candidate predicate: |v| >= t and |v| > 0 (NaN passes neither).  Written without
+// control flow (0/1 arithmetic) so that the host compiler vectorizes the loops.
+__device__ __forceinline__ u32 passes(float mag, float t) {
+  return (u32)(mag >= t) & (u32)(mag > 0.0f);
 }
 
 // Not finite: NaN or +-Inf (|v| <= FLT_MAX fails for both).
-__device__ __forceinline__ i64 nonfinite(float mag) {
-  return (mag <= 3.40282346638528859812e+38f) ? 0 : 1;
+__device__ __forceinline__ u32 nonfinite(float mag) {
+  return 1u - (u32)(mag <= 3.40282346638528859812e+38f);
 }
+
+#define HVD_DGC_MAX_CHUNK (1LL << 30)   // per-chunk counts are 32-bit in the loops
 
 template <int F>
 __device__ inline void accumulate_loop(const float* __restrict__ g,
@@ -96,7 +99,7 @@ __device__ inline void accumulate_loop(const float* __restrict__ g,
   for (i64 j = global_thread(); j < nchunks; j += grid_threads()) {
     const i64 lo = j * chunk;
     const i64 hi = min64(n, lo + chunk);
-    i64 c1 = 0, c2 = 0, bad = 0;
+    u32 c1 = 0, c2 = 0, bad = 0;
     for (i64 i = lo; i < hi; ++i) {
       float u = 0.0f;
       const float v = value_at<F>(g, uo, vo, i, scale, m, u);
@@ -107,9 +110,9 @@ __device__ inline void accumulate_loop(const float* __restrict__ g,
       c2 += passes(mag, t2);
       bad += nonfinite(mag);
     }
-    counts[j] = c1;
-    counts[nchunks + j] = c2;
-    counts[2 * nchunks + j] = bad;
+    counts[j] = (i64)c1;
+    counts[nchunks + j] = (i64)c2;
+    counts[2 * nchunks + j] = (i64)bad;
   }
 }
 
@@ -156,6 +159,34 @@ __device__ inline double sum_part(const double* __restrict__ p, i64 count, i64 t
   double a = 0.0;
   for (i64 i = t; i < count; i += stride) a = a + p[i];
   return a;
+}
+
+// The bits of |f| as a non-negative int (the sign bit cleared).
+__device__ __forceinline__ int abs_bits(float f) {
+#if defined(HVD_HOST_BUILD)
+  int b;
+  __builtin_memcpy(&b, &f, sizeof b);
+  return b & 0x7fffffff;
+#else
+  return __float_as_int(f) & 0x7fffffff;
+#endif
+}
+
+// The passing coordinates of [lo, hi), written from output position o on; returns the next.
+__device__ __forceinline__ i64 select_run(float* __restrict__ x, i64 lo, i64 hi, float t, i64 o,
+                                          i64* __restrict__ idx, float* __restrict__ vals,
+                                          int mask, float* __restrict__ u) {
+  for (i64 i = lo; i < hi; ++i) {
+    const float xi = x[i];
+    if (passes(fabsf(xi), t)) {
+      idx[o] = i;
+      vals[o] = xi;
+      if (mask & 1) x[i] = 0.0f;
+      if (mask & 2) u[i] = 0.0f;
+      ++o;
+    }
+  }
+  return o;
 }
 
 __device__ inline bool check_norm_block() {
@@ -244,6 +275,10 @@ extern "C" __global__ void hvd_dgc_accumulate(const float* __restrict__ g,
     hvd::dgc::accumulate_loop<F>(g, u_old, v_old, n, scale, m, t1, t2, chunk, u_out,     \
                                  v_out, counts);                                         \
     break;
+  if (chunk < 1 || chunk > HVD_DGC_MAX_CHUNK) {
+    hvd::bad_launch("hvd_dgc_accumulate: chunk must be in 1..2^30");
+    return;
+  }
   switch (flags) {
     HVD_DGC_FLAG_CASES(HVD_CASE)
     default:
@@ -261,21 +296,30 @@ extern "C" __global__ void hvd_dgc_select(float* __restrict__ x, long long n, fl
                                           long long* __restrict__ idx,
                                           float* __restrict__ vals, int mask,
                                           float* __restrict__ u) {
+  if (chunk < 1 || chunk > HVD_DGC_MAX_CHUNK) {
+    hvd::bad_launch("hvd_dgc_select: chunk must be in 1..2^30");
+    return;
+  }
   const long long nchunks = (n + chunk - 1) / chunk;
   for (long long j = hvd::global_thread(); j < nchunks; j += hvd::grid_threads()) {
     const long long lo = j * chunk;
     const long long hi = hvd::min64(n, lo + chunk);
     long long o = j ? ends[j - 1] : 0;
-    for (long long i = lo; i < hi; ++i) {
-      const float xi = x[i];
-      if (hvd::dgc::passes(fabsf(xi), t)) {
-        idx[o] = i;
-        vals[o] = xi;
-        if (mask & 1) x[i] = 0.0f;
-        if (mask & 2) u[i] = 0.0f;
-        ++o;
+    long long i = lo;
+    // Runs of 32 are screened first, branch-free (vectorized on the host), on the bits of
+    // |x|: for non-negative floats the integer order is the float order, so a run with no
+    // |x| >= t, |x| > 0 by the integers has none by the floats (NaN, larger as an integer,
+    // only lets a run through to the exact test below).  Few runs hold a candidate.
+    const int tb = hvd::dgc::abs_bits(t);
+    for (; i + 32 <= hi; i += 32) {
+      int any = 0;
+      for (int q = 0; q < 32; ++q) {
+        const int b = hvd::dgc::abs_bits(x[i + q]);
+        any |= (b >= tb) & (b != 0);
       }
+      if (any) o = hvd::dgc::select_run(x, i, i + 32, t, o, idx, vals, mask, u);
     }
+    hvd::dgc::select_run(x, i, hi, t, o, idx, vals, mask, u);
   }
 }
 

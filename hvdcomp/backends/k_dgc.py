@@ -42,6 +42,7 @@ NORM_CHUNK = 65536          # HVD_DGC_NORM_CHUNK: coordinates per float64 partia
 NORM_BLOCK = 256            # HVD_DGC_NORM_BLOCK
 HOST_CHUNK = 4096           # coordinates per selection chunk on the CPU (one OS thread's run)
 CUDA_CHUNK = 64             # ... on a GPU (one thread's run; small for memory parallelism)
+MAX_CHUNK = 2**30           # HVD_DGC_MAX_CHUNK
 HOST_BLOCK = 8              # threads per block on the host (blocks are what runs in parallel)
 
 _F32 = torch.float32
@@ -159,7 +160,7 @@ def accumulate(be, g: torch.Tensor, *, u_old=None, v_old=None, scale=None, momen
         u_out = check_tensor(be, u_out, "u_out", _F32, n, output=True, device=dev)
     if v_out is not None:
         v_out = check_tensor(be, v_out, "v_out", _F32, n, output=True, device=dev)
-    chunk = check_int(default_chunk(be) if chunk is None else chunk, "chunk", 1, 2**62)
+    chunk = check_int(default_chunk(be) if chunk is None else chunk, "chunk", 1, MAX_CHUNK)
     return _accumulate(be, g, u_old, v_old, scale, momentum, u_out, v_out, float(t1),
                        float(t2), chunk)
 
@@ -190,7 +191,7 @@ def select(be, x: torch.Tensor, t: float, chunk: int, ends: torch.Tensor, count:
     afterwards; u: u[idx] = 0 afterwards (u must not be x)."""
     x = check_tensor(be, x, "x", _F32, output=mask_x)
     n = x.numel()
-    chunk = check_int(chunk, "chunk", 1, 2**62)
+    chunk = check_int(chunk, "chunk", 1, MAX_CHUNK)
     ends = check_tensor(be, ends, "ends", _I64, (n + chunk - 1) // chunk, device=x.device)
     count = check_int(count, "count", 0, n)
     if u is not None:
@@ -272,6 +273,9 @@ def exact_topk(idx: torch.Tensor, vals: torch.Tensor, k: int
     if k >= c:
         return idx, vals
     mag = vals.abs()
+    if k == 1:                                 # argmax: the first of the largest
+        j = int(torch.argmax(mag))
+        return idx[j:j + 1], vals[j:j + 1]
     t = torch.topk(mag, k, sorted=False).values.min()        # the k-th largest
     above = mag > t
     at = mag == t
@@ -330,7 +334,7 @@ def sparsify(be, g: torch.Tensor, k: int, *, u_old=None, v_old=None, u_out=None,
         u_out = None
     if v_out is not None:
         v_out = check_tensor(be, v_out, "v_out", _F32, n, output=True, device=dev)
-    chunk = check_int(default_chunk(be) if chunk is None else chunk, "chunk", 1, 2**62)
+    chunk = check_int(default_chunk(be) if chunk is None else chunk, "chunk", 1, MAX_CHUNK)
     x = v_out if v_out is not None else (u_out if u_out is not None else g)
     if mask_x and x is g:
         raise ValueError("mask_x needs x to be v_out or u_out")
