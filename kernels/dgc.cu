@@ -20,7 +20,8 @@
 //   hvd_dgc_sumsq        float64 sum of squares of 65536-element chunks, one chunk per block
 //                        (grid-stride), blockDim = 256 exactly (fixes the summation order)
 //   hvd_dgc_sum_f64      the sum of those partials: one block of 256 threads
-//   hvd_dgc_sample       |v| at the reference's Philox sample positions (one thread per draw)
+//   hvd_dgc_sample       |v| at the reference's Philox sample positions (one thread per
+//                        16 draws: 8 Philox blocks)
 //   hvd_dgc_accumulate   the map above over chunks of `chunk` coordinates (one thread per
 //                        chunk, grid-stride): writes u and/or v, and per chunk the counts of
 //                        |v| passing two thresholds and of non-finite v
@@ -116,20 +117,30 @@ __device__ inline void accumulate_loop(const float* __restrict__ g,
   }
 }
 
+#define HVD_DGC_SAMPLE_GROUP 16   // draws per thread of hvd_dgc_sample (even)
+
 template <int F>
 __device__ inline void sample_loop(const float* __restrict__ g, const float* __restrict__ uo,
                                    const float* __restrict__ vo, i64 n, float scale, float m,
                                    i64 s, u32 seed, u32 rank, u32 tensor_id, u32 step,
                                    float* __restrict__ out) {
-  for (i64 j = global_thread(); j < s; j += grid_threads()) {
-    // draw j uses Philox words 2j and 2j+1: words 2(j%2), 2(j%2)+1 of block j/2
-    const Philox4 r = philox_block(j >> 1, seed, rank, tensor_id, step);
-    const u64 w0 = (j & 1) ? r.w[2] : r.w[0];
-    const u64 w1 = (j & 1) ? r.w[3] : r.w[1];
-    const u64 u63 = ((w0 >> 1) << 32) | w1;
-    const i64 pos = (i64)(u63 % (u64)n);
-    float u = 0.0f;
-    out[j] = fabsf(value_at<F>(g, uo, vo, pos, scale, m, u));
+  // Draw j uses Philox words 2j and 2j+1, i.e. words 2(j%2), 2(j%2)+1 of block j/2.  One
+  // thread per group of HVD_DGC_SAMPLE_GROUP draws: all positions first, then the (independent,
+  // random) loads, so that their cache misses overlap.
+  const i64 ngroups = (s + HVD_DGC_SAMPLE_GROUP - 1) / HVD_DGC_SAMPLE_GROUP;
+  for (i64 q = global_thread(); q < ngroups; q += grid_threads()) {
+    const i64 j0 = q * HVD_DGC_SAMPLE_GROUP;
+    i64 pos[HVD_DGC_SAMPLE_GROUP];
+    for (int h = 0; h < HVD_DGC_SAMPLE_GROUP / 2; ++h) {
+      const Philox4 r = philox_block(j0 / 2 + h, seed, rank, tensor_id, step);
+      pos[2 * h] = (i64)(((((u64)r.w[0] >> 1) << 32) | (u64)r.w[1]) % (u64)n);
+      pos[2 * h + 1] = (i64)(((((u64)r.w[2] >> 1) << 32) | (u64)r.w[3]) % (u64)n);
+    }
+    const int cnt = (int)min64(HVD_DGC_SAMPLE_GROUP, s - j0);
+    for (int h = 0; h < cnt; ++h) {
+      float u = 0.0f;
+      out[j0 + h] = fabsf(value_at<F>(g, uo, vo, pos[h], scale, m, u));
+    }
   }
 }
 

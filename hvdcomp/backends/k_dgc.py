@@ -42,6 +42,7 @@ NORM_CHUNK = 65536          # HVD_DGC_NORM_CHUNK: coordinates per float64 partia
 NORM_BLOCK = 256            # HVD_DGC_NORM_BLOCK
 HOST_CHUNK = 4096           # coordinates per selection chunk on the CPU (one OS thread's run)
 CUDA_CHUNK = 64             # ... on a GPU (one thread's run; small for memory parallelism)
+SAMPLE_GROUP = 16           # draws per thread of hvd_dgc_sample
 MAX_CHUNK = 2**30           # HVD_DGC_MAX_CHUNK
 HOST_BLOCK = 8              # threads per block on the host (blocks are what runs in parallel)
 
@@ -135,7 +136,8 @@ def _sample(be, g, u_old, v_old, scale, momentum, s, key4):
     if s:
         flags = _flags(g, u_old, v_old, scale, momentum, False)
         seed, rank, tid, step = key4
-        be.launch("hvd_dgc_sample", grid_for(s, _block(be)), _block(be),
+        be.launch("hvd_dgc_sample", grid_for((s + SAMPLE_GROUP - 1) // SAMPLE_GROUP,
+                                             _block(be)), _block(be),
                   (g, u_old if u_old is not None else g, v_old if v_old is not None else g,
                    g.numel(), 1.0 if scale is None else float(scale), float(momentum), flags,
                    s, u32(seed, "seed"), u32(rank, "rank"), u32(tid, "tensor_id"),
