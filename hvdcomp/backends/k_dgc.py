@@ -314,7 +314,7 @@ def sparsify(be, g: torch.Tensor, k: int, *, u_old=None, v_old=None, u_out=None,
     2. accumulate: u, v written (u_out when momentum > 0; v_out when given, else v is u_out
        or g), per-chunk counts of |v| passing t1 and t2, and of non-finite v;
     3. choose the threshold as the reference does (t1 if >= k pass; else, with ``exact``,
-       t2, else every nonzero); 4. select the passing coordinates (ascending), masking x
+       t2, then further down the sorted sample, counting again, then every nonzero); 4. select the passing coordinates (ascending), masking x
        and u there when they are final and ``mask_x`` / ``mask_u``; 5. more than k passing:
        :func:`exact_topk` among them (masking then left to the caller: ``masked`` False).
 
@@ -372,10 +372,28 @@ def sparsify(be, g: torch.Tensor, k: int, *, u_old=None, v_old=None, u_out=None,
         t, c = t1, c1
     elif c2 >= k or not t2 > 0:
         t, c, row = t2, c2, 1
-    else:                                       # exact top-k among every nonzero
-        ends = torch.cumsum(_accumulate(be, x, None, None, None, 0.0, None, None, 0.0, 0.0,
-                                        chunk), dim=1)
-        t, c = 0.0, int(ends[0, -1])
+    else:
+        # Both too high: continue the reference's walk down the sorted sample (r doubling,
+        # two thresholds per counting pass), then every nonzero once the sample is used up.
+        # Only reached with `exact`, whose result does not depend on the walk: it only
+        # keeps the candidates few.
+        srt = torch.sort(smp, descending=True).values
+        r = r2
+        while True:
+            ra = min(s, 2 * r)
+            rb = min(s, 2 * ra)
+            ta = float(srt[ra - 1]) if r < s else 0.0
+            tb = float(srt[rb - 1]) if rb > ra else 0.0
+            ends = torch.cumsum(_accumulate(be, x, None, None, None, 0.0, None, None, ta, tb,
+                                            chunk), dim=1)
+            ca, cb = ends[:2, -1].tolist()
+            if ca >= k or not ta > 0:
+                t, c, row = ta, ca, 0
+                break
+            if cb >= k or not tb > 0:
+                t, c, row = tb, cb, 1
+                break
+            r = rb
     final = c <= k
     fuse = final and (mask_x or mask_u)
     idx, vals = _select(be, x, t, chunk, ends[row], c, fuse and mask_x,

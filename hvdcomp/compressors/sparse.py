@@ -32,6 +32,20 @@ Common to the three (``n`` = numel, everything float32 unless stated):
   call it once per tensor per step.  ``state_dict()`` holds CPU copies; ``load_state_dict``
   checks names, dtypes (float32), finiteness and shapes against the state held.
 
+Kernel path (kernels/dgc.cu through hvdcomp/backends/k_dgc.py, used wherever
+``hvdcomp.backends.kernel_backend`` gives a backend; the code below stays the
+specification): the same message bytes and the same state, bit for bit.  Per tensor: one
+pass computes u, v (or p = g + e), their finiteness and the number of candidates above two
+thresholds taken from the reference's Philox sample (gathered from the inputs first); one
+pass writes the candidates in index order (per-chunk counts, prefix sum, each chunk writing
+its own outputs) and masks them when they are final; the exact top-k among the few
+candidates and the masking of the rest follow.  State is double-buffered per name (the new
+u / v / residual go into a spare buffer that becomes live only if finite), so u and v take
+twice their size in memory and no step allocates gradient-sized tensors.  The clipping norm
+is summed in float64 in a fixed order (kernels/dgc.cu), torch's order in the reference:
+the two agree to float64 rounding, so the float32 factor T / ||g|| is the same except in
+the rare case of a float64 sum straddling a float32 rounding boundary.
+
 Wire (hvdcomp.wire.Message; header ``bits`` = value width 32 or 16, bucket size 0, level
 version 0; the index and value encodings are hvdcomp.codecs.sparse's):
 

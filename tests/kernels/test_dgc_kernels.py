@@ -399,3 +399,27 @@ def test_gpu_kernels_equal_host(cuda_backend, host):
                              scale=0.37, momentum=0.5)
         _bits_equal(smp.cpu(), smp_h)
         assert k_dgc.sumsq(be, gc) == k_dgc.sumsq(host.backend, g)
+
+
+def test_sparsify_walks_past_both_thresholds(host, monkeypatch):
+    """Keys whose sample overshoots twice (t1 and t2 both let fewer than k through): the
+    walk continues with further counting passes; the result is still DGC.select's."""
+    be = host.backend
+    n, k, ratio = 64, 8, 0.5
+    c = hvdcomp.get(f"dgc:density={k / n},sample_ratio={ratio}")
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    s = min(n, max(1, math.ceil(ratio * n)))
+    calls = []
+    real = be.launch
+    monkeypatch.setattr(be, "launch", lambda *a: (calls.append(a[0]), real(*a)))
+    walked = 0
+    for seed in range(400):
+        key = TensorKey("w", 1, 2, 0, 4, seed)
+        calls.clear()
+        res = k_dgc.sparsify(be, x, k, sample_size=s, exact=True,
+                             key4=(key.seed, key.rank, key.tensor_id, key.step))
+        walked += calls.count("hvd_dgc_accumulate") > 1
+        ref = c.select(x.abs(), k, key)
+        assert torch.equal(res.idx, ref), seed
+        _bits_equal(res.vals, x[ref])
+    assert walked >= 3, walked
