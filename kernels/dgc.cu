@@ -144,22 +144,27 @@ __device__ inline void sample_loop(const float* __restrict__ g, const float* __r
   }
 }
 
-// Thread t of a block of `stride` threads: sum of x[i]^2 over i = t, t + stride, ... < len in
-// float64, four interleaved partial sums joined as (a0 + a1) + (a2 + a3).
-__device__ inline double sumsq_part(const float* __restrict__ x, i64 len, i64 t, i64 stride) {
+// Thread t of a block of `nt` threads: sum of x[i]^2 in float64 over its contiguous segment
+// [t * seg, (t + 1) * seg) ∩ [0, len), seg = len / nt rounded up to a multiple of 4, in four
+// interleaved partial sums (i mod 4) joined as (a0 + a1) + (a2 + a3).  (Contiguous so that
+// the host build, which runs a block's threads one after another, streams and vectorizes.)
+__device__ inline double sumsq_part(const float* __restrict__ x, i64 len, i64 t, i64 nt) {
+  const i64 seg = ((len + nt - 1) / nt + 3) / 4 * 4;
+  const i64 lo = min64(len, t * seg);
+  const i64 hi = min64(len, lo + seg);
   double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
-  i64 i = t;
-  for (; i + 3 * stride < len; i += 4 * stride) {
+  i64 i = lo;
+  for (; i + 4 <= hi; i += 4) {
     const double v0 = (double)x[i];
-    const double v1 = (double)x[i + stride];
-    const double v2 = (double)x[i + 2 * stride];
-    const double v3 = (double)x[i + 3 * stride];
+    const double v1 = (double)x[i + 1];
+    const double v2 = (double)x[i + 2];
+    const double v3 = (double)x[i + 3];
     a0 = a0 + v0 * v0;
     a1 = a1 + v1 * v1;
     a2 = a2 + v2 * v2;
     a3 = a3 + v3 * v3;
   }
-  for (; i < len; i += stride) {
+  for (; i < hi; ++i) {
     const double v = (double)x[i];
     a0 = a0 + v * v;
   }
@@ -220,7 +225,7 @@ __device__ inline bool check_norm_block() {
 // ---- kernels ------------------------------------------------------------------------------
 
 // partials[b] = sum of x[i]^2 (float64) over chunk b = [b * 65536, (b + 1) * 65536) ∩ [0, n),
-// in the order of dgc::sumsq_part + block_reduce over 256 threads.
+// in the order of dgc::sumsq_part (256 contiguous segments) + block_reduce over 256 threads.
 extern "C" __global__ void hvd_dgc_sumsq(const float* __restrict__ x, long long n,
                                          double* __restrict__ partials) {
   if (!hvd::dgc::check_norm_block()) return;
@@ -229,9 +234,9 @@ extern "C" __global__ void hvd_dgc_sumsq(const float* __restrict__ x, long long 
     const long long base = b * HVD_DGC_NORM_CHUNK;
     const long long len = hvd::min64(HVD_DGC_NORM_CHUNK, n - base);
     const float* xb = x + base;
-    const long long stride = blockDim.x;
+    const long long nt = blockDim.x;
     const double ss = hvd::block_reduce<double>(
-        hvd::SumOp(), [&](unsigned t) { return hvd::dgc::sumsq_part(xb, len, t, stride); });
+        hvd::SumOp(), [&](unsigned t) { return hvd::dgc::sumsq_part(xb, len, t, nt); });
     if (threadIdx.x == 0) partials[b] = ss;
   }
 }

@@ -306,7 +306,7 @@ def sparsify(be, g: torch.Tensor, k: int, *, u_old=None, v_old=None, u_out=None,
              mask_x: bool = False, mask_u: bool = False,
              chunk: Optional[int] = None) -> Sparsified:
     """DGC's update and selection (hvdcomp.compressors.sparse.DGC._encode up to the message,
-    and DGC.select), in 3 to 5 launches:
+    and DGC.select), in 3 or more launches (4 with a final mask):
 
     1. sample: |v| at the reference's ``sample_size`` Philox positions, computed from the
        inputs (the same float ops as step 2); the reference's thresholds t1 = the r-th and
@@ -314,10 +314,13 @@ def sparsify(be, g: torch.Tensor, k: int, *, u_old=None, v_old=None, u_out=None,
     2. accumulate: u, v written (u_out when momentum > 0; v_out when given, else v is u_out
        or g), per-chunk counts of |v| passing t1 and t2, and of non-finite v;
     3. choose the threshold as the reference does (t1 if >= k pass; else, with ``exact``,
-       t2, then further down the sorted sample, counting again, then every nonzero); 4. select the passing coordinates (ascending), masking x
-       and u there when they are final and ``mask_x`` / ``mask_u``; 5. more than k passing:
-       :func:`exact_topk` among them (masking then left to the caller: ``masked`` False).
+       t2, then further down the sorted sample, counting again, then every nonzero);
+    4. select the passing coordinates (ascending), masking x and u there when they are
+       final and ``mask_x`` / ``mask_u``;
+    5. more than k passing: :func:`exact_topk` among them (masking then left to the
+       caller: ``masked`` False).
 
+    Raises TypeError / ValueError for arguments of the wrong dtype, device or size.
     ``sample_size`` 0, or k >= n: no sample (every nonzero is a candidate).  ``exact``:
     the selection is :func:`topk_indices` (|v|, k) whatever the sample; False: the paper's
     one pass.  Result (idx, vals) identical to ``DGC.select(v.abs(), k, key)`` (with the
