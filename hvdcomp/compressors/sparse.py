@@ -32,6 +32,20 @@ Common to the three (``n`` = numel, everything float32 unless stated):
   call it once per tensor per step.  ``state_dict()`` holds CPU copies; ``load_state_dict``
   checks names, dtypes (float32), finiteness and shapes against the state held.
 
+Kernel path (kernels/dgc.cu through hvdcomp/backends/k_dgc.py, used wherever
+``hvdcomp.backends.kernel_backend`` gives a backend; the code below stays the
+specification): the same message bytes and the same state, bit for bit.  Per tensor: one
+pass computes u, v (or p = g + e), their finiteness and the number of candidates above two
+thresholds taken from the reference's Philox sample (gathered from the inputs first); one
+pass writes the candidates in index order (per-chunk counts, prefix sum, each chunk writing
+its own outputs) and masks them when they are final; the exact top-k among the few
+candidates and the masking of the rest follow.  State is double-buffered per name (the new
+u / v / residual go into a spare buffer that becomes live only if finite), so u and v take
+twice their size in memory and no step allocates gradient-sized tensors.  The clipping norm
+is summed in float64 in a fixed order (kernels/dgc.cu), torch's order in the reference:
+the two agree to float64 rounding, so the float32 factor T / ||g|| is the same except in
+the rare case of a float64 sum straddling a float32 rounding boundary.
+
 Wire (hvdcomp.wire.Message; header ``bits`` = value width 32 or 16, bucket size 0, level
 version 0; the index and value encodings are hvdcomp.codecs.sparse's):
 
@@ -57,6 +71,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from ..backends import k_dgc, kernel_backend
 from ..codecs.sparse import decode_indices, decode_values, encode_indices, encode_values
 from ..errors import WireFormatError
 from ..random import random_words
@@ -216,6 +231,64 @@ def _check_state(owner: str, kind: str, t: Optional[torch.Tensor], grad: torch.T
                          f"shape; was a checkpoint of another model loaded?)")
 
 
+# --- the kernel path (kernels/dgc.cu, hvdcomp/backends/k_dgc.py) ------------------------------
+#
+# Same bytes and state as the reference code of each compressor (which stays the
+# specification and runs where kernel_backend() gives None).  The state is double-buffered
+# per name: the kernels write the new u / v (or residual) into a spare buffer and the two
+# swap only once the new values are known to be finite (the NaN policy leaves the state
+# unchanged), so no step allocates (or page-faults) a tensor of the gradient's size.
+
+_INTERNAL_SAMPLE = 0.01      # sample ratio for the thresholds of EXACT top-k selections
+
+
+def _kernel_grad(grad: torch.Tensor):
+    """The kernel backend for ``grad``, or None (reference path): floating, non-empty."""
+    if not grad.is_floating_point() or grad.numel() == 0:
+        return None
+    return kernel_backend(grad.device)
+
+
+def _flat_view(grad: torch.Tensor) -> torch.Tensor:
+    """grad as flat contiguous float32, without a copy when it already is one (read only)."""
+    g = grad.detach().reshape(-1)
+    if g.dtype != torch.float32:
+        g = g.to(torch.float32)
+    return g.contiguous()
+
+
+def _flat_state(t: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    return t.detach().reshape(-1).to(device).contiguous()
+
+
+def _spare(store: Dict[str, torch.Tensor], name: str, n: int, device) -> torch.Tensor:
+    """The spare float32 buffer of ``name`` (n,), allocated if missing or unfit."""
+    b = store.get(name)
+    if (b is None or b.numel() != n or b.device != device or b.dtype != torch.float32
+            or not b.is_contiguous()):
+        b = torch.empty(n, dtype=torch.float32, device=device)
+        store[name] = b
+    return b.view(-1)
+
+
+def _retire(store: Dict[str, torch.Tensor], name: str, old: Optional[torch.Tensor],
+            new: torch.Tensor) -> None:
+    """After ``new`` became the live state of ``name``: the previous live tensor becomes
+    the spare; at a name's first step a zeroed spare is made now (its pages are mapped in
+    this step rather than in the next)."""
+    if old is not None and old.data_ptr() != new.data_ptr():
+        store[name] = old.detach().reshape(-1) if old.is_contiguous() else \
+            torch.empty_like(new).zero_()
+    else:
+        store[name] = torch.zeros_like(new)
+
+
+def _sample_size(ratio: float, n: int) -> int:
+    return min(n, max(1, math.ceil(ratio * n)))
+
+
 # --- the compressors --------------------------------------------------------------------------
 
 class _Sparse(Compressor):
@@ -248,7 +321,7 @@ class _Sparse(Compressor):
         idx = decode_indices(msg.sections[0], msg.numel)
         vals = decode_values(msg.sections[1], idx.size, self.value_bits)
         if idx.size:
-            out.index_add_(0, torch.from_numpy(idx).to(out.device), vals.to(out.device))
+            _scatter_add(out, torch.from_numpy(idx), vals, 1.0)
 
     def decode_sparse(self, msg: Message) -> Tuple[np.ndarray, torch.Tensor]:
         """(indices int64, float32 values) of a validated top-k / DGC message."""
@@ -257,11 +330,57 @@ class _Sparse(Compressor):
         return idx, decode_values(msg.sections[1], idx.size, self.value_bits)
 
 
+def _scatter_add(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, s: float) -> None:
+    """out[idx] += vals * s (s = 1: += vals) for one message's distinct indices: the
+    hvd_dgc_scatter_add kernel where a backend runs (flat contiguous float32 out), else
+    index_add_; the same float32 result either way."""
+    dev = out.device
+    # On a CPU, index_add_ costs about 1 us for a message's indices, a kernel launch from
+    # Python about 10: the kernel serves GPUs (no atomics), the CPU keeps index_add_.
+    be = kernel_backend(dev) if dev.type != "cpu" else None
+    if (be is not None and out.dtype == torch.float32 and out.dim() == 1
+            and out.is_contiguous() and not out.requires_grad):
+        k_dgc.scatter_add(be.backend, idx.to(dev), vals.to(dev), out, s)
+        return
+    if s != 1.0:
+        vals = vals * torch.tensor(s, dtype=torch.float32)
+    out.index_add_(0, idx.to(dev), vals.to(dev))
+
+
 class _Residuals(_Sparse):
     """Per-name error-feedback residuals (top-k, random-k)."""
 
     def _init_state(self):
         self._residuals: Dict[str, torch.Tensor] = {}
+        self._spares: Dict[str, torch.Tensor] = {}      # kernel path: the next residual
+
+    def encode(self, grad, key):
+        # kernel path: the non-finite check is part of the kernels' one pass over g
+        be = _kernel_grad(grad)
+        if be is None:
+            return super().encode(grad, key)
+        return self._encode_kernels(be.backend, grad, key)
+
+    def _p_kernels(self, be, grad, key, t1=math.inf, t2=math.inf):
+        """(g, e, p_out or None, counts): p = g + e written into the spare (error
+        feedback), else p is g itself; counts as k_dgc.accumulate's."""
+        g = _flat_view(grad)
+        e = self._residuals.get(key.name) if self.error_feedback else None
+        _check_state(self.name, "residual", e, grad, key.name)
+        p_out = _spare(self._spares, key.name, g.numel(), g.device) \
+            if self.error_feedback else None
+        return g, _flat_state(e, g.device), p_out
+
+    def _keep_kernels(self, be, grad, key, p_out, idx, dec, masked: bool) -> None:
+        """The reference's _keep on the kernel path: p[idx] -= dec (unless done), then p
+        becomes the residual."""
+        if not self.error_feedback:
+            return
+        if not masked:
+            k_dgc.mask(be, idx, v=p_out, dec=dec)
+        old = self._residuals.get(key.name)
+        self._residuals[key.name] = p_out.view(grad.shape)
+        _retire(self._spares, key.name, old, p_out)
 
     def _p(self, grad, key) -> torch.Tensor:
         g = _flat_f32(grad, self.name)
@@ -295,6 +414,7 @@ class _Residuals(_Sparse):
             raise ValueError(f"{self.name}: unknown state keys {extra}; expected 'residuals'")
         self._residuals = _load_tensors(self.name, "residual", state.get("residuals", {}),
                                         self._residuals)
+        self._spares = {}
 
 
 @register("topk")
@@ -339,6 +459,24 @@ class TopK(_Residuals):
         idx = topk_indices(p.abs(), num_selected(self.density, p.numel()))
         msg, dec = self._send(grad, key, p, idx)
         self._keep(grad, key, p, idx, dec)
+        return msg
+
+    def _encode_kernels(self, be, grad, key):
+        """_encode on kernels/dgc.cu: p = g + e, finiteness and the candidates' counts in
+        one pass; exact top-k (the sample only places the threshold)."""
+        g, e, p_out = self._p_kernels(be, grad, key)
+        n = g.numel()
+        fp32 = self.value_bits == 32
+        res = k_dgc.sparsify(be, g, num_selected(self.density, n), v_old=e, v_out=p_out,
+                             sample_size=_sample_size(_INTERNAL_SAMPLE, n),
+                             key4=(key.seed, key.rank, key.tensor_id, key.step), exact=True,
+                             mask_x=fp32 and p_out is not None)
+        if res.nonfinite:
+            return self._nonfinite(grad, key)                  # residual unchanged
+        vsec, dec = encode_values(res.vals, self.value_bits)
+        isec = encode_indices(res.idx.cpu().numpy(), n)
+        msg = self._message(grad, key, (isec, vsec))
+        self._keep_kernels(be, grad, key, p_out, res.idx, dec, res.masked)
         return msg
 
 
@@ -395,6 +533,26 @@ class RandK(_Residuals):
         self._keep(grad, key, p, idx, dec)
         return self._message(grad, key, (vsec,))
 
+    def _encode_kernels(self, be, grad, key):
+        """_encode on kernels/dgc.cu: p = g + e and its finiteness in one pass; the
+        indices from random_indices (the reference's, a function of the key)."""
+        g, e, p_out = self._p_kernels(be, grad, key)
+        n = g.numel()
+        counts = k_dgc.accumulate(be, g, v_old=e, v_out=p_out)
+        if int(counts[2].sum()):
+            return self._nonfinite(grad, key)                  # residual unchanged
+        p = p_out if p_out is not None else g
+        idx = random_indices(n, num_selected(self.density, n), key, device=p.device)
+        vsec, dec = encode_values(p[idx], self.value_bits)
+        if not bool((dec != 0).any()):
+            vsec = np.zeros(0, dtype=np.uint8)                # all zero: header-only message
+        s = self.scale(n)
+        if s != 1.0:
+            dec = dec * torch.tensor(s, dtype=torch.float32, device=dec.device)
+        msg = self._message(grad, key, (vsec,))
+        self._keep_kernels(be, grad, key, p_out, idx, dec, False)
+        return msg
+
     def _decode(self, msg, key, out):
         if msg.flags & ~FLAG_NONFINITE:
             raise WireFormatError(f"randk: unexpected flags 0x{msg.flags:02x}")
@@ -404,11 +562,8 @@ class RandK(_Residuals):
         if len(msg.sections[0]) == 0:
             return                                             # all k values were zero
         vals = decode_values(msg.sections[0], k, self.value_bits)
-        s = self.scale(n)
-        if s != 1.0:
-            vals = vals * torch.tensor(s, dtype=torch.float32)
         idx = random_indices(n, k, key)
-        out.index_add_(0, idx.to(out.device), vals.to(out.device))
+        _scatter_add(out, idx, vals, self.scale(n))
 
 
 @register("dgc")
@@ -506,6 +661,8 @@ class DGC(_Sparse):
         self._factors: Dict[str, float] = {}
         self._u: Dict[str, torch.Tensor] = {}
         self._v: Dict[str, torch.Tensor] = {}
+        self._spare_u: Dict[str, torch.Tensor] = {}     # kernel path: the next u / v
+        self._spare_v: Dict[str, torch.Tensor] = {}
 
     # --- schedule and momentum --------------------------------------------------------
     def density_at(self, step: int) -> float:
@@ -587,6 +744,76 @@ class DGC(_Sparse):
             self._u.pop(name, None)
         return msg
 
+    def encode(self, grad, key):
+        # kernel path: the non-finite check is part of the kernels' one pass over g
+        be = _kernel_grad(grad)
+        if be is not None:
+            m = self.momentum_of(key.name) if self.momentum_correction else 0.0
+            if not (m > 0 and float(np.float32(m)) == 0.0):      # else: reference
+                return self._encode_kernels(be.backend, grad, key, m)
+        return super().encode(grad, key)
+
+    def _encode_kernels(self, be, grad, key, m):
+        """_encode on kernels/dgc.cu (k_dgc.sparsify): clipping norm (one read pass, if
+        on), then u, v, their finiteness and the candidates' counts in one pass, the
+        selection in another; the same message and state as _encode."""
+        name = key.name
+        g = _flat_view(grad)
+        n, dev = g.numel(), g.device
+        u_old, v_old = self._u.get(name), self._v.get(name)
+        _check_state("dgc", "momentum u", u_old, grad, name)
+        _check_state("dgc", "accumulation v", v_old, grad, name)
+        scale = None
+        if self.clip_norm > 0:
+            norm = math.sqrt(k_dgc.sumsq(be, g))
+            thr = self.clip_norm / math.sqrt(key.world_size)
+            if norm > thr:
+                scale = float(np.float32(thr / norm))
+        mom = m > 0
+        u_out = _spare(self._spare_u, name, n, dev) if mom else None
+        if self.accumulate:
+            v_out = _spare(self._spare_v, name, n, dev)
+        elif not mom and scale is not None:
+            v_out = torch.empty(n, dtype=torch.float32, device=dev)   # g * scale, not kept
+        else:
+            v_out = None                                 # v is u (or g itself)
+        fp32 = self.value_bits == 32
+        k = num_selected(self.density_at(key.step), n)
+        if self.sample_ratio > 0:
+            s, exact = _sample_size(self.sample_ratio, n), self.exact_k
+        else:
+            s, exact = _sample_size(_INTERNAL_SAMPLE, n), True   # exact top-k either way
+        res = k_dgc.sparsify(be, g, k, u_old=_flat_state(u_old if mom else None, dev),
+                             v_old=_flat_state(v_old if self.accumulate else None, dev),
+                             u_out=u_out, v_out=v_out, scale=scale,
+                             momentum=float(np.float32(m)) if mom else 0.0,
+                             sample_size=s, key4=(key.seed, key.rank, key.tensor_id, key.step),
+                             exact=exact, mask_x=fp32 and self.accumulate,
+                             mask_u=mom and self.masking)
+        if res.nonfinite:
+            return self._nonfinite(grad, key)                  # state unchanged
+        vsec, dec = encode_values(res.vals, self.value_bits)
+        isec = encode_indices(res.idx.cpu().numpy(), n)
+        msg = self._message(grad, key, (isec, vsec))
+        # state: v[idx] -= dec, u[idx] = 0 (unless sparsify did it), then swap buffers
+        need_v = self.accumulate and not (fp32 and res.masked)
+        need_u = mom and self.masking and not res.masked
+        if need_v or need_u:
+            if not self.accumulate:                      # x is u: masking u only
+                k_dgc.mask(be, res.idx, u=u_out)
+            else:
+                k_dgc.mask(be, res.idx, v=v_out if need_v else None,
+                           u=u_out if need_u else None, dec=dec)
+        if self.accumulate:
+            self._v[name] = v_out.view(grad.shape)
+            _retire(self._spare_v, name, v_old, v_out)
+        if mom:
+            self._u[name] = u_out.view(grad.shape)
+            _retire(self._spare_u, name, u_old, u_out)
+        else:
+            self._u.pop(name, None)
+        return msg
+
     # --- state --------------------------------------------------------------------------
     def momentum_buffer(self, name: str) -> Optional[torch.Tensor]:
         """A copy of u for ``name`` (float32, its gradient's shape), or None."""
@@ -619,3 +846,4 @@ class DGC(_Sparse):
                 raise ValueError(f"dgc: u and v of {name!r} differ in shape: "
                                  f"{tuple(u[name].shape)} vs {tuple(v[name].shape)}")
         self._u, self._v = u, v
+        self._spare_u, self._spare_v = {}, {}
