@@ -59,7 +59,8 @@ def worker(args):
     for spec in _split_methods(args.methods):
         if spec.split("+")[-1].split(":")[0] not in hvdcomp.available():
             continue
-        ex = Exchange(params, make_compression(spec), make("mpi"), hvd=hvd, seed=1)
+        ex = Exchange(params, make_compression(spec), make("mpi"), hvd=hvd, seed=1,
+                      **({"fusion_bytes": args.fusion_bytes} if args.fusion_bytes else {}))
         plan = {}
         for e in ex.entries.values():
             plan[e.compressor.name] = plan.get(e.compressor.name, 0) + e.param.numel()
@@ -101,11 +102,11 @@ def _split_methods(text):
 
 def driver(args):
     res_path = os.path.join(ROOT, "bench", "results", f"exchange_{args.model}.json")
-    res = {"model": args.model, "ranks": 4, "results": {}, "commands": {}}
+    res = {"model": args.model, "ranks": 4, "results": {}, "runs": {}}
     if os.path.exists(res_path):          # runs at other rates are kept
         with open(res_path) as f:
             old = json.load(f)
-        if "commands" in old:
+        if "runs" in old:
             res = old
     out_rows = res["results"]
     for rate in args.rates.split(","):
@@ -113,7 +114,8 @@ def driver(args):
         cmd = [os.path.join(ROOT, "launch", "netem"), rate, "--",
                os.path.join(ROOT, "launch", "run"), "-np", "4", sys.executable,
                os.path.abspath(__file__), "--worker", "--model", args.model,
-               "--reps", str(args.reps), "--methods", args.methods, "--json", path]
+               "--reps", str(args.reps), "--methods", args.methods, "--json", path,
+               "--fusion-bytes", str(args.fusion_bytes)]
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, timeout=3600)
         with open(path) as f:
@@ -123,7 +125,7 @@ def driver(args):
                   f"[{r['min_s']:.3f}-{r['max_s']:.3f}]  {r['bytes_per_rank'] / 1e6:8.2f} MB  "
                   f"enc {r['encode_s']:.3f} comm {r['comm_s']:.3f} dec {r['decode_s']:.3f}",
                   flush=True)
-        res["commands"][rate] = {"command": "python bench/exchange.py " + " ".join(sys.argv[1:]),
+        res["runs"][rate] = {"command": "python bench/exchange.py " + " ".join(sys.argv[1:]),
                                  "date": time.strftime("%Y-%m-%d %H:%M")}
         with open(res_path, "w") as f:
             json.dump(res, f, indent=1)
@@ -190,6 +192,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--json", default="")
+    ap.add_argument("--fusion-bytes", type=int, default=0,
+                    help="fusion bucket size (default: the optimizer's default)")
     args = ap.parse_args()
     worker(args) if args.worker else driver(args)
 

@@ -294,6 +294,35 @@ class Ops:
                            (packed, n, norms, bs, levels, b, out))
         return out
 
+    def dequantize_add_many(self, packed: Sequence[torch.Tensor], n: int,
+                            norms: Sequence[torch.Tensor], levels: torch.Tensor, bits: int,
+                            bucket_size: int, out: torch.Tensor) -> torch.Tensor:
+        """``dequantize_add`` of several messages of one tensor (packed[m], norms[m]), added
+        into ``out`` in list order, bit for bit as the sequence of single calls, in one pass
+        over ``out`` (one launch).  All tensors on out's device; same shapes as there."""
+        b = _bits(bits)
+        n = check_int(n, "n", 0, 2**62)
+        bs = _bucket(bucket_size)
+        out = self._tensor(out, "out", torch.float32, n, output=True)
+        dev = out.device
+        if len(packed) != len(norms):
+            raise ValueError(f"{len(packed)} packed streams but {len(norms)} norm vectors")
+        if len(packed) > 2**31 - 1:
+            raise ValueError("too many messages")
+        packed = [self._tensor(p, "packed", torch.uint8, packed_size(n, b), device=dev)
+                  for p in packed]
+        norms = [self._tensor(m, "norms", torch.float32, (n + bs - 1) // bs, device=dev)
+                 for m in norms]
+        levels = self._levels(levels, b, dev)
+        if n and packed:
+            pp = torch.tensor([p.data_ptr() for p in packed], dtype=torch.int64).to(dev)
+            npp = torch.tensor([m.data_ptr() for m in norms], dtype=torch.int64).to(dev)
+            # packed / norms stay referenced (these lists) until the launch has been issued;
+            # on a GPU the launch is ordered on the current stream before any later free
+            self.be.launch("hvd_dequantize_add_many", grid_for((n + 7) // 8), BLOCK,
+                           (pp, npp, len(packed), n, bs, levels, b, out))
+        return out
+
     def _philox(self, kernel, dtype, n, seed, step, rank, tensor_id, offset, device):
         n = check_int(n, "n", 0, 2**62)
         offset = check_int(offset, "offset", 0, 2**62)

@@ -177,5 +177,6 @@ bucket_norms = _ops.bucket_norms
 quantize_pack = _ops.quantize_pack
 quantize = _ops.quantize
 dequantize_add = _ops.dequantize_add
+dequantize_add_many = _ops.dequantize_add_many
 random_words = _ops.random_words
 uniform = _ops.uniform

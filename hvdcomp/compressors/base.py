@@ -99,6 +99,13 @@ class Compressor:
         Returns False if the message is NONFINITE (nothing added), True otherwise.
         Raises WireFormatError for any mismatch or malformed section.
         """
+        if not self._check_header(msg, key, out):
+            return False
+        self._decode(msg, key, out)
+        return True
+
+    def _check_header(self, msg: Message, key: TensorKey, out: torch.Tensor) -> bool:
+        """decode()'s header checks; False for a NONFINITE message (nothing to add)."""
         hf = self._header_fields()
         msg.expect(codec=self.codec, tensor_id=key.tensor_id, step=key.step, rank=key.rank,
                    seed=key.seed,
@@ -107,10 +114,7 @@ class Compressor:
         if msg.numel != out.numel():
             raise WireFormatError(f"numel mismatch: message has {msg.numel}, receiver "
                                   f"expects {out.numel()}")
-        if msg.flags & FLAG_NONFINITE:
-            return False
-        self._decode(msg, key, out)
-        return True
+        return not msg.flags & FLAG_NONFINITE
 
     def combine(self, msgs: List[Message], keys: List[TensorKey], out: torch.Tensor) -> bool:
         """Decode every rank's message for one tensor into ``out`` (the sum of the
@@ -123,12 +127,15 @@ class Compressor:
         """
         finite = True
         for msg, key in zip(msgs, keys):
-            if msg is None:
-                raise WireFormatError(f"{self.name}: rank {key.rank} sent an empty message "
-                                      f"for {key.name}; only compressors that skip uploads "
-                                      f"(LAQ) may send nothing")
+            self._require_message(msg, key)
             finite &= self.decode(msg, key, out)
         return finite
+
+    def _require_message(self, msg: Optional[Message], key: TensorKey) -> None:
+        if msg is None:
+            raise WireFormatError(f"{self.name}: rank {key.rank} sent an empty message "
+                                  f"for {key.name}; only compressors that skip uploads "
+                                  f"(LAQ) may send nothing")
 
     def finalize(self, acc: torch.Tensor, key: TensorKey) -> torch.Tensor:
         """Turn the sum of decoded contributions into the average, in place.

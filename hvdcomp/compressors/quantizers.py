@@ -167,31 +167,63 @@ class BucketQuantizer(Compressor):
         msg.section_size_check(1, packed_size(n, self.bits), "codes")
         return unpack_bits(torch.from_numpy(np.array(msg.sections[1])), n, self.bits)
 
-    def _decode(self, msg, key, out):
-        n = msg.numel
+    def _norms(self, msg: Message, n: int) -> torch.Tensor:
         nb = (n + self.bucket_size - 1) // self.bucket_size
         msg.expect(nsections=2)
         msg.section_size_check(0, 4 * nb, "norms")
         norms = torch.from_numpy(np.array(msg.sections[0]).view(np.float32))
         if not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
             raise WireFormatError(f"{self.name}: bucket norms must be finite and >= 0")
+        return norms
+
+    @staticmethod
+    def _kernel_out(be, out: torch.Tensor) -> bool:
+        return (be is not None and out.dtype == torch.float32 and out.dim() == 1
+                and out.is_contiguous())
+
+    def _packed_on(self, msg: Message, n: int, dev) -> torch.Tensor:
+        """The message's packed codes on ``dev`` (entropy sections decoded there by
+        kernels/rans.cu)."""
+        if msg.flags & FLAG_ENTROPY:
+            return decode_codes(msg.sections[1], n, self.bits, device=dev)
+        msg.section_size_check(1, packed_size(n, self.bits), "codes")
+        return torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(dev)
+
+    def _decode(self, msg, key, out):
+        n = msg.numel
+        norms = self._norms(msg, n)
         be = kernel_backend(out.device)
-        if (be is not None and out.dtype == torch.float32 and out.dim() == 1
-                and out.is_contiguous()):
-            # kernels/quantize.cu: out += the decoded values, bit for bit as below; entropy
-            # sections decoded to packed codes by kernels/rans.cu on the same device
+        if self._kernel_out(be, out):
+            # kernels/quantize.cu: out += the decoded values, bit for bit as below
             dev = out.device
-            if msg.flags & FLAG_ENTROPY:
-                packed = decode_codes(msg.sections[1], n, self.bits, device=dev)
-            else:
-                msg.section_size_check(1, packed_size(n, self.bits), "codes")
-                packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(dev)
-            be.dequantize_add(packed, n, norms.to(dev), self.levels.to(dev), self.bits,
-                              self.bucket_size, out)
+            be.dequantize_add(self._packed_on(msg, n, dev), n, norms.to(dev),
+                              self.levels.to(dev), self.bits, self.bucket_size, out)
             return
         codes = self._codes(msg, n)
         v = dequantize_reference(norms, codes, self.levels, self.bucket_size, self.bits - 1)
         out.add_(v.to(out.device))
+
+    def combine(self, msgs, keys, out):
+        """Every rank's message added in rank order, as the base class does, but in one
+        kernel pass over ``out`` (hvd_dequantize_add_many) where the kernels run: the same
+        additions in the same order, so the same bits."""
+        be = kernel_backend(out.device)
+        if not self._kernel_out(be, out) or len(msgs) < 2:
+            return super().combine(msgs, keys, out)
+        finite, packed, norms = True, [], []
+        dev = out.device
+        for msg, key in zip(msgs, keys):
+            self._require_message(msg, key)
+            if not self._check_header(msg, key, out):
+                finite = False
+                continue
+            n = msg.numel
+            norms.append(self._norms(msg, n).to(dev))
+            packed.append(self._packed_on(msg, n, dev))
+        if packed:
+            be.dequantize_add_many(packed, out.numel(), norms, self.levels.to(dev), self.bits,
+                                   self.bucket_size, out)
+        return finite
 
     def variance(self, grad: torch.Tensor) -> float:
         """The exact variance sum_i E|Q(v_i) - v_i|^2 of quantizing ``grad`` (Eq. 2)."""

@@ -158,3 +158,21 @@ def test_past_2_31_elements(cuda_backend):
     want = dequantize_reference(tn, codes_k, lv, bs, bits - 1)
     assert same_bits(out[start:].cpu(), (torch.zeros_like(want) + want).cpu())
     del x, out
+
+
+def test_decode_many_matches_reference_on_gpu():
+    from hvdcomp.backends import cuda
+    from kernel_cases import gradient, ref_decode_add, same_bits, tables, KEY
+    from hvdcomp.codecs import unpack_bits
+    bits, bs, n = 3, 512, 100_003
+    lv = tables(bits)["fitted"]
+    acc = torch.zeros(n)
+    packed, norms = [], []
+    for rank in range(4):
+        x = gradient(n, bs, seed=rank)
+        nm, pk = cuda.quantize(x.cuda(), lv.cuda(), bits, bs, "linf", **dict(KEY, rank=rank))
+        packed.append(pk)
+        norms.append(nm)
+        acc = ref_decode_add(acc, nm.cpu(), unpack_bits(pk.cpu(), n, bits), lv, bits, bs)
+    got = cuda.dequantize_add_many(packed, n, norms, lv.cuda(), bits, bs, torch.zeros(n).cuda())
+    assert same_bits(got.cpu(), acc)

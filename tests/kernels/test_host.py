@@ -209,6 +209,30 @@ def test_decode_all_ranks_accumulates_in_rank_order(host):
     assert same_bits(acc, want)
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("n,bs", [(1, 1), (7, 3), (10_007, 512), (4097, 4096), (65_536, 8192)])
+def test_decode_many_equals_one_by_one(host, bits, n, bs):
+    # one pass over the accumulator for all ranks' messages == the reference's rank-order sum
+    lv = tables(bits)["fitted"]
+    acc = gradient(n, bs, seed=99)          # a non-zero accumulator: the order matters
+    want = acc.clone()
+    packed, norms = [], []
+    for rank in range(5):
+        x = gradient(n, bs, seed=rank + 10 * bits)
+        nm, pk = host.quantize(x, lv, bits, bs, "l2", **dict(KEY, rank=rank))
+        packed.append(pk)
+        norms.append(nm)
+        want = ref_decode_add(want, nm, unpack_bits(pk, n, bits), lv, bits, bs)
+    host.dequantize_add_many(packed, n, norms, lv, bits, bs, acc)
+    assert same_bits(acc, want)
+    # no messages: nothing changes; mismatched lists are refused
+    before = acc.clone()
+    host.dequantize_add_many([], n, [], lv, bits, bs, acc)
+    assert same_bits(acc, before)
+    with pytest.raises(ValueError):
+        host.dequantize_add_many(packed, n, norms[:-1], lv, bits, bs, acc)
+
+
 def test_matches_the_compressors_messages(host):
     # the drop-in equivalence quantizers.py relies on: same sections, same decoded sum
     import hvdcomp
