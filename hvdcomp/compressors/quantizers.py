@@ -208,8 +208,9 @@ class BucketQuantizer(Compressor):
         kernel pass over ``out`` (hvd_dequantize_add_many) where the kernels run: the same
         additions in the same order, so the same bits."""
         be = kernel_backend(out.device)
-        if not self._kernel_out(be, out) or len(msgs) < 2:
-            return super().combine(msgs, keys, out)
+        if (not self._kernel_out(be, out) or len(msgs) < 2
+                or type(self)._decode is not BucketQuantizer._decode):   # a subclass decodes
+            return super().combine(msgs, keys, out)                     # its own way
         finite, packed, norms = True, [], []
         dev = out.device
         for msg, key in zip(msgs, keys):

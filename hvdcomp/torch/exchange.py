@@ -153,6 +153,7 @@ class Exchange:
                       f"{ {True: 'yes', False: 'no', None: 'unknown'}[self.cuda_aware] }; "
                       f"compressed messages are staged through host memory", file=sys.stderr,
                       flush=True)
+        self._accs: Dict[str, torch.Tensor] = {}
         self._q: "queue.Queue" = queue.Queue()
         self._cq: "queue.Queue" = queue.Queue()
         self._dq: "queue.Queue" = queue.Queue()
@@ -230,7 +231,9 @@ class Exchange:
 
     def finish(self) -> Tuple[Dict[str, torch.Tensor], StepStats]:
         """Submit what is left (gradients never produced count as zeros), wait, and return
-        {name: averaged gradient (float32, flat)} and the step's statistics.
+        {name: averaged gradient (float32, flat)} and the step's statistics.  The averaged
+        gradients of compressed tensors live in buffers that the next step reuses: copy
+        what you keep (the optimizer copies them into ``p.grad``).
         Re-raises any error of the worker (e.g. WireFormatError) on the calling thread."""
         if not self._active:
             raise RuntimeError("finish() outside a step")
@@ -382,8 +385,7 @@ class Exchange:
         if ag:
             per_rank = [split_frames(f, len(ag)) for f in frames]
             for i, e in enumerate(ag):
-                acc = torch.zeros(e.param.numel(), dtype=torch.float32,
-                                  device=e.param.device)
+                acc = self._accumulator(e)
                 msgs = [Message.from_bytes(per_rank[r][i]) if len(per_rank[r][i]) else None
                         for r in range(self.size)]
                 keys = [self._key(e, r) for r in range(self.size)]
@@ -391,6 +393,17 @@ class Exchange:
                 st.events.extend(f"{e.name}: {ev}" for ev in e.compressor.drain_events())
                 self._finish_tensor(e, acc, finite)
         st.decode_s += time.perf_counter() - t2
+
+    def _accumulator(self, e: _Entry) -> torch.Tensor:
+        """A zeroed float32 accumulator for ``e``, reused from step to step: a fresh
+        gradient-sized allocation every step costs a page fault per 4 KiB."""
+        acc = self._accs.get(e.name)
+        if acc is None or acc.device != e.param.device:
+            acc = torch.zeros(e.param.numel(), dtype=torch.float32, device=e.param.device)
+            self._accs[e.name] = acc
+        else:
+            acc.zero_()
+        return acc
 
     def _finish_tensor(self, e: _Entry, acc: torch.Tensor, finite: bool) -> None:
         if finite:

@@ -161,7 +161,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for n, p in self._named:
             avg = results[n].view(p.shape)
             if p.grad is None:
-                p.grad = avg.to(p.dtype)
+                p.grad = avg.to(p.dtype, copy=True)    # the exchange reuses its buffers
             else:
                 p.grad.copy_(avg)
         for n in self._counts:

@@ -66,7 +66,7 @@ def _run(spec, device, mode, steps=3):
             for n, _ in reversed(params):
                 ex.ready(n)
             res, _ = ex.finish()
-            out.append({n: r.detach().cpu() for n, r in res.items()})
+            out.append({n: r.detach().cpu().clone() for n, r in res.items()})
         return out
     finally:
         if old is None:

@@ -111,7 +111,7 @@ def check_exchange(rank, size):
                 assert stats.compressors["fc1.bias"] == "none"
                 assert not res["zero.weight"].any() and not torch.signbit(res["zero.weight"]).any()
                 check_residuals(comp, twins[rank], compressed, (spec, tname, step))
-                results.append(res)
+                results.append({k: v.clone() for k, v in res.items()})   # buffers are reused
             if comp.name == "signef":
                 # rank 1's nan.weight was NaN at every step: no residual was ever created;
                 # the other ranks hold one for it
