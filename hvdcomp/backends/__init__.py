@@ -1,6 +1,9 @@
-"""Kernel backends of the bucketed stochastic quantizers (QSGD, QSGDinf, NUQSGD, ALQ, AMQ).
+"""Kernel backends: the CUDA kernels of every compressor (kernels/*.cu), on a GPU or the CPU.
 
-Three implementations of one contract:
+The bucketed quantizers' operations are the ``Ops`` of _common.py (below); the other
+families' launchers are in ``k_<family>.py`` (k_ternary, k_stats, k_psq, k_dithered, k_laq,
+k_dgc, k_rans, k_sparse), functions that take the launch object ``backend`` of ``host`` or
+``cuda`` first.  For the quantizers, three implementations of one contract:
 
 * the specification: PyTorch ops in hvdcomp/compressors/quantizers.py
   (``quantize_reference``, ``dequantize_reference``, ``bucket_norms``), with
