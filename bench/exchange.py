@@ -14,6 +14,7 @@ Results: bench/results/exchange_<model>.json and .md (written by the driver).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -88,6 +89,9 @@ def worker(args):
         if ex.auto is not None:
             row["cost_model"] = ex.auto.model.as_dict()
         rows.append(row)
+        ex.close()                  # free its buffers and the compressor's state (BERT: GBs)
+        del ex
+        gc.collect()
         if rank == 0:
             print(json.dumps(row), flush=True)
     if rank == 0:
@@ -119,8 +123,14 @@ def driver(args):
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, timeout=3600)
         with open(path) as f:
-            out_rows[rate] = json.load(f)
-        for r in out_rows[rate]:
+            fresh = json.load(f)
+        stamp = time.strftime("%Y-%m-%d %H:%M")
+        for r in fresh:
+            r["measured"] = stamp
+        # rows of this run replace the same methods' rows of earlier runs; others are kept
+        kept = [r for r in out_rows.get(rate, []) if r["method"] not in {x["method"] for x in fresh}]
+        out_rows[rate] = kept + fresh
+        for r in fresh:
             print(f"{rate:8s} {r['method']:20s} {r['median_s']:8.3f} s "
                   f"[{r['min_s']:.3f}-{r['max_s']:.3f}]  {r['bytes_per_rank'] / 1e6:8.2f} MB  "
                   f"enc {r['encode_s']:.3f} comm {r['comm_s']:.3f} dec {r['decode_s']:.3f}",
@@ -141,8 +151,9 @@ RATE_BITS = {"100mbit": 1e8, "1gbit": 1e9, "10gbit": 1e10}
 def render(res) -> str:
     """The markdown table of a results file (rates from slow to fast is not assumed)."""
     lines = [f"| rate | method | time (s), median [min-max] | vs fp32 | vs fp16 | "
-             f"MB sent per rank | encode / comm / decode (s) | elements by compressor |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"MB sent per rank | encode / comm / decode (s) | elements by compressor | "
+             f"measured |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for rate in sorted(res["results"], key=lambda r: -RATE_BITS.get(r, 0)):
         rows = res["results"][rate]
         base = {r["method"]: r["median_s"] for r in rows}
@@ -154,7 +165,8 @@ def render(res) -> str:
             lines.append(f"| {rate} | {r['method']} | {r['median_s']:.2f} "
                          f"[{r['min_s']:.2f}-{r['max_s']:.2f}] | {vs32:.1f}x | {vs16:.1f}x | "
                          f"{r['bytes_per_rank'] / 1e6:.2f} | {r['encode_s']:.2f} / "
-                         f"{r['comm_s']:.2f} / {r['decode_s']:.2f} | {plan} |")
+                         f"{r['comm_s']:.2f} / {r['decode_s']:.2f} | {plan} | "
+                         f"{r.get('measured', '')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -167,12 +179,16 @@ def plot(res, path) -> None:
     for rate, rows in res["results"].items():
         for r in rows:
             series.setdefault(r["method"], []).append((RATE_BITS[rate], r["median_s"]))
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for method, pts in series.items():
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    colors = plt.cm.tab20.colors
+    markers = "osD^v<>ph*X"
+    for i, (method, pts) in enumerate(series.items()):
         pts.sort()
-        style = "--" if method in ("none", "fp16") else "-"
-        ax.plot([p[0] / 1e9 for p in pts], [p[1] for p in pts], style, marker="o",
-                label=method, lw=2.2 if method in ("none", "fp16") else 1.3)
+        base = method in ("none", "fp16")
+        ax.plot([p[0] / 1e9 for p in pts], [p[1] for p in pts], "--" if base else "-",
+                marker=markers[i % len(markers)], color="black" if method == "none" else
+                ("gray" if method == "fp16" else colors[i % len(colors)]),
+                label=method, lw=2.4 if base else 1.3, ms=5)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("link rate (Gbit/s, shared by 4 ranks)")
@@ -184,8 +200,19 @@ def plot(res, path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def replot(model):
+    """Redraw the table and the plot from the committed JSON (no measurement)."""
+    path = os.path.join(ROOT, "bench", "results", f"exchange_{model}")
+    with open(path + ".json") as f:
+        res = json.load(f)
+    with open(path + ".table.md", "w") as f:
+        f.write(render(res))
+    plot(res, path + ".png")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replot", action="store_true", help="redraw table and plot, run nothing")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--model", default="resnet50", choices=["resnet50", "bert_base"])
     ap.add_argument("--rates", default="10gbit,1gbit,100mbit")
@@ -195,7 +222,10 @@ def main():
     ap.add_argument("--fusion-bytes", type=int, default=0,
                     help="fusion bucket size (default: the optimizer's default)")
     args = ap.parse_args()
-    worker(args) if args.worker else driver(args)
+    if args.replot:
+        replot(args.model)
+    else:
+        worker(args) if args.worker else driver(args)
 
 
 if __name__ == "__main__":

@@ -191,11 +191,13 @@ class Exchange:
         if self._thread is None:
             self._thread = threading.Thread(target=self._worker, name="hvdcomp-encode",
                                             daemon=True)
+            self._others = [threading.Thread(target=self._comm_worker,
+                                             name="hvdcomp-communicate", daemon=True),
+                            threading.Thread(target=self._decode_worker, name="hvdcomp-decode",
+                                             daemon=True)]
             self._thread.start()
-            threading.Thread(target=self._comm_worker, name="hvdcomp-communicate",
-                             daemon=True).start()
-            threading.Thread(target=self._decode_worker, name="hvdcomp-decode",
-                             daemon=True).start()
+            for t in self._others:
+                t.start()
 
     # --- per step -------------------------------------------------------------------
     def _reset(self, step: int) -> None:
@@ -246,6 +248,19 @@ class Exchange:
             raise err
         return self._results, self._stats
 
+    def close(self) -> None:
+        """Stop the worker threads (they hold this exchange, its buffers and its compressors'
+        state until then).  Call between steps; the exchange cannot be used afterwards."""
+        if self._active:
+            raise RuntimeError("close() during a step: call finish() first")
+        if self._thread is not None:
+            self._q.put(("stop", None))     # passed down the pipeline, each thread exits
+            for t in [self._thread] + self._others:
+                t.join()
+            self._thread = None
+        self._accs.clear()
+        self._results = {}
+
     # --- workers --------------------------------------------------------------------
     # Three threads form a pipeline: the encoder takes buckets in the fixed order as they
     # become ready and encodes them; the communicator puts bucket k on the wire while the
@@ -258,6 +273,9 @@ class Exchange:
             if kind == "step":
                 ready, nxt, step = set(), 0, val
                 continue
+            if kind == "stop":
+                self._cq.put((None, "stop"))
+                return
             ready.add(val)
             # Fixed bucket order on every rank: wait for bucket `nxt` even if later ones
             # are ready first.
@@ -274,6 +292,9 @@ class Exchange:
     def _comm_worker(self) -> None:
         while True:
             k, job = self._cq.get()
+            if k is None:
+                self._dq.put((None, None, None))
+                return
             frames = None
             if job is not None and self._error is None:
                 try:
@@ -285,6 +306,8 @@ class Exchange:
     def _decode_worker(self) -> None:
         while True:
             k, job, frames = self._dq.get()
+            if k is None:
+                return
             if job is not None and self._error is None:
                 try:
                     self._decode(k, job, frames)

@@ -92,3 +92,26 @@ def test_cpu_kernels_equal_reference_through_the_exchange(spec, host):
 @pytest.mark.parametrize("spec", SPECS)
 def test_cuda_equals_cpu_through_the_exchange(spec):
     _same(_run(spec, "cuda", "auto"), _run(spec, "cpu", "reference"), spec)
+
+
+def test_close_stops_the_threads_and_frees_the_exchange():
+    import gc
+    import threading
+    import weakref
+    before = {t.name for t in threading.enumerate()}
+    params = _model("cpu")
+    ex = Exchange(params, hvdcomp.get("qsgd:bits=4"), LocalTransport(), hvd=None,
+                  min_compress_numel=16)
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    ex.begin(0)
+    for n, _ in params:
+        ex.ready(n)
+    ex.finish()
+    assert any(t.name == "hvdcomp-decode" for t in threading.enumerate())
+    ref = weakref.ref(ex)
+    ex.close()
+    del ex
+    gc.collect()
+    assert ref() is None
+    assert {t.name for t in threading.enumerate()} <= before | {"MainThread"}
