@@ -135,8 +135,8 @@ def driver(args):
                   f"[{r['min_s']:.3f}-{r['max_s']:.3f}]  {r['bytes_per_rank'] / 1e6:8.2f} MB  "
                   f"enc {r['encode_s']:.3f} comm {r['comm_s']:.3f} dec {r['decode_s']:.3f}",
                   flush=True)
-        res["runs"][rate] = {"command": "python bench/exchange.py " + " ".join(sys.argv[1:]),
-                                 "date": time.strftime("%Y-%m-%d %H:%M")}
+        # measurement time -> the command that made the rows stamped with it
+        res["runs"][stamp] = "python bench/exchange.py " + " ".join(sys.argv[1:])
         with open(res_path, "w") as f:
             json.dump(res, f, indent=1)
     with open(os.path.join(ROOT, "bench", "results", f"exchange_{args.model}.table.md"),
