@@ -23,7 +23,8 @@ the exchange never compresses (1-D, small, non-float) stay as they are.
 
     opt = hvdcomp.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                              compression=hvdcomp.Auto("alq:bits=3"))
-    opt.plan        # {name: "none" | "fp16" | "alq"} and the measured costs (CostModel)
+    opt.plan        # {name: "none" | "fp16" | "alq" ...}; the measured costs:
+                    # opt._exchange.auto.model (a CostModel)
 
 There is no paper behind this: it is the "does it pay?" arithmetic of e.g. Agarwal et al.,
 "On the utility of gradient compression in distributed training systems" (MLSys 2022), made
@@ -43,6 +44,7 @@ from .compressors import Compressor, FP16, NoneCompressor, TensorKey, get
 __all__ = ["Auto", "CostModel", "LinkCost", "CodecCost", "fit_line"]
 
 CHOICES = ("none", "fp16", "compressor")
+CALIBRATE_SMALL = 4096      # elements of the small calibration tensor (per-tensor costs)
 
 
 def fit_line(x1: float, t1: float, x2: float, t2: float) -> Tuple[float, float]:
@@ -138,6 +140,8 @@ class Auto:
         self.fallbacks = tuple(fallbacks)
         self.link, self.codec = link, codec
         self.calibrate_numel = int(calibrate_numel)
+        if self.calibrate_numel <= CALIBRATE_SMALL:
+            raise ValueError(f"calibrate_numel must be > {CALIBRATE_SMALL}, got {calibrate_numel}")
         self.model: Optional[CostModel] = None
         self.plan: Dict[str, str] = {}
 
@@ -148,13 +152,21 @@ class Auto:
         return f"hvdcomp.Auto({self.compressor.spec()!r}, fallbacks={self.fallbacks})"
 
     # --- planning (called by hvdcomp.torch.exchange.Exchange, on every rank together) ----
-    def make_plan(self, sizes: Dict[str, int], transport, hvd=None) -> Dict[str, Compressor]:
+    def settings(self) -> str:
+        """What every rank must agree on before measuring (checked by the exchange)."""
+        return (f"{self.spec()} link={self.link} codec={self.codec} "
+                f"calibrate_numel={self.calibrate_numel}")
+
+    def make_plan(self, sizes: Dict[str, int], transport, hvd=None,
+                  device=None) -> Dict[str, Compressor]:
         """{name: compressor} for the tensors of ``sizes`` ({name: numel}) that the exchange
         would compress: ``self.compressor``, a NoneCompressor or an FP16 (all ranks agree:
-        the measurements are the slowest rank's)."""
+        the measurements are the slowest rank's).  ``device``: where the gradients live (the
+        compressor and the allreduce are timed on tensors there)."""
         allreduce = hvd is not None
-        link = self.link or measure_link(transport, hvd)
-        codec = self.codec or measure_codec(self.compressor, transport, self.calibrate_numel)
+        link = self.link or measure_link(transport, hvd, device=device)
+        codec = self.codec or measure_codec(self.compressor, transport, self.calibrate_numel,
+                                            device=device)
         self.model = CostModel(link, codec, transport.size, allreduce)
         allowed = self.fallbacks + ("compressor",)
         none, fp16 = NoneCompressor(), FP16()
@@ -183,13 +195,15 @@ def _best_of(fn: Callable[[], None], reps: int) -> float:
     return best
 
 
-def measure_link(transport, hvd=None, sizes=(1 << 16, 1 << 20), reps: int = 2) -> LinkCost:
-    """Time Horovod's allreduce (if ``hvd``) and the transport's allgather at two buffer
-    sizes (bytes per rank) and fit latency + per-byte cost; slowest rank's values."""
+def measure_link(transport, hvd=None, sizes=(1 << 16, 1 << 20), reps: int = 2,
+                 device=None) -> LinkCost:
+    """Time Horovod's allreduce (if ``hvd``; of a buffer on ``device``) and the transport's
+    allgather (host bytes, as the exchange sends messages) at two buffer sizes (bytes per
+    rank) and fit latency + per-byte cost; slowest rank's values."""
     vals = []
     for i, b in enumerate(sizes):
         if hvd is not None:
-            buf = torch.zeros(b // 4)
+            buf = torch.zeros(b // 4, device=device)
             hvd.allreduce(buf, name=f"hvdcomp.auto.warm.{i}")
             vals.append(_best_of(lambda: hvd.allreduce(buf, name=f"hvdcomp.auto.ar.{i}"), reps))
         else:
@@ -204,36 +218,46 @@ def measure_link(transport, hvd=None, sizes=(1 << 16, 1 << 20), reps: int = 2) -
 
 
 def measure_codec(compressor: Compressor, transport, numel: int = 2**20,
-                  reps: int = 2) -> CodecCost:
-    """Encode and decode a fresh copy of ``compressor`` (same settings; the real one's state is
-    untouched) on N(0, 1e-6) tensors of 4096 and ``numel`` elements; slowest rank's values."""
-    comp = get(compressor.spec())
+                  reps: int = 2, device=None) -> CodecCost:
+    """Encode and decode fresh copies of ``compressor`` (same settings; the real one's state
+    is untouched) on N(0, 1e-6) tensors of 4096 and ``numel`` elements on ``device``; slowest
+    rank's values.  Every repetition uses new copies, so compressors that keep state (LAQ's
+    lazy skips, error feedback) are timed on a first, full upload.  NDQSG is timed as its
+    DQSG group (rank 0): the nested ranks' decode, which needs every message, is not."""
     rank, size = transport.rank, transport.size
     gen = torch.Generator().manual_seed(12345 + rank)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     vals = []
-    for n in (4096, numel):
-        x = torch.randn(n, generator=gen) * 1e-3
-        # as rank 0 on every rank: a message any compressor decodes alone (NDQSG nests
-        # ranks >= 1 behind side information)
+    for n in (CALIBRATE_SMALL, numel):
+        x = (torch.randn(n, generator=gen) * 1e-3).to(dev)
+        # as rank 0 on every rank: a message any compressor decodes alone
         key = TensorKey(f"hvdcomp.auto.calibration.{n}", 2**31 - 1, 0, 0, size, 0)
-        holder = {}
-
-        def enc():
-            holder["m"] = comp.encode(x, key)
-        enc()
-        t_enc = _best_of(enc, reps)
-        msg = holder["m"]
-        nbytes = 0 if msg is None else len(msg.to_bytes())
-        acc = torch.zeros(n)
-
-        def dec():                    # one message: this rank's
-            if msg is not None:
-                comp.decode(msg, key, acc)
-        t_dec = _best_of(dec, reps)
-        t16 = _best_of(lambda: x.to(torch.float16).to(torch.float32), reps)
+        t_enc = t_dec = t16 = float("inf")
+        nbytes = 0
+        for rep in range(reps + 1):               # the first repetition warms up
+            enc, dec = get(compressor.spec()), get(compressor.spec())
+            acc = torch.zeros(n, device=dev)
+            sync()
+            t0 = time.perf_counter()
+            msg = enc.encode(x, key)
+            sync()
+            t1 = time.perf_counter()
+            if msg is None:
+                raise RuntimeError(f"hvdcomp.Auto: {compressor.name} sent nothing for a "
+                                   f"first upload; cannot measure it")
+            dec.decode(msg, key, acc)
+            sync()
+            t2 = time.perf_counter()
+            x.to(torch.float16).to(torch.float32)
+            sync()
+            t3 = time.perf_counter()
+            if rep:
+                t_enc, t_dec, t16 = min(t_enc, t1 - t0), min(t_dec, t2 - t1), min(t16, t3 - t2)
+            nbytes = len(msg.to_bytes())
         vals += [t_enc, t_dec, float(nbytes), t16]
     e1, d1, m1, c1, e2, d2, m2, c2 = _slowest(transport, vals)
-    n1, n2 = 4096, numel
+    n1, n2 = CALIBRATE_SMALL, numel
     # a noisy machine can make the small tensor look as slow as the large one: the per-
     # element cost is never taken below half the large tensor's average
     e0, e = fit_line(n1, e1, n2, e2)

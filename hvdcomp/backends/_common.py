@@ -31,7 +31,8 @@ __all__ = ["kernel_dir", "source_hash", "discover", "SIGNATURES", "KERNEL_SOURCE
 SHARED_SOURCES = ("hvdcomp.cuh",)                 # included by every .cu file
 HOST_ONLY = ("host_shim.h", "host_launch.cpp")    # the g++ build of the same sources
 
-_DECL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)')
+_DECL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s+)?'
+                   r'void\s+(?:__launch_bounds__\s*\([^)]*\)\s+)?(\w+)\s*\(([^)]*)\)')
 
 
 def _type_code(param: str, kernel: str) -> str:
@@ -60,7 +61,8 @@ def discover(directory: Optional[str] = None):
     source, sigs = {}, {}
     for f in files:
         with open(os.path.join(d, f), encoding="utf-8") as fh:
-            text = re.sub(r"//[^\n]*", "", fh.read())
+            text = re.sub(r"/\*.*?\*/", " ", fh.read(), flags=re.S)   # block comments
+            text = re.sub(r"//[^\n]*", "", text)                        # line comments
         for name, params in _DECL.findall(text):
             if name in source:
                 raise ValueError(f"kernel {name} is declared in {source[name]} and {f}")
@@ -107,8 +109,8 @@ def source_hash(names: Optional[Sequence[str]] = None, directory: Optional[str] 
 
 try:
     _CU_FILES, KERNEL_SOURCE, SIGNATURES = discover()
-except FileNotFoundError:             # no sources here: load() reports it with the places tried
-    _CU_FILES, KERNEL_SOURCE, SIGNATURES = (), {}, {}
+except (FileNotFoundError, ValueError):  # no (usable) sources: loading a backend says why;
+    _CU_FILES, KERNEL_SOURCE, SIGNATURES = (), {}, {}   # the references still work
 
 DEVICE_SOURCES = SHARED_SOURCES + _CU_FILES
 HOST_SOURCES = DEVICE_SOURCES + HOST_ONLY

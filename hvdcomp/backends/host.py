@@ -180,6 +180,10 @@ def load():
     with _lock:
         if _lib is not None:
             return _lib
+        if not SIGNATURES:              # the sources did not parse: say why (ValueError)
+            from ._common import discover
+            discover()
+            raise RuntimeError("hvdcomp: no kernels found in " + kernel_dir())
         lib = ctypes.CDLL(library_path())
         lib.hvd_host_abi_version.restype = ctypes.c_int
         lib.hvd_host_kernel_count.restype = ctypes.c_int

@@ -344,7 +344,6 @@ def encode_codes(packed, n: int, bits: int, alphabet: int = 0,
     2**bits): the same bytes as ``encode_symbols(unpack_bits(packed, n, bits), alphabet)``
     without unpacking (kernels/rans.cu reads the packed codes).  uint8 numpy array.
     Raises ValueError for codes >= alphabet or bad sizes."""
-    import torch
     from .bitpack import unpack_bits
     alphabet = alphabet or (1 << bits)
     if not 1 <= bits <= 8 or not 1 <= alphabet <= (1 << bits):

@@ -121,7 +121,12 @@ class Exchange:
             sizes = {n: p.numel() for n, p in named_params
                      if self._route(p, compression, min_compress_numel, compress_1d)
                      is compression}
-            plan = auto.make_plan(sizes, transport, hvd if allreduce_summable else None)
+            # agree on the settings before measuring: the measurements are collectives
+            self._agree(json.dumps([auto.settings(), hvd is not None, allreduce_summable,
+                                    sorted(sizes.items())]), "the Auto settings")
+            dev = next((p.device for n, p in named_params if n in sizes), None)
+            plan = auto.make_plan(sizes, transport, hvd if allreduce_summable else None,
+                                  device=dev)
         self.entries: Dict[str, _Entry] = {}
         for name, p in named_params:
             comp = plan.get(name) or self._route(p, compression, min_compress_numel,
@@ -154,6 +159,7 @@ class Exchange:
                       f"compressed messages are staged through host memory", file=sys.stderr,
                       flush=True)
         self._accs: Dict[str, torch.Tensor] = {}
+        self._error_lock = threading.Lock()
         self._q: "queue.Queue" = queue.Queue()
         self._cq: "queue.Queue" = queue.Queue()
         self._dq: "queue.Queue" = queue.Queue()
@@ -178,13 +184,17 @@ class Exchange:
                            self.buckets,
                            [(e.name, list(e.param.shape), str(e.param.dtype), e.compressor.spec(),
                              e.allreduce) for e in self.entries.values()]])
+        self._agree(desc, "the parameters (names, shapes, dtypes), the compressor settings "
+                          "or the seed")
+
+    def _agree(self, desc: str, what: str) -> None:
+        """Allgather a digest of ``desc``; every rank raises RuntimeError if any differs."""
         digest = np.frombuffer(hashlib.sha256(desc.encode()).digest(), dtype=np.uint8)
         got = self.transport.allgather(digest)
         bad = [r for r, d in enumerate(got) if not np.array_equal(d, digest)]
         if bad:
             raise RuntimeError(
-                f"hvdcomp: ranks {bad} disagree with rank {self.rank} on the parameters "
-                f"(names, shapes, dtypes), the compressor settings or the seed; every rank "
+                f"hvdcomp: ranks {bad} disagree with rank {self.rank} on {what}; every rank "
                 f"must build the same model and optimizer. This rank has: {desc[:2000]}")
 
     def _start(self) -> None:
@@ -214,6 +224,8 @@ class Exchange:
         """Start a step (called on the first ready gradient or by ``finish``)."""
         self._reset(step)
         self._active = True
+        if not self.buckets:                  # no trainable parameters: nothing to exchange
+            self._done.set()
         self._start()
         self._q.put(("step", step))
 
@@ -280,12 +292,15 @@ class Exchange:
             # Fixed bucket order on every rank: wait for bucket `nxt` even if later ones
             # are ready first.
             while nxt in ready:
+                # Always encode, even after an error elsewhere: whether this rank joins the
+                # bucket's collectives must never depend on another thread's timing (an
+                # encoder error inside the bucket becomes an error frame, so every rank
+                # still takes part and every rank raises it).
                 job = None
-                if self._error is None:
-                    try:
-                        job = self._encode_bucket(nxt, step)
-                    except BaseException as e:  # surfaced by finish()
-                        self._error = e
+                try:
+                    job = self._encode_bucket(nxt, step)
+                except BaseException as e:      # surfaced by finish()
+                    self._set_error(e)
                 self._cq.put((nxt, job))
                 nxt += 1
 
@@ -296,11 +311,12 @@ class Exchange:
                 self._dq.put((None, None, None))
                 return
             frames = None
-            if job is not None and self._error is None:
+            if job is not None:                 # every bucket goes on the wire (see above)
                 try:
                     frames = self._communicate(k, job)
                 except BaseException as e:      # surfaced by finish()
-                    self._error = e
+                    self._set_error(e)
+                    job = None                  # nothing to decode
             self._dq.put((k, job, frames))
 
     def _decode_worker(self) -> None:
@@ -309,12 +325,18 @@ class Exchange:
             if k is None:
                 return
             if job is not None and self._error is None:
-                try:
+                try:                            # local work only: may stop after an error
                     self._decode(k, job, frames)
                 except BaseException as e:      # surfaced by finish()
-                    self._error = e
+                    self._set_error(e)
             if k == len(self.buckets) - 1:
                 self._done.set()
+
+    def _set_error(self, e: BaseException) -> None:
+        """Keep the first error of the step (the one finish() raises)."""
+        with self._error_lock:
+            if self._error is None:
+                self._error = e
 
     def _grad(self, e: _Entry) -> torch.Tensor:
         g = e.param.grad

@@ -143,6 +143,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The compressor (with ``Auto``, its inner compressor)."""
         return self._compression
 
+    def close(self) -> None:
+        """Stop the exchange's worker threads and free its buffers (they live as long as the
+        threads otherwise, i.e. the process).  Call when done with the optimizer, between
+        steps; it cannot step afterwards."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._exchange.close()
+
     @property
     def plan(self) -> Dict[str, str]:
         """{parameter name: name of the compressor its gradient travels with}."""

@@ -116,6 +116,31 @@ def main():
     Flaky.fail = False
     res, _ = run(ex, rank, 1)
     assert torch.equal(res["fc1.weight"], expected(ex, 1)["fc1.weight"])
+
+    # A decoder that fails on every rank for the first bucket, while later buckets are on the
+    # wire: every rank raises, none is left waiting in a later bucket's allgather, and the
+    # next step works (whether a rank joins a collective never depends on thread timing).
+    class BadDecode(hvdcomp.QSGD):
+        fail = True
+
+        def _decode(self, msg, key, out):
+            if BadDecode.fail:
+                raise hvdcomp.WireFormatError("bad message")
+            return super()._decode(msg, key, out)
+
+    ex = Exchange(params(), BadDecode(bits=4, bucket_size=512), make("mpi"), hvd=hvd,
+                  fusion_bytes=20000, min_compress_numel=16, seed=3, allreduce_summable=False)
+    assert len(ex.buckets) > 2
+    for step in range(3):
+        try:
+            run(ex, rank, step)
+            raise AssertionError("the decoder error was not raised")
+        except hvdcomp.WireFormatError as e:
+            assert "bad message" in str(e)
+    BadDecode.fail = False
+    res, _ = run(ex, rank, 3)
+    assert torch.equal(res["fc1.weight"], expected(ex, 3)["fc1.weight"])
+    ex.close()
     say(rank, f"exchange OK ({checked} tensors bit-exact)")
 
 

@@ -70,6 +70,8 @@ def test_plan_from_given_costs():
 
 
 def test_bad_settings():
+    with pytest.raises(ValueError, match="calibrate_numel"):
+        Auto("alq", calibrate_numel=4096)
     with pytest.raises(ValueError, match="fallbacks"):
         Auto("alq", fallbacks=("bf16",))
     with pytest.raises(TypeError):
@@ -96,3 +98,11 @@ def test_measure_codec_bytes_and_state():
     assert cost.encode_per_elem > 0 and cost.decode_per_elem > 0 and cost.fp16_per_elem > 0
     # the real compressor's state is untouched (a fresh copy was measured)
     assert comp.level_version == 0
+
+
+def test_measure_codec_times_a_full_upload_of_lazy_compressors():
+    # LAQ skips an upload that repeats the last one: each repetition must use a fresh
+    # compressor, so the measured message is a full upload (4 bits per element)
+    cost = measure_codec(hvdcomp.get("laq:bits=4"), _OneRank(), numel=1 << 15, reps=1)
+    assert cost.bytes_per_elem == pytest.approx(0.5, rel=1e-3)
+    assert cost.decode_per_elem > 0
