@@ -33,10 +33,8 @@ METHODS = ["none", "fp16", "alq:bits=3", "auto+alq:bits=3", "qsgd:bits=4", "tern
 
 def make_compression(spec):
     """A method name: a compressor spec, or "auto+SPEC" for hvdcomp.Auto(SPEC)."""
-    import hvdcomp
-    if spec.startswith("auto+"):
-        return hvdcomp.Auto(spec[len("auto+"):])
-    return hvdcomp.get(spec)
+    from hvdcomp.auto import from_spec
+    return from_spec(spec)
 
 
 def worker(args):

@@ -27,7 +27,8 @@ import hvdcomp.torch as hvd  # noqa: E402
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compression", default=os.environ.get("HVDCOMP_COMPRESSION") or "alq:bits=3",
-                    help="compressor spec, e.g. none, fp16, qsgd:bits=4, alq:bits=3 "
+                    help="compressor spec, e.g. none, fp16, qsgd:bits=4, alq:bits=3, "
+                         "auto+alq:bits=3 "
                          "(default: $HVDCOMP_COMPRESSION, else alq:bits=3)")
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -40,7 +41,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         import hvdcomp
-        hvdcomp.get(args.compression)
+        from hvdcomp.auto import from_spec
+        from_spec(args.compression)          # "auto+SPEC": hvdcomp.Auto(SPEC)
     except hvdcomp.ConfigError as e:
         # one clear line (from the first rank only) instead of a traceback per rank
         if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")) == "0":
@@ -62,6 +64,11 @@ def main(argv=None):
     if rank == 0:
         print(f"hvdcomp main job: FC-300-100, {len(x_tr)} train / {len(x_te)} test MNIST "
               f"digits, {size} ranks, compression {opt.compression.spec()}", flush=True)
+        if args.compression.strip().lower().startswith("auto+"):
+            counts = {}
+            for c in opt.plan.values():
+                counts[c] = counts.get(c, 0) + 1
+            print(f"Auto's plan (tensors per path): {counts}", flush=True)
     show = rank == 0 and not args.no_progress
     try:
         from tqdm import tqdm

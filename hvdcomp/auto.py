@@ -26,6 +26,9 @@ the exchange never compresses (1-D, small, non-float) stay as they are.
     opt.plan        # {name: "none" | "fp16" | "alq" ...}; the measured costs:
                     # opt._exchange.auto.model (a CostModel)
 
+As a spec string (``--compression`` of the main job, ``$HVDCOMP_COMPRESSION``, the
+optimizer's ``compression=``): ``"auto+alq:bits=3"``.
+
 There is no paper behind this: it is the "does it pay?" arithmetic of e.g. Agarwal et al.,
 "On the utility of gradient compression in distributed training systems" (MLSys 2022), made
 per tensor and measured instead of assumed.
@@ -41,7 +44,18 @@ import torch
 
 from .compressors import Compressor, FP16, NoneCompressor, TensorKey, get
 
-__all__ = ["Auto", "CostModel", "LinkCost", "CodecCost", "fit_line"]
+__all__ = ["Auto", "CostModel", "LinkCost", "CodecCost", "fit_line", "from_spec"]
+
+AUTO_PREFIX = "auto+"
+
+
+def from_spec(spec: str):
+    """A compression spec string: ``"auto+SPEC"`` gives ``Auto(SPEC)``, anything else the
+    compressor ``hvdcomp.get(SPEC)``.  Raises ConfigError for a bad spec."""
+    s = spec.strip()
+    if s.lower().startswith(AUTO_PREFIX):
+        return Auto(s[len(AUTO_PREFIX):])
+    return get(s)
 
 CHOICES = ("none", "fp16", "compressor")
 CALIBRATE_SMALL = 4096      # elements of the small calibration tensor (per-tensor costs)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .. import compressors
-from ..auto import Auto
+from ..auto import Auto, from_spec
 from ..compressors import Compressor
 from ..transport import make as make_transport
 from .exchange import Exchange, StepStats
@@ -28,8 +28,10 @@ def _as_compressor(compression) -> Compressor:
     if isinstance(compression, Auto):
         return compression
     if compression is None:
-        return compressors.get(os.environ.get("HVDCOMP_COMPRESSION") or "none")
-    if isinstance(compression, (str, Compressor)):
+        return from_spec(os.environ.get("HVDCOMP_COMPRESSION") or "none")
+    if isinstance(compression, str):
+        return from_spec(compression)              # "auto+SPEC" gives Auto(SPEC)
+    if isinstance(compression, Compressor):
         return compressors.get(compression)
     # Horovod's own Compression.none / Compression.fp16
     try:
@@ -262,8 +264,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
 
     compression: an hvdcomp compressor, a spec string ("alq:bits=3,bucket_size=8192"),
         Horovod's Compression.none/fp16, None (then $HVDCOMP_COMPRESSION, else "none"), or
-        ``hvdcomp.Auto(compressor)``: per tensor, fp32, fp16 or the compressor, whichever the
-        cost model measured at construction says is fastest (``optimizer.plan``).
+        ``hvdcomp.Auto(compressor)`` (spec "auto+alq:bits=3"): per tensor, fp32, fp16 or the
+        compressor, whichever the cost model measured at construction says is fastest
+        (``optimizer.plan``).
     op: hvd.Average (default) or hvd.Sum.  gradient_predivide_factor: as in Horovod.
     num_groups, groups: not used (hvdcomp fuses by ``fusion_bytes``); must be left default.
     process_set: only the global process set is supported.

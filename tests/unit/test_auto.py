@@ -106,3 +106,12 @@ def test_measure_codec_times_a_full_upload_of_lazy_compressors():
     cost = measure_codec(hvdcomp.get("laq:bits=4"), _OneRank(), numel=1 << 15, reps=1)
     assert cost.bytes_per_elem == pytest.approx(0.5, rel=1e-3)
     assert cost.decode_per_elem > 0
+
+
+def test_auto_spec_strings():
+    from hvdcomp.auto import from_spec
+    a = from_spec(" auto+alq:bits=3 ")
+    assert isinstance(a, Auto) and a.compressor.spec() == hvdcomp.get("alq:bits=3").spec()
+    assert from_spec("qsgd:bits=4").spec() == hvdcomp.get("qsgd:bits=4").spec()
+    with pytest.raises(hvdcomp.ConfigError):
+        from_spec("auto+nonsense")
