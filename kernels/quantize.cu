@@ -22,41 +22,7 @@ namespace hvd {
 
 // ---- per-thread work: bucket norms ----------------------------------------------------------
 
-// Thread t of a block of `stride` threads: sum of x[i]^2 over i = t, t + stride, ... < len,
-// in float64, in four interleaved partial sums (k mod 4) joined as (a0 + a1) + (a2 + a3).
-// Squares of float32 are exact in float64; only the additions round.  This fixed order is
-// the kernel's definition of the L2 norm; it differs from torch.sum's order, which is
-// itself an implementation detail of PyTorch (vector width, threads): see
-// tests/kernels/test_host.py for the bound (the float32 results agree to 1 ulp at most).
-__device__ inline double sumsq_partial(const float* __restrict__ xb, i64 len, i64 t,
-                                       i64 stride) {
-  double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
-  i64 i = t;
-  for (; i + 3 * stride < len; i += 4 * stride) {
-    const double v0 = (double)xb[i];
-    const double v1 = (double)xb[i + stride];
-    const double v2 = (double)xb[i + 2 * stride];
-    const double v3 = (double)xb[i + 3 * stride];
-    a0 = a0 + v0 * v0;
-    a1 = a1 + v1 * v1;
-    a2 = a2 + v2 * v2;
-    a3 = a3 + v3 * v3;
-  }
-  for (; i < len; i += stride) {
-    const double v = (double)xb[i];
-    a0 = a0 + v * v;
-  }
-  return (a0 + a1) + (a2 + a3);
-}
-
-// max |x[i]| over the same index set; NaN propagates (torch.amax).  Order-free (exact).
-__device__ inline float absmax_partial(const float* __restrict__ xb, i64 len, i64 t,
-                                       i64 stride) {
-  const MaxNanOp op;
-  float m = 0.0f;
-  for (i64 i = t; i < len; i += stride) m = op(m, fabsf(xb[i]));
-  return m;
-}
+// sumsq_partial and absmax_partial (kernels/hvdcomp.cuh): the per-thread shares of the norms.
 
 // ---- per-thread work: one coordinate ------------------------------------------------------
 //

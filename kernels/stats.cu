@@ -47,35 +47,7 @@ __device__ __forceinline__ u64 double_bits(double v) {
 #endif
 }
 
-// Thread t's share of sum x[i]^2 (float64) over i = t, t + stride, ... < len.
-__device__ inline double sumsq64(const float* __restrict__ xb, i64 len, i64 t, i64 stride) {
-  double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
-  i64 i = t;
-  for (; i + 3 * stride < len; i += 4 * stride) {
-    const double v0 = (double)xb[i];
-    const double v1 = (double)xb[i + stride];
-    const double v2 = (double)xb[i + 2 * stride];
-    const double v3 = (double)xb[i + 3 * stride];
-    a0 = a0 + v0 * v0;
-    a1 = a1 + v1 * v1;
-    a2 = a2 + v2 * v2;
-    a3 = a3 + v3 * v3;
-  }
-  for (; i < len; i += stride) {
-    const double v = (double)xb[i];
-    a0 = a0 + v * v;
-  }
-  return (a0 + a1) + (a2 + a3);
-}
-
-__device__ inline float absmax32(const float* __restrict__ xb, i64 len, i64 t, i64 stride) {
-  const MaxNanOp op;
-  float m = 0.0f;
-  for (i64 i = t; i < len; i += stride) m = op(m, fabsf(xb[i]));
-  return m;
-}
-
-// The same order as sumsq64, for the signed normalized coordinates v = x / safe:
+// The same order as sumsq_partial, for the signed normalized coordinates v = x / safe:
 // .x = sum v, .y = sum v * v.
 struct Sum2 {
   double a, b;
@@ -125,11 +97,11 @@ __device__ inline double bucket_norm64(const float* __restrict__ xb, i64 len, in
   const i64 stride = blockDim.x;
   if (linf) {
     const float m = block_reduce<float>(MaxNanOp(),
-                                        [&](unsigned t) { return absmax32(xb, len, t, stride); });
+                                        [&](unsigned t) { return absmax_partial(xb, len, t, stride); });
     return (double)m;
   }
   const double ss = block_reduce<double>(
-      SumOp(), [&](unsigned t) { return sumsq64(xb, len, t, stride); });
+      SumOp(), [&](unsigned t) { return sumsq_partial(xb, len, t, stride); });
   return sqrt(ss);
 }
 
