@@ -20,7 +20,6 @@ Results: --json (and a markdown table on stdout).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -42,21 +41,6 @@ METHODS = ["qsgd:bits=4", "qsgdinf:bits=4", "nuqsgd:bits=4", "alq:bits=3", "amq:
            "randk:density=0.001", "laq:bits=4"]
 
 
-@contextlib.contextmanager
-def backend(mode: str):
-    old = os.environ.get("HVDCOMP_BACKEND")
-    os.environ["HVDCOMP_BACKEND"] = mode
-    backends._choice.clear()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("HVDCOMP_BACKEND", None)
-        else:
-            os.environ["HVDCOMP_BACKEND"] = old
-        backends._choice.clear()
-
-
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -72,7 +56,7 @@ def _timed(fn, device):
 
 def run_path(spec, mode, grads, device, world=4):
     """Encode every step's gradient, decode its message; returns times, bytes, accumulators."""
-    with backend(mode):
+    with backends.use(mode):
         comp = hvdcomp.get(spec)
         enc_t, dec_t, msgs, accs = [], [], [], []
         for step, g in enumerate(grads):

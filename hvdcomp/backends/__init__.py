@@ -29,6 +29,7 @@ kernels).  The bytes are the same either way (see above); only the speed differs
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
@@ -37,7 +38,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["for_device", "kernel_backend"]
+__all__ = ["for_device", "kernel_backend", "use"]
 
 _choice = {}
 _choice_lock = threading.Lock()
@@ -91,3 +92,19 @@ def kernel_backend(device) -> Optional[object]:
             mod = None
         _choice[key] = mod
         return mod
+
+
+@contextlib.contextmanager
+def use(mode: str):
+    """Inside, HVDCOMP_BACKEND is ``mode`` ("auto", "kernels" or "reference"); the previous
+    value is restored on exit.  For benchmarks and tests that compare the two paths in one
+    process (the choice is cached per mode, so switching back costs nothing)."""
+    old = os.environ.get("HVDCOMP_BACKEND")
+    os.environ["HVDCOMP_BACKEND"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("HVDCOMP_BACKEND", None)
+        else:
+            os.environ["HVDCOMP_BACKEND"] = old

@@ -9,7 +9,6 @@ compressor: the result on one device and backend equals the result on another, b
 One rank (a local transport whose allgather returns the rank's own frame), no Horovod, three
 steps, so stateful compressors (error feedback, DGC, LAQ) carry state across steps.
 """
-import os
 
 import numpy as np
 import pytest
@@ -50,10 +49,7 @@ def _model(device):
 
 
 def _run(spec, device, mode, steps=3):
-    old = os.environ.get("HVDCOMP_BACKEND")
-    os.environ["HVDCOMP_BACKEND"] = mode
-    backends._choice.clear()
-    try:
+    with backends.use(mode):
         params = _model(device)
         ex = Exchange(params, hvdcomp.get(spec), LocalTransport(), hvd=None,
                       fusion_bytes=4096, min_compress_numel=16, seed=3)
@@ -68,12 +64,6 @@ def _run(spec, device, mode, steps=3):
             res, _ = ex.finish()
             out.append({n: r.detach().cpu().clone() for n, r in res.items()})
         return out
-    finally:
-        if old is None:
-            os.environ.pop("HVDCOMP_BACKEND", None)
-        else:
-            os.environ["HVDCOMP_BACKEND"] = old
-        backends._choice.clear()
 
 
 def _same(a, b, spec):
