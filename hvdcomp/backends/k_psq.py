@@ -182,55 +182,21 @@ def bhq_plan(be, x: torch.Tensor, bits: int, block_size: int):
     if R * D == 0:
         return (torch.arange(R, dtype=torch.int64), torch.ones(R, dtype=torch.int64),
                 torch.ones(R, dtype=torch.float32), x, 0.0)
+    from ..compressors.psq import BhqBlocks      # (psq imports this module)
     dev = x.device
     x = x.contiguous()
     xmin, xmax = x.amin(dim=1), x.amax(dim=1)
     mag = (xmax.to(torch.float64) - xmin.to(torch.float64)).cpu()
-    order = torch.sort(mag, descending=True, stable=True).indices
-    nvar = int((mag > 0).sum())
-    k = block_size
-    G = -(-nvar // k)
-    sizes = torch.full((G,), k, dtype=torch.int64)
-    if G:
-        sizes[-1] = nvar - (G - 1) * k
-    starts = torch.cumsum(sizes, 0) - sizes
-    bid = torch.repeat_interleave(torch.arange(G), sizes)
-    lead = torch.zeros(nvar, dtype=torch.bool)
-    lead[starts] = True
-    perm = torch.empty(nvar, dtype=torch.int64)
-    perm[starts] = order[:G]
-    perm[~lead] = order[G:nvar].flip(0)
-    kf = sizes.to(torch.float64)
-    l1 = mag[perm[starts]]
-    sq = torch.zeros(G, dtype=torch.float64).index_add_(0, bid[~lead], mag[perm[~lead]] ** 2)
-    l2 = (sq / (kf - 1).clamp(min=1)).sqrt()
-    a = (l2 * kf.sqrt() / ((kf - 1).clamp(min=1) * l1)) ** (1.0 / 3.0)
-    a32 = torch.where(sizes >= 2, a, torch.ones_like(a)).to(torch.float32)
-    perm_d = perm.to(dev)
-    yc = bhq_forward(be, x, perm_d, sizes.to(dev), a32.to(dev))
-    a64 = a32.to(torch.float64)
-    weight = 1.0 + (1.0 / (a64 * a64) - 1.0) / kf
-
-    def per_block(v, dtype=torch.float64):
-        return torch.zeros(G, dtype=dtype).index_add_(0, bid, v.cpu().to(dtype))
-
-    ident = torch.arange(nvar, dtype=torch.int64, device=dev)
-    vt = weight * per_block(row_variance(be, yc, ident, lohi_of(yc), bits))
+    blk = BhqBlocks(mag, block_size)
+    perm_d = blk.perm.to(dev)
+    yc = bhq_forward(be, x, perm_d, blk.sizes.to(dev), blk.a32.to(dev))
+    ident = torch.arange(blk.nvar, dtype=torch.int64, device=dev)
     lohi_xb = torch.stack([xmin, xmax], dim=1)[perm_d].contiguous()
-    vi = per_block(row_variance(be, x, perm_d, lohi_xb, bits))
-    fin = per_block(~torch.isfinite(yc).all(dim=1), torch.int64) == 0
-    use = (sizes >= 2) & fin & (a32 > 0) & torch.isfinite(vt) & (vt < vi)
-    use_row = use[bid]
-    keep = ~use_row | lead
-    out_sizes = torch.where(use_row, sizes[bid], torch.ones_like(bid))[keep]
-    out_scales = torch.where(use_row, a32[bid], torch.ones(nvar))[keep]
-    total = float(torch.where(use, vt, vi).sum())
-    const = order[nvar:]
-    nc = const.numel()
-    perm_all = torch.cat([perm, const])
-    sizes_all = torch.cat([out_sizes, torch.ones(nc, dtype=torch.int64)])
-    scales_all = torch.cat([out_scales, torch.ones(nc)])
-    if bool(use.any()):
+    use_row, out_sizes, out_scales, total = blk.choose(
+        row_variance(be, yc, ident, lohi_of(yc), bits),
+        row_variance(be, x, perm_d, lohi_xb, bits), yc)
+    perm_all, sizes_all, scales_all = blk.with_constant_rows(out_sizes, out_scales)
+    if bool(use_row.any()):
         # where(use_row, yc, x[perm]) and the constant rows: blocks that keep the transform
         # are recomputed (same arithmetic, same bits); the others are singletons of scale 1,
         # i.e. float32(float64(x) * 1) = x.

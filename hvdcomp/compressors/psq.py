@@ -240,6 +240,75 @@ def householder_blocks(Y: torch.Tensor, sizes: torch.Tensor, scales: torch.Tenso
     return out
 
 
+class BhqBlocks:
+    """BHQ's grouping of R rows by their ranges ``mag`` (float64 (R,), CPU), steps 1-3 of the
+    module docstring: shared by the reference (bhq_plan) and the kernel path
+    (hvdcomp/backends/k_psq.bhq_plan), so both group identically.
+
+    order: rows by decreasing range; nvar: rows of nonzero range (the constant ones sort to
+    the end); G blocks of ``sizes`` (int64 (G,)) starting at ``starts`` in wire order; bid:
+    block of each wire row; lead: wire rows that lead a block; perm: wire row -> row;
+    kf: sizes as float64; a32: each block's candidate scale (float32); weight: the
+    transform's variance factor per block (float64).
+    """
+
+    def __init__(self, mag: torch.Tensor, block_size: int):
+        self.order = torch.sort(mag, descending=True, stable=True).indices
+        self.nvar = nvar = int((mag > 0).sum())          # constant rows sort to the end
+        k = block_size
+        self.G = G = -(-nvar // k)
+        # Step 2: block g = [big g] + small[g*(k-1):(g+1)*(k-1)], small in increasing
+        # magnitude.
+        sizes = torch.full((G,), k, dtype=torch.int64)
+        if G:
+            sizes[-1] = nvar - (G - 1) * k
+        self.sizes = sizes
+        self.starts = starts = torch.cumsum(sizes, 0) - sizes
+        self.bid = bid = torch.repeat_interleave(torch.arange(G), sizes)
+        self.lead = lead = torch.zeros(nvar, dtype=torch.bool)
+        lead[starts] = True
+        self.perm = perm = torch.empty(nvar, dtype=torch.int64)
+        perm[starts] = self.order[:G]
+        perm[~lead] = self.order[G:nvar].flip(0)
+        # Step 3: scale of the leading row and the candidate transform.
+        self.kf = kf = sizes.to(torch.float64)
+        l1 = mag[perm[starts]]
+        sq = torch.zeros(G, dtype=torch.float64).index_add_(0, bid[~lead], mag[perm[~lead]] ** 2)
+        l2 = (sq / (kf - 1).clamp(min=1)).sqrt()
+        a = (l2 * kf.sqrt() / ((kf - 1).clamp(min=1) * l1)) ** (1.0 / 3.0)
+        self.a32 = torch.where(sizes >= 2, a, torch.ones_like(a)).to(torch.float32)
+        a64 = self.a32.to(torch.float64)
+        self.weight = 1.0 + (1.0 / (a64 * a64) - 1.0) / kf
+
+    def per_block(self, v: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+        """Sum of per-wire-row values over each block (CPU, ``dtype``)."""
+        return torch.zeros(self.G, dtype=dtype).index_add_(0, self.bid, v.cpu().to(dtype))
+
+    def choose(self, var_rows_t: torch.Tensor, var_rows_x: torch.Tensor, yc: torch.Tensor):
+        """Step 4: keep the transform only where it strictly lowers the exact variance.
+        var_rows_t / var_rows_x: per-wire-row variances of the transformed rows ``yc`` and of
+        the plain rows.  Returns (use_row bool (nvar,), wire sizes, wire scales, total
+        variance float)."""
+        vt = self.weight * self.per_block(var_rows_t)
+        vi = self.per_block(var_rows_x)
+        fin = self.per_block(~torch.isfinite(yc).all(dim=1), torch.int64) == 0
+        use = (self.sizes >= 2) & fin & (self.a32 > 0) & torch.isfinite(vt) & (vt < vi)
+        use_row = use[self.bid]
+        keep = ~use_row | self.lead                 # rows that start a block on the wire
+        out_sizes = torch.where(use_row, self.sizes[self.bid], torch.ones_like(self.bid))[keep]
+        out_scales = torch.where(use_row, self.a32[self.bid], torch.ones(self.nvar))[keep]
+        return use_row, out_sizes, out_scales, float(torch.where(use, vt, vi).sum())
+
+    def with_constant_rows(self, out_sizes, out_scales):
+        """(perm, sizes, scales) of the whole wire order: the constant rows follow as
+        singletons of scale 1 (exact)."""
+        const = self.order[self.nvar:]
+        nc = const.numel()
+        return (torch.cat([self.perm, const]),
+                torch.cat([out_sizes, torch.ones(nc, dtype=torch.int64)]),
+                torch.cat([out_scales, torch.ones(nc)]))
+
+
 def bhq_plan(x: torch.Tensor, bits: int, block_size: int):
     """The sender's deterministic grouping (module docstring, steps 1-4).
 
@@ -253,51 +322,15 @@ def bhq_plan(x: torch.Tensor, bits: int, block_size: int):
                 torch.ones(R, dtype=torch.float32), x, 0.0)
     dev = x.device
     mag = (x.amax(dim=1).to(torch.float64) - x.amin(dim=1).to(torch.float64)).cpu()
-    order = torch.sort(mag, descending=True, stable=True).indices
-    nvar = int((mag > 0).sum())                 # constant rows sort to the end
-    k = block_size
-    G = -(-nvar // k)
-    # Step 2: block g = [big g] + small[g*(k-1):(g+1)*(k-1)], small in increasing magnitude.
-    sizes = torch.full((G,), k, dtype=torch.int64)
-    if G:
-        sizes[-1] = nvar - (G - 1) * k
-    starts = torch.cumsum(sizes, 0) - sizes
-    bid = torch.repeat_interleave(torch.arange(G), sizes)        # block of each wire row
-    lead = torch.zeros(nvar, dtype=torch.bool)
-    lead[starts] = True
-    perm = torch.empty(nvar, dtype=torch.int64)
-    perm[starts] = order[:G]
-    perm[~lead] = order[G:nvar].flip(0)
-    # Step 3: scale of the leading row and the candidate transform.
-    kf = sizes.to(torch.float64)
-    l1 = mag[perm[starts]]
-    sq = torch.zeros(G, dtype=torch.float64).index_add_(0, bid[~lead], mag[perm[~lead]] ** 2)
-    l2 = (sq / (kf - 1).clamp(min=1)).sqrt()
-    a = (l2 * kf.sqrt() / ((kf - 1).clamp(min=1) * l1)) ** (1.0 / 3.0)
-    a32 = torch.where(sizes >= 2, a, torch.ones_like(a)).to(torch.float32)
-    xb = x[perm.to(dev)]
-    yc = householder_blocks(xb.to(torch.float64), sizes, a32, inverse=False).to(torch.float32)
-    a64 = a32.to(torch.float64)
-    weight = 1.0 + (1.0 / (a64 * a64) - 1.0) / kf
-
-    def per_block(v, dtype=torch.float64):       # sum of per-row values over each block
-        return torch.zeros(G, dtype=dtype).index_add_(0, bid, v.cpu().to(dtype))
-
-    vt = weight * per_block(row_variance(yc, bits))
-    vi = per_block(row_variance(xb, bits))
-    fin = per_block(~torch.isfinite(yc).all(dim=1), torch.int64) == 0
-    # Step 4: keep the transform only where it strictly lowers the exact variance.
-    use = (sizes >= 2) & fin & (a32 > 0) & torch.isfinite(vt) & (vt < vi)
-    use_row = use[bid]
+    b = BhqBlocks(mag, block_size)
+    xb = x[b.perm.to(dev)]
+    yc = householder_blocks(xb.to(torch.float64), b.sizes, b.a32,
+                            inverse=False).to(torch.float32)
+    use_row, out_sizes, out_scales, total = b.choose(row_variance(yc, bits),
+                                                     row_variance(xb, bits), yc)
     y = torch.where(use_row.to(dev).unsqueeze(1), yc, xb)
-    keep = ~use_row | lead                      # rows that start a block on the wire
-    out_sizes = torch.where(use_row, sizes[bid], torch.ones_like(bid))[keep]
-    out_scales = torch.where(use_row, a32[bid], torch.ones(nvar))[keep]
-    total = float(torch.where(use, vt, vi).sum())
-    const = order[nvar:]                        # constant rows: singletons, exact
-    nc = const.numel()
-    return (torch.cat([perm, const]), torch.cat([out_sizes, torch.ones(nc, dtype=torch.int64)]),
-            torch.cat([out_scales, torch.ones(nc)]), torch.cat([y, x[const.to(dev)]]), total)
+    perm_all, sizes_all, scales_all = b.with_constant_rows(out_sizes, out_scales)
+    return perm_all, sizes_all, scales_all, torch.cat([y, x[b.order[b.nvar:].to(dev)]]), total
 
 
 # --- the compressors ------------------------------------------------------------------------
