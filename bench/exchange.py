@@ -31,16 +31,11 @@ METHODS = ["none", "fp16", "alq:bits=3", "auto+alq:bits=3", "qsgd:bits=4", "tern
            "ndqsg:bits=4", "psq:bits=4", "bhq:bits=4", "laq:bits=4"]
 
 
-def make_compression(spec):
-    """A method name: a compressor spec, or "auto+SPEC" for hvdcomp.Auto(SPEC)."""
-    from hvdcomp.auto import from_spec
-    return from_spec(spec)
-
-
 def worker(args):
     import torch
     import horovod.torch as hvd
     import hvdcomp
+    from hvdcomp.auto import from_spec       # "auto+SPEC": hvdcomp.Auto(SPEC)
     from hvdcomp.torch.exchange import Exchange
     from hvdcomp.transport import make
     from shapes import bert_base, resnet50
@@ -58,7 +53,7 @@ def worker(args):
     for spec in _split_methods(args.methods):
         if spec.split("+")[-1].split(":")[0] not in hvdcomp.available():
             continue
-        ex = Exchange(params, make_compression(spec), make("mpi"), hvd=hvd, seed=1,
+        ex = Exchange(params, from_spec(spec), make("mpi"), hvd=hvd, seed=1,
                       **({"fusion_bytes": args.fusion_bytes} if args.fusion_bytes else {}))
         plan = {}
         for e in ex.entries.values():

@@ -163,7 +163,7 @@ class Exchange:
         self._q: "queue.Queue" = queue.Queue()
         self._cq: "queue.Queue" = queue.Queue()
         self._dq: "queue.Queue" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
+        self._threads: List[threading.Thread] = []
         self._reset(0)
 
     # --- set-up ---------------------------------------------------------------------
@@ -198,15 +198,12 @@ class Exchange:
                 f"must build the same model and optimizer. This rank has: {desc[:2000]}")
 
     def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._worker, name="hvdcomp-encode",
-                                            daemon=True)
-            self._others = [threading.Thread(target=self._comm_worker,
-                                             name="hvdcomp-communicate", daemon=True),
-                            threading.Thread(target=self._decode_worker, name="hvdcomp-decode",
-                                             daemon=True)]
-            self._thread.start()
-            for t in self._others:
+        if not self._threads:
+            self._threads = [threading.Thread(target=fn, name=f"hvdcomp-{name}", daemon=True)
+                             for fn, name in ((self._worker, "encode"),
+                                              (self._comm_worker, "communicate"),
+                                              (self._decode_worker, "decode"))]
+            for t in self._threads:
                 t.start()
 
     # --- per step -------------------------------------------------------------------
@@ -265,11 +262,11 @@ class Exchange:
         state until then).  Call between steps; the exchange cannot be used afterwards."""
         if self._active:
             raise RuntimeError("close() during a step: call finish() first")
-        if self._thread is not None:
+        if self._threads:
             self._q.put(("stop", None))     # passed down the pipeline, each thread exits
-            for t in [self._thread] + self._others:
+            for t in self._threads:
                 t.join()
-            self._thread = None
+            self._threads = []
         self._accs.clear()
         self._results = {}
 
