@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ConfigError, WireFormatError
 from ..wire import FLAG_NONFINITE, Message, dtype_code
+from . import settings
 from .state import finite
 
 __all__ = ["Compressor", "TensorKey", "register", "get", "parse_spec", "available",
@@ -88,9 +89,17 @@ class Compressor:
 
     def _nonfinite(self, grad: torch.Tensor, key: TensorKey) -> Message:
         """The payload-free NONFINITE message (NaN policy, docs/design.md)."""
+        return self._new_message(grad, key, flags=FLAG_NONFINITE)
+
+    def _new_message(self, grad: torch.Tensor, key: TensorKey, sections=(),
+                     flags: int = 0) -> Message:
+        """A message for ``grad`` (its dtype and shape) and ``key`` (tensor id, rank, seed,
+        step) with this compressor's codec and header fields (``_header_fields``), carrying
+        ``sections`` (uint8 arrays or bytes) and ``flags``: the one place a header is
+        filled in."""
         return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       flags=FLAG_NONFINITE, tensor_id=key.tensor_id, rank=key.rank,
-                       seed=key.seed, step=key.step, **self._header_fields())
+                       sections=tuple(sections), flags=flags, tensor_id=key.tensor_id,
+                       rank=key.rank, seed=key.seed, step=key.step, **self._header_fields())
 
     def decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> bool:
         """Validate ``msg`` against ``key`` and add its contribution to ``out``.
@@ -257,22 +266,19 @@ def _describe(cls) -> str:
 
 
 def _convert(cls, pname: str, raw: str, default: Any) -> Any:
+    """A spec string's value typed like the setting's default (hvdcomp.compressors.settings:
+    the same meaning as a value given in Python)."""
     try:
         if isinstance(default, bool):
-            low = raw.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
+            return settings.boolean(pname, raw)
         if isinstance(default, int):
-            return int(raw)
+            return settings.integer(pname, raw)
         if isinstance(default, float):
-            return float(raw)
+            return settings.real(pname, raw)
         if isinstance(default, tuple):
-            return tuple(int(v) for v in raw.replace("/", " ").replace("+", " ").split())
+            return settings.int_tuple(pname, raw)
         return raw
-    except ValueError:
+    except (TypeError, ValueError):
         raise ConfigError(f"{cls.name}: setting {pname}={raw!r} is not a valid "
                           f"{type(default).__name__}; valid: {_describe(cls)}") from None
 

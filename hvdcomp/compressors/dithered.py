@@ -79,6 +79,7 @@ import numpy as np
 import torch
 
 from ..backends import k_dithered, kernel_backend
+from .protocols import ReportsEvents
 from ..codecs import decode_symbols, encode_symbols, pack_bits, packed_size, unpack_bits
 from ..errors import WireFormatError
 from ..random import random_words, uniform
@@ -405,7 +406,7 @@ class NestedResult:
 
 
 @register("ndqsg")
-class NDQSG(DQSG):
+class NDQSG(ReportsEvents, DQSG):
     """NDQSG: nested dithered quantization with side information (Abdi & Fekri 2019, NDQSG).
 
     Args:

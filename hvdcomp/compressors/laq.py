@@ -113,6 +113,7 @@ import numpy as np
 import torch
 
 from ..backends import k_laq, kernel_backend
+from .protocols import ParamDeltas, ReportsEvents
 from ..codecs import code_section, packed_size, read_code_section, unpack_bits
 from ..errors import WireFormatError
 from ..wire import CODECS, FLAG_ENTROPY, Message, dtype_code
@@ -191,7 +192,7 @@ class _Record:
 
 
 @register("laq")
-class LAQ(Compressor):
+class LAQ(ParamDeltas, ReportsEvents, Compressor):
     """LAQ / SLAQ (Sun, Chen, Giannakis, Yang, NeurIPS 2019, arXiv 1909.07588): quantize the
     innovation ``grad - Qprev`` on a uniform ``bits``-bit grid over ``[-R, R]``, upload it only
     when it is large compared with the recent parameter changes and the quantization errors,

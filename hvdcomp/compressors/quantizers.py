@@ -26,6 +26,7 @@ import torch
 
 from .. import levels as L
 from ..backends import k_stats, kernel_backend
+from .protocols import AdaptiveLevels
 from ..codecs import decode_symbols, encode_symbols, pack_bits, packed_size, unpack_bits
 from ..codecs.rans import decode_codes, encode_codes
 from ..errors import WireFormatError
@@ -281,7 +282,7 @@ class NUQSGD(BucketQuantizer):
         return L.exponential_levels(self.bits, 0.5)
 
 
-class _Adaptive(BucketQuantizer):
+class _Adaptive(AdaptiveLevels, BucketQuantizer):
     """Levels fitted during training from the gradients themselves (ALQ / AMQ).
 
     refit_steps, refit_every: the table is refitted before the listed steps and before every
@@ -352,6 +353,9 @@ class _Adaptive(BucketQuantizer):
 
     def update(self, summed_stats, step):
         return self.fit(summed_stats).astype(np.float32)
+
+    def fit_size(self) -> int:
+        return L.num_levels(self.bits)
 
     def adopt(self, payload):
         lv = torch.from_numpy(np.asarray(payload, dtype=np.float32).copy())

@@ -72,6 +72,7 @@ import numpy as np
 import torch
 
 from ..backends import k_dgc, kernel_backend
+from .protocols import MomentumCorrection
 from ..codecs.sparse import decode_indices, decode_values, encode_indices, encode_values
 from ..errors import WireFormatError
 from ..random import random_words
@@ -567,7 +568,7 @@ class RandK(_Residuals):
 
 
 @register("dgc")
-class DGC(_Sparse):
+class DGC(MomentumCorrection, _Sparse):
     """Deep Gradient Compression (Lin et al., ICLR 2018, arXiv 1712.01887), its four
     techniques each switchable.  Per tensor of a rank, with ``m`` its momentum factor
     (given by the drop-in optimizer through :meth:`set_momentum`), state ``u`` (momentum)
