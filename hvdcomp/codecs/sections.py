@@ -1,7 +1,7 @@
 """The code section of a message: ``n`` codes of ``bits`` bits, packed or rANS-coded.
 
 Every compressor that sends fixed-width codes writes them with :func:`write_codes` and reads
-them with :func:`read_codes`; the packed form (``hvdcomp.codecs.bitpack.pack_bits``: code i
+them with :func:`read_codes`; the packed form (``hvdcomp.ops.bitpack.pack_bits``: code i
 at bit ``i * bits``, little-endian within bytes) is the currency on both sides, so the
 kernels never unpack to int64 and back.  With ``entropy`` the section is the rANS coding of
 the codes (hvdcomp.codecs.rans, alphabet ``2**bits`` unless given) and the message carries
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..wire import FLAG_ENTROPY, Message
-from .bitpack import packed_size
+from ..ops.bitpack import packed_size
 from .rans import decode_codes, encode_codes
 
 __all__ = ["write_codes", "read_codes"]

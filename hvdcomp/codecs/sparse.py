@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from ..errors import WireFormatError
-from .bitpack import pack_bits, unpack_bits
+from ..ops.bitpack import pack_bits, unpack_bits
 
 __all__ = ["encode_indices", "decode_indices", "encode_indices_reference",
            "decode_indices_reference", "encode_values", "decode_values",

@@ -114,7 +114,8 @@ import torch
 
 from ..backends import k_laq, kernel_backend
 from .protocols import ParamDeltas, ReportsEvents
-from ..codecs import code_section, packed_size, read_code_section, unpack_bits
+from ..codecs import pack_bits, packed_size, unpack_bits
+from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
 from ..wire import CODECS, FLAG_ENTROPY, Message, dtype_code
 from .base import Compressor, TensorKey, register
@@ -357,12 +358,9 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
         rec.eps_hat_sq = eps_sq
         rec.silent = 0
         rec.uploads += 1
-        if packed is not None and not self.entropy:
-            sec, flags = packed.cpu().numpy(), 0            # == pack_bits(codes, bits)
-        else:
-            if codes is None:
-                codes = unpack_bits(packed, n, self.bits)
-            sec, flags = code_section(codes, self.bits, self.entropy)
+        if packed is None:
+            packed = pack_bits(codes, self.bits)
+        sec, flags = write_codes(packed, n, self.bits, self.entropy)
         return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
                        sections=(R.reshape(1).cpu().numpy().view(np.uint8), sec), flags=flags,
                        tensor_id=key.tensor_id, rank=key.rank, seed=key.seed, step=key.step,
@@ -385,7 +383,7 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
             k_laq.dequantize_add(be.backend, packed.to(out.device), n, float(R), self.bits,
                                  out)
             return
-        codes = read_code_section(msg, 1, n, self.bits)
+        codes = unpack_bits(read_codes(msg, 1, n, self.bits), n, self.bits)
         out.add_(dequantize_innovation(R, codes, self.bits).to(out.device))
 
     def combine(self, msgs: List[Optional[Message]], keys: List[TensorKey],

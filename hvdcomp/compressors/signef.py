@@ -59,7 +59,8 @@ import numpy as np
 import torch
 
 from ..backends import k_ternary, kernel_backend
-from ..codecs import code_section, packed_size, read_code_section, unpack_bits
+from ..codecs import pack_bits, packed_size, unpack_bits
+from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
 from ..wire import CODECS, FLAG_ENTROPY, Message, dtype_code
 from .base import Compressor, TensorKey, register
@@ -148,7 +149,7 @@ class SignEF(TensorBuckets, Compressor):
         sf = s.repeat_interleave(bs)[:n] if n else s[:0]
         decoded = torch.where(neg, -sf, sf)
         self._residuals[key.name] = (p - decoded).view(grad.shape)
-        sec, flags = code_section(neg.to(torch.int64), _BITS, self.entropy)
+        sec, flags = write_codes(pack_bits(neg, _BITS), n, _BITS, self.entropy)
         return self._message(grad, key, s, sec, flags)
 
     def _message(self, grad: torch.Tensor, key: TensorKey, s: torch.Tensor, sec,
@@ -178,10 +179,7 @@ class SignEF(TensorBuckets, Compressor):
             s = self.scales(g + ef if ef is not None else g)
         bits, e_new = k_ternary.signef_pack(be, g, ef, s, bs, e_out=ef)
         self._residuals[key.name] = e_new.view(grad.shape)
-        if self.entropy:                         # the same symbols as the reference's
-            sec, flags = code_section(unpack_bits(bits, n, _BITS), _BITS, True)
-        else:
-            sec, flags = bits.cpu().numpy(), 0
+        sec, flags = write_codes(bits, n, _BITS, self.entropy)
         return self._message(grad, key, s, sec, flags)
 
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
@@ -201,7 +199,7 @@ class SignEF(TensorBuckets, Compressor):
             packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(dev)
             k_ternary.signef_decode_add(be.backend, packed, n, s.to(dev), self._bs(n), out)
             return
-        bits = read_code_section(msg, 1, n, _BITS, "sign bits")
+        bits = unpack_bits(read_codes(msg, 1, n, _BITS, what="sign bits"), n, _BITS)
         sf = s.repeat_interleave(self._bs(n))[:n] if n else s[:0]
         out.add_(torch.where(bits != 0, -sf, sf).to(out.device))
 

@@ -1,5 +1,5 @@
-"""kernels/rans.cu (hvdcomp/backends/k_rans.py) against the NumPy specification
-hvdcomp.codecs.rans.encode_symbols_reference / decode_symbols_reference: sections identical
+"""kernels/rans.cu (the kernel implementations of hvdcomp.ops.rans) against the NumPy
+specification encode_symbols.reference / decode_symbols.reference: sections identical
 byte for byte, decoded symbols identical, malformed sections rejected with the same errors.
 The public entry points (encode_symbols, decode_symbols, encode_codes, decode_codes) and the
 quantizers' entropy path are checked against HVDCOMP_BACKEND=reference end to end.
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from hvdcomp.backends import k_rans
 from hvdcomp.codecs import pack_bits
-from hvdcomp.codecs import rans
+from hvdcomp.codecs import rans as codec
 from hvdcomp.compressors.base import TensorKey
 from hvdcomp.errors import WireFormatError
+from hvdcomp.ops import rans
 
 KEY = TensorKey(name="w", tensor_id=2, step=5, rank=1, world_size=2, seed=3)
 
@@ -42,7 +42,7 @@ def _bits_for(alphabet):
 def _kernel_encode(be, sym, alphabet, chunk_size=0, bits=None):
     bits = bits or _bits_for(alphabet)
     packed = pack_bits(torch.from_numpy(np.asarray(sym, dtype=np.int64)), bits)
-    return k_rans.encode(be, packed, len(sym), bits, alphabet, chunk_size).numpy()
+    return rans.encode_codes.kernels(be, packed, len(sym), bits, alphabet, chunk_size).numpy()
 
 
 CASES = [(n, a, kind) for n in (0, 1, 7, 255, 256, 4095, 4096, 4097, 9001)
@@ -53,14 +53,15 @@ CASES = [(n, a, kind) for n in (0, 1, 7, 255, 256, 4095, 4096, 4097, 9001)
 @pytest.mark.parametrize("n,alphabet,kind", CASES)
 def test_encode_decode_match_reference(host, n, alphabet, kind):
     sym = _symbols(n, alphabet, kind, seed=n * 7 + alphabet)
-    want = rans.encode_symbols_reference(sym, alphabet)
+    want = rans.encode_symbols.reference(sym, alphabet)
     got = _kernel_encode(host.backend, sym, alphabet)
     assert got.tobytes() == want.tobytes()
     bits = _bits_for(alphabet)
-    dec = k_rans.decode(host.backend, want, n, alphabet, bits)
-    assert torch.equal(dec, pack_bits(torch.from_numpy(rans.decode_symbols_reference(
+    dec = rans.decode_codes.kernels(host.backend, want, n, bits, alphabet)
+    assert torch.equal(dec, pack_bits(torch.from_numpy(rans.decode_symbols.reference(
         want, n, alphabet)), bits))
-    assert np.array_equal(k_rans.decode(host.backend, want, n, alphabet, 8).numpy(), sym)
+    got = rans.decode_codes.kernels(host.backend, want, n, 8, alphabet)
+    assert np.array_equal(got.numpy(), sym)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 8, 256, 2000, 4096, 9001, 9010])
@@ -69,9 +70,9 @@ def test_chunk_boundaries(host, chunk):
         if n < 0:
             continue
         sym = _symbols(n, 16, "skewed", seed=chunk + n)
-        want = rans.encode_symbols_reference(sym, 16, chunk_size=chunk)
+        want = rans.encode_symbols.reference(sym, 16, chunk_size=chunk)
         assert _kernel_encode(host.backend, sym, 16, chunk).tobytes() == want.tobytes()
-        got = k_rans.decode(host.backend, want, n, 16, 8).numpy()
+        got = rans.decode_codes.kernels(host.backend, want, n, 8, 16).numpy()
         assert np.array_equal(got, sym)
 
 
@@ -80,10 +81,10 @@ def test_every_packing_width(host, bits):
     for alphabet in {1 << bits, max(1, (1 << bits) - 1), (1 << (bits - 1)) + 1}:
         for n in (1, 9, 1001, 20_003):
             sym = _symbols(n, alphabet, "all", seed=bits * 100 + n)
-            want = rans.encode_symbols_reference(sym, alphabet)
+            want = rans.encode_symbols.reference(sym, alphabet)
             got = _kernel_encode(host.backend, sym, alphabet, bits=bits)
             assert got.tobytes() == want.tobytes(), (bits, alphabet, n)
-            packed = k_rans.decode(host.backend, want, n, alphabet, bits)
+            packed = rans.decode_codes.kernels(host.backend, want, n, bits, alphabet)
             assert torch.equal(packed, pack_bits(torch.from_numpy(sym), bits))
 
 
@@ -91,9 +92,9 @@ def test_large_input_many_chunks(host):
     n = 2_000_003
     sym = _symbols(n, 8, "skewed", seed=3)
     for chunk in (0, 256):                  # ~1024 chunks; 7813 chunks
-        want = rans.encode_symbols_reference(sym, 8, chunk_size=chunk)
+        want = rans.encode_symbols.reference(sym, 8, chunk_size=chunk)
         assert _kernel_encode(host.backend, sym, 8, chunk).tobytes() == want.tobytes()
-        assert np.array_equal(k_rans.decode(host.backend, want, n, 8, 8).numpy(), sym)
+        assert np.array_equal(rans.decode_codes.kernels(host.backend, want, n, 8, 8).numpy(), sym)
 
 
 def test_alq_codes_of_a_gaussian_gradient(host):
@@ -105,9 +106,10 @@ def test_alq_codes_of_a_gaussian_gradient(host):
     _, packed = host.quantize(x, lv, 3, 8192, "l2", seed=1, rank=0, tensor_id=0, step=0)
     from hvdcomp.codecs import unpack_bits
     codes = unpack_bits(packed, n, 3)
-    want = rans.encode_symbols_reference(codes.numpy(), 8)
-    assert k_rans.encode(host.backend, packed, n, 3, 8).numpy().tobytes() == want.tobytes()
-    assert torch.equal(k_rans.decode(host.backend, want, n, 8, 3), packed)
+    want = rans.encode_symbols.reference(codes.numpy(), 8)
+    got = rans.encode_codes.kernels(host.backend, packed, n, 3, 8)
+    assert got.numpy().tobytes() == want.tobytes()
+    assert torch.equal(rans.decode_codes.kernels(host.backend, want, n, 3, 8), packed)
 
 
 def test_histogram(host):
@@ -115,23 +117,23 @@ def test_histogram(host):
         for n in (0, 1, 13, 70_001, 200_000):
             sym = _symbols(n, 1 << bits, "uniform", seed=n + bits)
             packed = pack_bits(torch.from_numpy(sym), bits)
-            got = k_rans.histogram(host.backend, packed, n, bits)
+            got = rans.histogram.kernels(host.backend, packed, n, bits)
             assert got.tolist() == np.bincount(sym, minlength=1 << bits).tolist()
 
 
 def test_symbols_outside_alphabet_raise(host):
     for sym, alphabet in (([0, 8], 8), ([5, 1, 2], 5), ([255], 200)):
         with pytest.raises(ValueError) as ref:
-            rans.encode_symbols_reference(np.array(sym), alphabet)
+            rans.encode_symbols.reference(np.array(sym), alphabet)
         with pytest.raises(ValueError) as got:
             _kernel_encode(host.backend, np.array(sym), alphabet, bits=8)
         assert str(got.value) == str(ref.value)
         with pytest.raises(ValueError):
-            rans.encode_symbols(np.array(sym), alphabet)
+            codec.encode_symbols(np.array(sym), alphabet)
         with pytest.raises(ValueError):
-            rans.encode_symbols(torch.tensor(sym), alphabet)
+            codec.encode_symbols(torch.tensor(sym), alphabet)
     with pytest.raises(ValueError):
-        rans.encode_symbols(np.array([-1, 0]), 4)
+        codec.encode_symbols(np.array([-1, 0]), 4)
 
 
 def _outcome(fn):
@@ -142,14 +144,15 @@ def _outcome(fn):
 
 
 def _both(host, sec, n, alphabet):
-    ref = _outcome(lambda: rans.decode_symbols_reference(sec, n, alphabet))
-    got = _outcome(lambda: k_rans.decode(host.backend, sec, n, alphabet, 8).to(torch.int64))
+    ref = _outcome(lambda: rans.decode_symbols.reference(sec, n, alphabet))
+    got = _outcome(lambda: rans.decode_codes.kernels(host.backend, sec, n, 8, alphabet)
+                   .to(torch.int64))
     assert got == ref
     return ref
 
 
 def _section():
-    return rans.encode_symbols_reference(_symbols(9000, 4, "skewed", 5), 4, chunk_size=2000)
+    return rans.encode_symbols.reference(_symbols(9000, 4, "skewed", 5), 4, chunk_size=2000)
 
 
 def test_truncated_and_extended_sections(host):
@@ -186,18 +189,18 @@ def test_public_entry_points_equal_reference(host, monkeypatch):
     rng = np.random.default_rng(2)
     sym = np.minimum(rng.geometric(0.3, 50_001) - 1, 15)
     packed = pack_bits(torch.from_numpy(sym), 4)
-    want = rans.encode_symbols_reference(sym, 16)
+    want = rans.encode_symbols.reference(sym, 16)
     for inp in (sym, sym.astype(np.uint8), sym.astype(np.int32), torch.from_numpy(sym),
                 torch.from_numpy(sym).to(torch.uint8), torch.from_numpy(sym)[::1]):
-        assert rans.encode_symbols(inp, 16).tobytes() == want.tobytes()
-    assert rans.encode_codes(packed, sym.size, 4).tobytes() == want.tobytes()
-    assert np.array_equal(rans.decode_symbols(want, sym.size, 16), sym)
-    assert torch.equal(rans.decode_codes(want, sym.size, 4), packed)
+        assert codec.encode_symbols(inp, 16).tobytes() == want.tobytes()
+    assert codec.encode_codes(packed, sym.size, 4).tobytes() == want.tobytes()
+    assert np.array_equal(codec.decode_symbols(want, sym.size, 16), sym)
+    assert torch.equal(codec.decode_codes(want, sym.size, 4), packed)
     monkeypatch.setenv("HVDCOMP_BACKEND", "reference")
     backends._choice.clear()
-    assert rans.encode_codes(packed, sym.size, 4).tobytes() == want.tobytes()
-    assert torch.equal(rans.decode_codes(want, sym.size, 4), packed)
-    assert rans.encode_symbols(torch.from_numpy(sym), 16).tobytes() == want.tobytes()
+    assert codec.encode_codes(packed, sym.size, 4).tobytes() == want.tobytes()
+    assert torch.equal(codec.decode_codes(want, sym.size, 4), packed)
+    assert codec.encode_symbols(torch.from_numpy(sym), 16).tobytes() == want.tobytes()
     backends._choice.clear()
 
 
@@ -238,16 +241,16 @@ def test_gpu_matches_reference(cuda_backend):
         sym = _symbols(n, alphabet, kind, seed=n)
         bits = _bits_for(alphabet)
         for chunk in (0, 256):
-            want = rans.encode_symbols_reference(sym, alphabet, chunk_size=chunk)
+            want = rans.encode_symbols.reference(sym, alphabet, chunk_size=chunk)
             packed = pack_bits(torch.from_numpy(sym), bits).cuda()
-            got = k_rans.encode(be, packed, n, bits, alphabet, chunk)
+            got = rans.encode_codes.kernels(be, packed, n, bits, alphabet, chunk)
             assert got.is_cuda and got.cpu().numpy().tobytes() == want.tobytes()
-            dec = k_rans.decode(be, want, n, alphabet, bits, device="cuda")
+            dec = rans.decode_codes.kernels(be, want, n, bits, alphabet, device="cuda")
             assert dec.is_cuda and torch.equal(dec.cpu(), packed.cpu())
     sec = _section()
     for cut in range(0, len(sec), 97):
-        ref = _outcome(lambda: rans.decode_symbols_reference(sec[:cut], 9000, 4))
-        got = _outcome(lambda: k_rans.decode(be, sec[:cut], 9000, 4, 8, device="cuda")
+        ref = _outcome(lambda: rans.decode_symbols.reference(sec[:cut], 9000, 4))
+        got = _outcome(lambda: rans.decode_codes.kernels(be, sec[:cut], 9000, 8, 4, device="cuda")
                        .cpu().to(torch.int64))
         assert got == ref
 

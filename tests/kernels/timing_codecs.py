@@ -5,7 +5,7 @@
 
 rANS: n 3-bit ALQ codes (NUQSGD's initial table, bucket 8192) of a Gaussian gradient, packed
 by the quantize kernel; kernel = encode_codes / decode_codes (packed in, packed out),
-reference = unpack_bits + encode_symbols_reference / decode_symbols_reference + pack_bits.
+reference = unpack_bits + encode_symbols.reference / decode_symbols.reference + pack_bits.
 Sparse: m sorted random indices out of numel; kernel = k_sparse.encode / decode (numpy bytes
 out / in), reference = encode_indices_reference / decode_indices_reference.
 Bytes are checked identical.  Times: best of --repeats, wall clock (GPU: synchronized).
@@ -24,8 +24,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from hvdcomp import levels as L  # noqa: E402
-from hvdcomp.backends import for_device, k_rans, k_sparse  # noqa: E402
-from hvdcomp.codecs import pack_bits, rans, sparse as S, unpack_bits  # noqa: E402
+from hvdcomp.backends import for_device, k_sparse  # noqa: E402
+from hvdcomp.codecs import pack_bits, sparse as S, unpack_bits  # noqa: E402
+from hvdcomp.ops import rans  # noqa: E402
 
 
 def best(fn, repeats, sync):
@@ -59,12 +60,14 @@ def main():
     lv = torch.tensor(L.exponential_levels(3, 0.5), dtype=torch.float32, device=dev)
     _, packed = mod.quantize(x, lv, 3, 8192, "l2", seed=1, rank=0, tensor_id=0, step=0)
     pk_cpu = packed.cpu()
-    k_rans.encode(be, packed, n, 3, 8)                       # warm-up (compilation)
-    te, sec = best(lambda: k_rans.encode(be, packed, n, 3, 8).cpu().numpy(), a.repeats, sync)
-    tre, ref = best(lambda: rans.encode_symbols_reference(unpack_bits(pk_cpu, n, 3).numpy(), 8),
+    rans.encode_codes.kernels(be, packed, n, 3, 8)           # warm-up (compilation)
+    te, sec = best(lambda: rans.encode_codes.kernels(be, packed, n, 3, 8).cpu().numpy(),
+                   a.repeats, sync)
+    tre, ref = best(lambda: rans.encode_symbols.reference(unpack_bits(pk_cpu, n, 3).numpy(), 8),
                     1, sync)
-    td, dec = best(lambda: k_rans.decode(be, sec, n, 8, 3, device=dev), a.repeats, sync)
-    trd, dref = best(lambda: pack_bits(torch.from_numpy(rans.decode_symbols_reference(ref, n, 8)),
+    td, dec = best(lambda: rans.decode_codes.kernels(be, sec, n, 3, 8, device=dev), a.repeats,
+                   sync)
+    trd, dref = best(lambda: pack_bits(torch.from_numpy(rans.decode_symbols.reference(ref, n, 8)),
                                        3), 1, sync)
     print(f"rANS {n} 3-bit codes, {a.device}, {a.threads} thread(s): section {sec.size} bytes "
           f"({8 * sec.size / n:.3f} bits/symbol), identical: {sec.tobytes() == ref.tobytes()}"

@@ -1,4 +1,4 @@
-"""hvdcomp.codecs.bitpack: dense LSB-first packing of B-bit codes.
+"""hvdcomp.ops.bitpack (re-exported by hvdcomp.codecs): dense LSB-first packing of B-bit codes.
 
 Golden bytes are worked by hand from the bit order in the module docstring: code i occupies
 bits [i*B, (i+1)*B) of a little-endian bit stream, least significant bit first.  Random

@@ -7,6 +7,10 @@ The packed length is ceil(n * B / 8) bytes; unused high bits of the last byte ar
 
 Implementation: 8 codes hold exactly B bytes, so each group of 8 codes is assembled into one
 64-bit word and split into its B low bytes.  Works on CPU and CUDA tensors.
+
+Packed codes are the currency between the layers (the kernels read and write them in this
+order; hvdcomp.ops.rans codes them without unpacking), so this module sits in the ops layer,
+below the codecs (which re-export it as ``hvdcomp.codecs.pack_bits`` ...).
 """
 from __future__ import annotations
 
