@@ -1,6 +1,6 @@
-"""PSQ and BHQ kernels (kernels/psq.cu, hvdcomp/backends/k_psq.py) against the PyTorch
-specification (hvdcomp/compressors/psq.py), bit for bit: the host build here, the CUDA
-backend on a GPU (tests marked requires_cuda), and end to end through the compressors
+"""PSQ and BHQ kernels (kernels/psq.cu, the kernel side of the ops in hvdcomp/ops/psq.py)
+against their PyTorch references (the specification), bit for bit: the host build here, the
+CUDA backend on a GPU (tests marked requires_cuda), and end to end through the compressors
 (kernel path vs HVDCOMP_BACKEND=reference: identical message bytes and decoded sums).
 """
 import numpy as np
@@ -9,11 +9,10 @@ import torch
 
 import hvdcomp
 import hvdcomp.backends as B
-from hvdcomp.backends import k_psq
 from hvdcomp.codecs import pack_bits, unpack_bits
 from hvdcomp.compressors.base import TensorKey
-from hvdcomp.compressors.psq import (bhq_plan, dequantize_rows, householder_blocks,
-                                     quantize_rows, row_variance)
+from hvdcomp.ops import psq
+from hvdcomp.ops.psq import bhq_plan, dequantize_rows, householder_blocks, lohi_of, round_rows
 from hvdcomp.random import uniform
 from hvdcomp.wire import Message
 
@@ -40,6 +39,12 @@ def matrix(R, D, seed, kind="mixed"):
     return x.contiguous()
 
 
+def plan(mode, x, bits, block_size):
+    """bhq_plan (a composition of ops) with HVDCOMP_BACKEND = ``mode``."""
+    with B.use(mode):
+        return bhq_plan(x, bits, block_size)
+
+
 def _u(n, key=KEY):
     return uniform(n, seed=key["seed"], step=key["step"], rank=key["rank"],
                    tensor_id=key["tensor_id"])
@@ -52,13 +57,13 @@ def test_quantize_and_dequantize_rows(host, bits):
     be = host.backend
     for R, D in SHAPES:
         x = matrix(R, D, seed=bits * 100 + R * 7 + D)
-        lohi_r, codes = quantize_rows(x, bits, _u(R * D))
-        lohi, packed = k_psq.quantize_rows(be, x, bits, **KEY)
+        lohi_r, codes = round_rows(x, bits, _u(R * D))
+        lohi, packed = psq.quantize_rows.kernels(be, x, bits, **KEY)
         assert same_bits(lohi, lohi_r), (R, D)
         assert torch.equal(packed, pack_bits(codes, bits)), (R, D)
         out = torch.randn(R * D)
         want = out + dequantize_rows(lohi_r, codes, bits).to(torch.float32).reshape(-1)
-        k_psq.dequantize_add(be, packed, R, D, lohi, bits, out)
+        psq.dequantize_add.kernels(be, packed, R, D, lohi, bits, out)
         assert same_bits(out, want), (R, D)
 
 
@@ -71,8 +76,8 @@ def test_rows_at_the_grid_and_range_ends(host):
         idx = torch.randint(0, L + 1, (9, 40), generator=g).to(torch.float32)
         idx[:, 0], idx[:, 1] = 0.0, float(L)
         x = (idx / L * 3.0 - 1.0).contiguous()
-        lohi_r, codes = quantize_rows(x, bits, _u(x.numel()))
-        assert torch.equal(k_psq.quantize_rows(be, x, bits, **KEY)[1], pack_bits(codes, bits))
+        lohi_r, codes = round_rows(x, bits, _u(x.numel()))
+        assert torch.equal(psq.quantize_rows.kernels(be, x, bits, **KEY)[1], pack_bits(codes, bits))
 
 
 def test_row_variance_terms(host):
@@ -82,8 +87,8 @@ def test_row_variance_terms(host):
             x = matrix(R, D, seed=bits + R + D)
             rows = torch.randperm(R, generator=torch.Generator().manual_seed(R))
             xb = x[rows]
-            got = k_psq.row_variance(be, x, rows, k_psq.lohi_of(xb), bits)
-            assert torch.equal(got, row_variance(xb, bits)), (R, D)
+            got = psq.row_variance.kernels(be, x, bits, rows, lohi_of(xb))
+            assert torch.equal(got, psq.row_variance.reference(xb, bits)), (R, D)
 
 
 @pytest.mark.parametrize("block_size", (1, 2, 3, 8, 64))
@@ -93,8 +98,8 @@ def test_householder_forward_and_plan(host, block_size):
         for R, D in SHAPES + ((200, 9), (33, 1)):
             x = matrix(R, D, seed=block_size * 1000 + R + D + bits, kind="plain")
             x[::3] *= 1e-3                                  # ranges that differ a lot
-            ref = bhq_plan(x, bits, block_size)
-            got = k_psq.bhq_plan(be, x, bits, block_size)
+            ref = plan("reference", x, bits, block_size)
+            got = plan("kernels", x, bits, block_size)
             for a, b in zip(ref[:3], got[:3]):
                 assert torch.equal(a, b), (R, D)
             assert same_bits(got[3], ref[3]), (R, D)
@@ -102,16 +107,16 @@ def test_householder_forward_and_plan(host, block_size):
             # the transform kernel on the plan's blocks, alone
             perm, sizes, scales = ref[:3]
             want = householder_blocks(x[perm].double(), sizes, scales, False).float()
-            assert same_bits(k_psq.bhq_forward(be, x, perm, sizes, scales), want)
+            assert same_bits(psq.householder_forward.kernels(be, x, perm, sizes, scales), want)
 
 
 def test_bhq_plan_uses_transforms(host):
     # rows of very different ranges: the plan keeps blocks (the kernel path is exercised)
     x = torch.randn(64, 50)
     x[::8] *= 1000.0
-    perm, sizes, scales, y, _ = k_psq.bhq_plan(host.backend, x, 2, 8)
+    perm, sizes, scales, y, _ = plan("kernels", x, 2, 8)
     assert int((sizes > 1).sum()) > 0
-    ref = bhq_plan(x, 2, 8)
+    ref = plan("reference", x, 2, 8)
     assert torch.equal(sizes, ref[1]) and same_bits(y, ref[3])
 
 
@@ -123,15 +128,15 @@ def test_bhq_dequantize_add(host, bits):
             x = matrix(R, D, seed=bits * 10 + block_size + R + D)
             x[::4] *= 1000.0
             perm, sizes, scales, y, _ = bhq_plan(x, bits, block_size)
-            lohi, codes = quantize_rows(y, bits, _u(y.numel()))
+            lohi, codes = round_rows(y, bits, _u(y.numel()))
             yhat = dequantize_rows(lohi, codes, bits)
             xhat = householder_blocks(yhat, sizes, scales, inverse=True).to(torch.float32)
             full = torch.empty_like(xhat)
             full[perm] = xhat
             out = torch.randn(R * D)
             want = out + full.reshape(-1)
-            k_psq.bhq_dequantize_add(be, pack_bits(codes, bits), R, D, lohi, bits, perm, sizes,
-                                     scales, out)
+            psq.bhq_dequantize_add.kernels(be, pack_bits(codes, bits), R, D, lohi, bits, perm,
+                                           sizes, scales, out)
             assert same_bits(out, want), (R, D, block_size)
 
 
@@ -139,17 +144,17 @@ def test_argument_checks(host):
     be = host.backend
     x = torch.randn(4, 5)
     with pytest.raises(ValueError):
-        k_psq.quantize_rows(be, x, 0, **KEY)
+        psq.quantize_rows.kernels(be, x, 0, **KEY)
     with pytest.raises(ValueError):
-        k_psq.quantize_rows(be, x, 9, **KEY)
+        psq.quantize_rows.kernels(be, x, 9, **KEY)
     with pytest.raises(TypeError):
-        k_psq.quantize_pack(be, x.reshape(-1).double(), 5, k_psq.lohi_of(x), 3, **KEY)
+        psq.quantize_rows.kernels(be, x.double(), 3, **KEY)
     with pytest.raises(ValueError):
-        k_psq.quantize_pack(be, x.reshape(-1), 6, k_psq.lohi_of(x), 3, **KEY)
+        psq.quantize_rows.kernels(be, x.reshape(-1), 3, **KEY)
     with pytest.raises(ValueError):
-        k_psq.dequantize_add(be, torch.zeros(3, dtype=torch.uint8), 4, 5, k_psq.lohi_of(x), 3,
+        psq.dequantize_add.kernels(be, torch.zeros(3, dtype=torch.uint8), 4, 5, lohi_of(x), 3,
                              torch.zeros(20))
-    assert k_psq.quantize_rows(be, torch.zeros(0, 3), 3, **KEY)[1].numel() == 0
+    assert psq.quantize_rows.kernels(be, torch.zeros(0, 3), 3, **KEY)[1].numel() == 0
 
 
 # ---- end to end through the compressors ------------------------------------------------------
@@ -241,15 +246,15 @@ def test_psq_kernels_on_gpu(cuda_backend, maybe_host, bits):
     be = cuda_backend.backend
     for R, D in SHAPES + ((300, 3001),):
         x = matrix(R, D, seed=bits + R + D).cuda()
-        lohi_r, codes = quantize_rows(x, bits, _u(R * D).cuda())
-        lohi, packed = k_psq.quantize_rows(be, x, bits, **KEY)
+        lohi_r, codes = round_rows(x, bits, _u(R * D).cuda())
+        lohi, packed = psq.quantize_rows.kernels(be, x, bits, **KEY)
         assert torch.equal(packed, pack_bits(codes, bits))
         if maybe_host is not None:
-            assert torch.equal(packed.cpu(), k_psq.quantize_rows(maybe_host.backend, x.cpu(),
-                                                                 bits, **KEY)[1])
+            on_host = psq.quantize_rows.kernels(maybe_host.backend, x.cpu(), bits, **KEY)
+            assert torch.equal(packed.cpu(), on_host[1])
         out = torch.randn(R * D, device="cuda")
         want = out + dequantize_rows(lohi_r, codes, bits).to(torch.float32).reshape(-1)
-        k_psq.dequantize_add(be, packed, R, D, lohi, bits, out)
+        psq.dequantize_add.kernels(be, packed, R, D, lohi, bits, out)
         assert same_bits(out.cpu(), want.cpu())
 
 
@@ -260,21 +265,21 @@ def test_bhq_kernels_on_gpu(cuda_backend, block_size):
     for R, D in SHAPES + ((256, 2001),):
         x = (matrix(R, D, seed=R + D, kind="plain")
              * torch.logspace(-3, 3, R).unsqueeze(1)).cuda()
-        ref = bhq_plan(x, 3, block_size)
-        got = k_psq.bhq_plan(be, x, 3, block_size)
+        ref = plan("reference", x, 3, block_size)
+        got = plan("kernels", x, 3, block_size)
         for a, b in zip(ref[:3], got[:3]):
             assert torch.equal(a, b)
         assert same_bits(got[3].cpu(), ref[3].cpu())
         perm, sizes, scales, y, _ = ref
-        lohi, codes = quantize_rows(y, 3, _u(y.numel()).cuda())
+        lohi, codes = round_rows(y, 3, _u(y.numel()).cuda())
         xhat = householder_blocks(dequantize_rows(lohi, codes, 3), sizes, scales,
                                   inverse=True).to(torch.float32)
         full = torch.empty_like(xhat)
         full[perm.cuda()] = xhat
         out = torch.randn(R * D, device="cuda")
         want = out + full.reshape(-1)
-        k_psq.bhq_dequantize_add(be, pack_bits(codes, 3), R, D, lohi, 3, perm.cuda(),
-                                 sizes.cuda(), scales.cuda(), out)
+        psq.bhq_dequantize_add.kernels(be, pack_bits(codes, 3), R, D, lohi, 3, perm.cuda(),
+                                       sizes.cuda(), scales.cuda(), out)
         assert same_bits(out.cpu(), want.cpu())
 
 

@@ -2,7 +2,8 @@
 codes and wire format, the Householder transform, the paper's variance claim, bad input.
 
 Every expected value is computed here, independently of hvdcomp's code, from the module
-docstring of hvdcomp/compressors/psq.py (the specification) or by hand:
+docstrings of hvdcomp/compressors/psq.py (row view, wire format) and hvdcomp/ops/psq.py (the
+arithmetic: the specification) or by hand:
 
 * ``ref_psq`` / ``ref_bhq``: NumPy re-implementations of the row view, the per-row grid, the
   stochastic rounding (fed with the same Philox uniforms, hvdcomp.random.uniform), the BHQ
@@ -23,7 +24,8 @@ import torch
 
 import hvdcomp
 from hvdcomp import ConfigError, Message, WireFormatError
-from hvdcomp.compressors.psq import BHQ, PSQ, householder_blocks
+from hvdcomp.compressors.psq import BHQ, PSQ
+from hvdcomp.ops.psq import householder_blocks
 from hvdcomp.random import uniform
 from hvdcomp.wire import CODECS, DTYPES, FLAG_NONFINITE
 
@@ -240,18 +242,29 @@ def test_registry_codecs_and_specs():
     assert BHQ().settings() == {"bits": 4, "block_size": 8, "entropy": False}
 
 
-@pytest.mark.parametrize("bad", [0, 9, -1, 2.5, True, "4"])
-def test_bad_bits_raise_value_error(bad):
-    with pytest.raises(ValueError, match="bits"):
+@pytest.mark.parametrize("bad,error", [(0, ValueError), (9, ValueError), (-1, ValueError),
+                                       (2.5, TypeError), (True, TypeError)])
+def test_bad_bits_raise(bad, error):
+    # hvdcomp.compressors.settings: ValueError out of range, TypeError for a non-integer
+    with pytest.raises(error, match="bits"):
         PSQ(bits=bad)
-    with pytest.raises(ValueError, match="bits"):
+    with pytest.raises(error, match="bits"):
         BHQ(bits=bad)
 
 
-@pytest.mark.parametrize("bad", [0, -3, 1.5, False])
-def test_bad_block_size_raises_value_error(bad):
-    with pytest.raises(ValueError, match="block_size"):
+@pytest.mark.parametrize("bad,error", [(0, ValueError), (-3, ValueError), (1.5, TypeError),
+                                       (False, TypeError)])
+def test_bad_block_size_raises(bad, error):
+    with pytest.raises(error, match="block_size"):
         BHQ(block_size=bad)
+
+
+def test_settings_mean_the_same_as_in_a_spec():
+    # one meaning of a setting, whether given in Python or in a spec string
+    assert PSQ(bits="4", entropy="no").settings() == {"bits": 4, "entropy": False}
+    assert BHQ(bits="3", block_size="16", entropy="yes").settings() == \
+        hvdcomp.get("bhq:bits=3,block_size=16,entropy=yes").settings() == \
+        {"bits": 3, "block_size": 16, "entropy": True}
 
 
 def test_bad_spec_raises_config_error():
