@@ -5,45 +5,23 @@ Distributed Training", arXiv 1904.01197 (2019).  DQSG is the paper's subtractive
 quantizer of the stochastic gradient, ``Q(v + u) - u`` with a dither ``u`` both sides can
 generate; NDQSG is its nested-lattice variant, in which a group of workers sends only the
 fine index modulo the coarse lattice and the receiver resolves the coset with side
-information (the gradients it already decoded from the other group).  Summary and claims:
-../shared/docs/seeds.md, section 5.  (Equation numbers are not quoted here: the names below
-follow the paper's description, not its numbering.)
+information (the gradients it already decoded from the other group).  (Equation numbers are
+not quoted here: the names follow the paper's description, not its numbering.)
 
-Conventions shared by both codecs (everything below is float32 unless stated):
+The arithmetic (bucket steps Delta_b = max|x| / M, the Philox dither, the dithered indices
+q in [-M, M], the reconstruction Delta * q - u, NDQSG's residues, bucket checks and coset
+resolution) is specified in hvdcomp.ops.dithered, whose ops the compressors call (kernels/
+dithered.cu where a kernel backend serves the device, the PyTorch reference otherwise: the
+same bytes, sums and events either way).  In short: ``bits`` (2..8) is the whole code width,
+sign included (M = 2**(bits-1) - 1 positive levels); the error x_hat - x is uniform on
+[-Delta_b/2, Delta_b/2] and independent of x given Delta_b (unbiased, variance Delta_b**2/12).
 
-* ``bits`` (2..8) is the whole code width per coordinate, sign included, as for every
-  quantizer in hvdcomp (docs/design.md, "Bits"):  M = 2**(bits-1) - 1 positive levels, so the
-  fine lattice is ``Delta * {-M, ..., M}``: 2M + 1 = 2**bits - 1 points, i.e. the
-  2**(bits-1) magnitudes {0, Delta, ..., M*Delta} with a sign.  3 bits: q in {-3..3}.
-* Per bucket b of ``bucket_size`` consecutive coordinates of the flattened gradient x
-  (the last bucket may be short):
-      m_b     = max_{i in b} |x_i|
-      Delta_b = float32(m_b / M)                               (the fine step)
-* Dither (Philox, hvdcomp.random, keyed by the TensorKey: seed, step, rank, tensor id and
-  the coordinate index i, so any receiver regenerates it bit-exactly from the header):
-      s_i = hvdcomp.random.uniform(n, seed, step, rank, tensor_id)[i] - 1/2   in [-1/2, 1/2)
-      u_i = float32(s_i * Delta_b)                              in [-Delta_b/2, Delta_b/2]
-  (``s_i`` is exact in float32: the uniform numbers are multiples of 2**-24.)
-* Encoding (``q = round((x + u) / Delta)``, computed as ``x / Delta + s`` so that nothing
-  overflows next to the float32 maximum; D_b = Delta_b, or 1 where Delta_b = 0):
-      q_i = clamp(floor(float32(float32(x_i / D_b) + s_i) + 0.5), -M, M)        (int)
-  In exact arithmetic |x_i| <= M*Delta_b gives (x_i + u_i)/Delta_b in [-M-1/2, M+1/2), so
-  q_i is already in [-M, M]; the clamp only acts when float32 rounding lands within a few
-  ulps of +-(M + 1/2), where it moves the error by at most those ulps.
-* Decoding:  x_hat_i = float32(float64(Delta_b) * q_i - float64(u_i)).
-  Then x_hat - x = Delta*q - (x + u): the rounding error of x + u, which, u being uniform
-  over a whole cell, is uniform on [-Delta_b/2, Delta_b/2] and independent of x (given the
-  bucket's step): unbiased, variance Delta_b**2 / 12 per coordinate (the paper's "training
-  with DQSG is SGD plus an independent bounded uniform noise").  All-zero buckets have
-  Delta = 0 and decode to exactly 0; a bucket whose maximum is so small (< M * 2**-149)
-  that m/M underflows to 0 also has Delta = 0, q = 0 and decodes to 0.
-* Gradients of any shape and layout, in float32/float16/bfloat16/float64, are quantized from
-  their float32 values (float64 values beyond the float32 range are sent as NONFINITE: their
-  float32 average would be infinite anyway).  Non-floating tensors raise TypeError.  A
-  tensor holding NaN or Inf is sent as a payload-free NONFINITE message (docs/design.md).
-* The codes are sent at fixed width by default; ``entropy=True`` rANS-codes them instead
-  (hvdcomp.codecs.rans, flag ENTROPY; the paper entropy-codes q), the section then holding
-  encode_symbols(codes, alphabet 2**width) in place of the packed codes.
+Gradients of any shape and layout, in float32/float16/bfloat16/float64, are quantized from
+their float32 values (float64 values beyond the float32 range are sent as NONFINITE: their
+float32 average would be infinite anyway).  Non-floating tensors raise TypeError.  A tensor
+holding NaN or Inf is sent as a payload-free NONFINITE message (docs/design.md).  The codes
+are sent at fixed width by default; ``entropy=True`` rANS-codes them instead (hvdcomp.codecs
+.sections.write_codes, flag ENTROPY, alphabet 2**width; the paper entropy-codes q).
 
 Wire (sections of hvdcomp.wire.Message; nb = ceil(numel / bucket_size); see each class for
 its header fields):
@@ -60,14 +38,6 @@ its header fields):
                               payload: 8*nb + ceil(numel*nested_bits/8) bytes
 E.g. bits=4, nested_bits=2, bucket_size=512: 4.0625 bits/coordinate for DQSG, 2.125 for a
 nested message (47.7 % fewer) at the same step Delta, i.e. the same variance bound.
-Kernels: where ``hvdcomp.backends.kernel_backend(device)`` returns a backend (host build on
-the CPU, CuPy on CUDA), encode, decode and NDQSG's combine run kernels/dithered.cu through
-hvdcomp/backends/k_dithered.py (bucket maxima, dithered quantization with the Philox dither,
-packing, the checks, validation of received codes, reconstruction, the nested-lattice decode
-with its check and fallback, added straight into the accumulator).  The functions below stay
-the specification: message bytes, decoded sums and NDQSG's events are the same bit for bit
-either way (HVDCOMP_BACKEND=reference runs them).  Entropy-coded messages, and accumulators
-that are not contiguous float32 (numel,), decode on the reference path.
 """
 from __future__ import annotations
 
@@ -78,129 +48,20 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..backends import k_dithered, kernel_backend
-from .protocols import ReportsEvents
-from ..codecs import decode_symbols, encode_symbols, pack_bits, packed_size, unpack_bits
+from ..codecs import packed_size
+from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
-from ..random import random_words, uniform
-from ..wire import CODECS, FLAG_ENTROPY, FLAG_NONFINITE, Message, dtype_code
+from ..ops import dithered
+from ..wire import CODECS, FLAG_NONFINITE, Message
+from . import settings
 from .base import Compressor, TensorKey, register
+from .protocols import ReportsEvents
 
-__all__ = ["DQSG", "NDQSG", "NestedResult", "dither", "check_weights", "dqsg_quantize",
-           "dqsg_reconstruct", "bucket_checksums", "nested_resolve", "CHECK_OFFSET"]
-
-#: Philox index offset of the checksum weights (the dither uses indices 0 .. numel-1).
-CHECK_OFFSET = 1 << 60
-_MASK = 0xFFFFFFFF
-
-
-# --- the specification, as functions ---------------------------------------------------------
-
-def dither(n: int, key: TensorKey, device=None) -> torch.Tensor:
-    """The normalized dither s = U - 1/2 of ``key``'s tensor: float32 (n,), in [-1/2, 1/2).
-
-    U = hvdcomp.random.uniform(n, seed, step, rank, tensor_id); the dither proper is
-    u = s * Delta of the coordinate's bucket.
-    """
-    return uniform(n, seed=key.seed, step=key.step, rank=key.rank, tensor_id=key.tensor_id,
-                   device=device) - 0.5
-
-
-def check_weights(n: int, key: TensorKey, device=None) -> torch.Tensor:
-    """Odd 32-bit weights w_i of NDQSG's per-bucket check: int64 (n,) in [1, 2**32).
-
-    w_i = (Philox word of ``key`` at index CHECK_OFFSET + i) | 1.
-    """
-    return random_words(n, seed=key.seed, step=key.step, rank=key.rank,
-                        tensor_id=key.tensor_id, offset=CHECK_OFFSET, device=device) | 1
+__all__ = ["DQSG", "NDQSG", "NestedResult"]
 
 
 def _nbuckets(n: int, bucket_size: int) -> int:
     return (n + bucket_size - 1) // bucket_size
-
-
-def _per_coord(vals: torch.Tensor, bucket_size: int, n: int) -> torch.Tensor:
-    """Per-bucket values (nb,) -> per-coordinate values (n,)."""
-    return vals.unsqueeze(1).expand(vals.numel(), bucket_size).reshape(-1)[:n]
-
-
-def dqsg_quantize(x: torch.Tensor, bits: int, bucket_size: int,
-                  s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Dithered quantization (module docstring).
-
-    x: flat finite float32 (n,); s: float32 (n,) dither in [-1/2, 1/2) (see :func:`dither`).
-    Returns (Delta float32 (nb,), q int64 (n,) in [-M, M]), M = 2**(bits-1) - 1.
-    """
-    M = (1 << (bits - 1)) - 1
-    n = x.numel()
-    nb = _nbuckets(n, bucket_size)
-    xp = torch.zeros(nb * bucket_size, dtype=torch.float32, device=x.device)
-    xp[:n] = x.abs()
-    delta = xp.view(nb, bucket_size).amax(dim=1) / M
-    safe = _per_coord(torch.where(delta > 0, delta, torch.ones_like(delta)), bucket_size, n)
-    y = x / safe + s
-    q = torch.floor(y + 0.5).clamp_(-M, M).to(torch.int64)
-    return delta, q
-
-
-def dqsg_reconstruct(delta: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
-                     bucket_size: int) -> torch.Tensor:
-    """x_hat = float32(float64(Delta) * q - float64(u)), u = float32(s * Delta): float32 (n,)."""
-    n = q.numel()
-    d = _per_coord(delta, bucket_size, n)
-    u = s * d
-    return (d.to(torch.float64) * q.to(torch.float64) - u.to(torch.float64)).to(torch.float32)
-
-
-def bucket_checksums(q: torch.Tensor, w: torch.Tensor, bucket_size: int) -> torch.Tensor:
-    """S_b = sum_{i in b} q_i * w_i mod 2**32 as int64 (nb,).
-
-    q: int64 (n,) with |q| < 2**8; w: int64 (n,) < 2**32.  Each product is reduced mod 2**32
-    before the sum, so a bucket of up to 2**31 coordinates cannot overflow int64.
-    """
-    n = q.numel()
-    nb = _nbuckets(n, bucket_size)
-    p = torch.zeros(nb * bucket_size, dtype=torch.int64, device=q.device)
-    p[:n] = (q * w) & _MASK
-    return p.view(nb, bucket_size).sum(dim=1) & _MASK
-
-
-def nested_resolve(c: torch.Tensor, z: torch.Tensor, bits: int,
-                   nested_bits: int) -> torch.Tensor:
-    """Coset resolution: the q in [-M, M] with q = c (mod k) nearest to z (ties: the larger).
-
-    c: int64 (n,) residues in [0, k); z: float32 (n,) the side information in lattice units,
-    z = float32(float32(y / D) + s).  Returns int64 (n,).  Exact whenever |z - q_sent| < k/2,
-    i.e. whenever |y - x| < (k - 1) * Delta / 2 (q_sent is within 1/2 of x/Delta + s).
-    """
-    M = (1 << (bits - 1)) - 1
-    k = 1 << nested_bits
-    zz = torch.nan_to_num(z.to(torch.float64), nan=0.0, posinf=M + k, neginf=-(M + k))
-    zz = zz.clamp(-(M + k), M + k)
-    t = torch.floor((zz - c.to(torch.float64)) / k + 0.5).to(torch.int64)
-    qh = c + k * t
-    lo = torch.remainder(c + M, k) - M            # smallest member of the coset >= -M
-    hi = lo + k * torch.div(M - lo, k, rounding_mode="floor")   # largest <= M
-    return torch.minimum(torch.maximum(qh, lo), hi)
-
-
-# --- helpers ---------------------------------------------------------------------------------
-
-def _check_int(name: str, v, lo: int, hi: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
-        raise ValueError(f"{name} must be an integer in {lo}..{hi}, got {v!r}")
-    return int(v)
-
-
-def _check_bool(name: str, v) -> bool:
-    if not isinstance(v, (bool, np.bool_)) and v not in (0, 1):
-        raise ValueError(f"{name} must be a bool, got {v!r}")
-    return bool(v)
-
-
-def _check_float(grad: torch.Tensor, name: str) -> None:
-    if not grad.is_floating_point():
-        raise TypeError(f"{name} quantizes floating-point gradients only, got {grad.dtype}")
 
 
 def _f32_section(t: torch.Tensor) -> np.ndarray:
@@ -219,10 +80,6 @@ def _read_u32(sec) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(bytes(sec), dtype="<u4").astype(np.int64))
 
 
-def _key_args(key: TensorKey) -> dict:
-    return dict(seed=key.seed, rank=key.rank, tensor_id=key.tensor_id, step=key.step)
-
-
 # --- DQSG ------------------------------------------------------------------------------------
 
 @register("dqsg")
@@ -235,7 +92,8 @@ class DQSG(Compressor):
       bucket_size: coordinates per bucket (1..2**31); each bucket sends its step
             Delta = max|x| / M as one float32.
       entropy: rANS-code the codes (flag ENTROPY) instead of packing them at ``bits``.
-    Raises ValueError for settings out of range (hvdcomp.get: ConfigError).
+    Settings are validated by hvdcomp.compressors.settings: ValueError out of range,
+    TypeError for a value of the wrong type (hvdcomp.get: ConfigError).
 
     encode(grad, key): grad of any shape/layout, float32/16, bfloat16 or float64 (quantized
       from its float32 values); returns a Message with codec ``dqsg``, header bits=bits,
@@ -248,14 +106,14 @@ class DQSG(Compressor):
       mismatches, wrong section sizes, non-finite or negative steps, the invalid code
       2**bits - 1, or a non-zero code in a bucket with Delta = 0.
     Error: x_hat - x uniform on [-Delta/2, Delta/2], independent of x given Delta (unbiased,
-      variance Delta**2/12 per coordinate); see the module docstring for the exact arithmetic.
+      variance Delta**2/12 per coordinate); the exact arithmetic: hvdcomp.ops.dithered.
     """
     codec = CODECS["dqsg"]
 
     def __init__(self, bits: int = 4, bucket_size: int = 512, entropy: bool = False):
-        self.bits = _check_int("bits", bits, 2, 8)
-        self.bucket_size = _check_int("bucket_size", bucket_size, 1, 2**31)
-        self.entropy = _check_bool("entropy", entropy)
+        self.bits = settings.integer("bits", bits, 2, 8)
+        self.bucket_size = settings.integer("bucket_size", bucket_size, 1, 2**31)
+        self.entropy = settings.boolean("entropy", entropy)
 
     @property
     def M(self) -> int:
@@ -272,102 +130,37 @@ class DQSG(Compressor):
 
     # -- encode ---------------------------------------------------------------------------
     def _flat(self, grad: torch.Tensor) -> torch.Tensor:
-        _check_float(grad, self.name)
-        return grad.detach().reshape(-1).to(torch.float32)
-
-    def _message(self, grad, key, bits, sections, flags=0) -> Message:
-        hf = dict(self._header_fields(), bits=bits)
-        if self.entropy and not flags & FLAG_NONFINITE:
-            flags |= FLAG_ENTROPY
-        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=sections, flags=flags, tensor_id=key.tensor_id, rank=key.rank,
-                       seed=key.seed, step=key.step, **hf)
-
-    def _quantize(self, x: torch.Tensor, key: TensorKey):
-        s = dither(x.numel(), key, device=x.device)
-        return dqsg_quantize(x, self.bits, self.bucket_size, s)
+        """grad's float32 values, flat and contiguous; TypeError for non-floating tensors."""
+        if not grad.is_floating_point():
+            raise TypeError(f"{self.name} quantizes floating-point gradients only, got "
+                            f"{grad.dtype}")
+        return grad.detach().reshape(-1).to(torch.float32).contiguous()
 
     def _encode(self, grad, key):
         x = self._flat(grad)
-        if x.numel() and not bool(torch.isfinite(x).all()):   # float64 beyond float32 range
-            return self._message(grad, key, self.bits, (), FLAG_NONFINITE)
-        be = kernel_backend(x.device)
-        if be is not None:      # kernels/dithered.cu: the same bytes as below
-            x = x.contiguous()
-            delta = k_dithered.steps(be.backend, x, self.bits, self.bucket_size)
-            packed = k_dithered.quantize_pack(be.backend, x, delta, self.bits,
-                                              self.bucket_size, 0, **_key_args(key))
-            return self._message(grad, key, self.bits,
-                                 (_f32_section(delta),
-                                  self._symbols_packed(packed, x.numel(), self.bits)))
-        delta, q = self._quantize(x, key)
-        return self._message(grad, key, self.bits,
-                             (_f32_section(delta), self._symbols(q + self.M, self.bits)))
-
-    def _symbols_packed(self, packed: torch.Tensor, n: int, width: int) -> np.ndarray:
-        """The code section from kernel-packed codes (the same bytes as :meth:`_symbols`)."""
-        if self.entropy:
-            return encode_symbols(unpack_bits(packed, n, width).cpu().numpy(), 1 << width)
-        return packed.cpu().numpy()
-
-    def _symbols(self, codes: torch.Tensor, width: int) -> np.ndarray:
-        """The code section: ``width``-bit packed codes, or rANS-coded (entropy)."""
-        if self.entropy:
-            return encode_symbols(codes, 1 << width)
-        return pack_bits(codes, width).cpu().numpy()
-
-    @staticmethod
-    def _read_symbols(msg: Message, i: int, n: int, width: int, what: str) -> torch.Tensor:
-        """Section ``i`` as n int64 codes in [0, 2**width): unpacked, or entropy-decoded."""
-        if msg.flags & FLAG_ENTROPY:
-            return torch.from_numpy(decode_symbols(msg.sections[i], n, 1 << width))
-        msg.section_size_check(i, packed_size(n, width), what)
-        return unpack_bits(torch.from_numpy(np.array(msg.sections[i])), n, width)
+        delta = dithered.bucket_steps(x, self.bits, self.bucket_size)
+        packed = dithered.dqsg_encode(x, delta, self.bits, self.bucket_size, key)
+        codes, flag = write_codes(packed, x.numel(), self.bits, self.entropy)
+        return self._new_message(grad, key, (_f32_section(delta), codes), flag)
 
     # -- decode ---------------------------------------------------------------------------
     def _parse_steps(self, msg: Message, nb: int) -> torch.Tensor:
+        """Section 0 validated: Delta float32 (nb,) on the CPU."""
         msg.section_size_check(0, 4 * nb, "bucket steps")
         delta = _read_f32(msg.sections[0])
         if not bool(torch.isfinite(delta).all()) or bool((delta < 0).any()):
             raise WireFormatError(f"{self.name}: bucket steps must be finite and >= 0")
         return delta
 
-    def _parse_dqsg(self, msg: Message) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Validate a full-code message's sections; returns (Delta (nb,), q int64 (n,))."""
+    def _parse_dqsg(self, msg: Message, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Validate a full-code message's sections; returns (Delta float32 (nb,), codes
+        packed at ``bits``, uint8), both on ``device``."""
         n = msg.numel
-        nb = _nbuckets(n, self.bucket_size)
         msg.expect(nsections=2)
-        delta = self._parse_steps(msg, nb)
-        codes = self._read_symbols(msg, 1, n, self.bits, "codes")
-        if n and bool((codes > 2 * self.M).any()):
-            raise WireFormatError(f"{self.name}: code {2 * self.M + 1} is not a valid "
-                                  f"{self.bits}-bit DQSG code (codes are q + {self.M} <= "
-                                  f"{2 * self.M})")
-        q = codes - self.M
-        if n and bool(((_per_coord(delta, self.bucket_size, n) == 0) & (q != 0)).any()):
-            raise WireFormatError(f"{self.name}: non-zero code in a bucket with step 0")
-        return delta, q
-
-    def _kernel_decode(self, msgs, out: torch.Tensor):
-        """The kernel backend for decoding ``msgs`` into ``out``, or None (reference path):
-        packed sections (no entropy coding) into a contiguous float32 (numel,) accumulator."""
-        if (out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous()
-                or any(m is None or m.flags & FLAG_ENTROPY for m in msgs)):
-            return None
-        return kernel_backend(out.device)
-
-    def _parse_dqsg_kernel(self, be, msg: Message, device):
-        """:meth:`_parse_dqsg` with the codes validated by a kernel (the same checks, the same
-        errors, in the same order); returns (Delta float32 (nb,), packed codes uint8), both
-        on ``device``."""
-        n = msg.numel
-        nb = _nbuckets(n, self.bucket_size)
-        msg.expect(nsections=2)
-        delta = self._parse_steps(msg, nb).to(device)
-        msg.section_size_check(1, packed_size(n, self.bits), "codes")
-        packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(device)
-        invalid, nonzero = k_dithered.validate(be.backend, packed, n, delta, self.bucket_size,
-                                               self.bits, self.M, 2 * self.M)
+        delta = self._parse_steps(msg, _nbuckets(n, self.bucket_size)).to(device)
+        packed = read_codes(msg, 1, n, self.bits, device=device)
+        invalid, nonzero = dithered.validate_codes(packed, n, delta, self.bucket_size,
+                                                   self.bits, self.M, 2 * self.M)
         if invalid:
             raise WireFormatError(f"{self.name}: code {2 * self.M + 1} is not a valid "
                                   f"{self.bits}-bit DQSG code (codes are q + {self.M} <= "
@@ -377,15 +170,9 @@ class DQSG(Compressor):
         return delta, packed
 
     def _decode(self, msg, key, out):
-        be = self._kernel_decode([msg], out)
-        if be is not None:      # kernels/dithered.cu: out += x_hat, bit for bit as below
-            delta, packed = self._parse_dqsg_kernel(be, msg, out.device)
-            k_dithered.decode_add(be.backend, packed, msg.numel, delta, self.bits,
-                                  self.bucket_size, out, **_key_args(key))
-            return
-        delta, q = self._parse_dqsg(msg)
-        s = dither(msg.numel, key)
-        out.add_(dqsg_reconstruct(delta, q, s, self.bucket_size).to(out.device))
+        delta, packed = self._parse_dqsg(msg, out.device)
+        dithered.dqsg_decode_add(packed, msg.numel, delta, self.bits, self.bucket_size, out,
+                                 key)
 
 
 # --- NDQSG -----------------------------------------------------------------------------------
@@ -417,7 +204,8 @@ class NDQSG(ReportsEvents, DQSG):
       dqsg_ranks: size G of the DQSG group; 0 (default) means ceil(N/2).  Values above N
             mean N.
       entropy: rANS-code the codes and the residues (flag ENTROPY) instead of packing them.
-    Raises ValueError for settings out of range (hvdcomp.get: ConfigError).
+    Settings are validated by hvdcomp.compressors.settings: ValueError out of range,
+    TypeError for a value of the wrong type (hvdcomp.get: ConfigError).
 
     Groups: with N ranks, ranks 0..G-1 (G = ceil(N/2), or min(dqsg_ranks, N)) send DQSG
     messages; ranks G..N-1 send nested messages.  G >= 1 always, so with N = 1 (or
@@ -466,8 +254,8 @@ class NDQSG(ReportsEvents, DQSG):
     def __init__(self, bits: int = 4, nested_bits: int = 2, bucket_size: int = 512,
                  dqsg_ranks: int = 0, entropy: bool = False):
         super().__init__(bits, bucket_size, entropy)
-        self.nested_bits = _check_int("nested_bits", nested_bits, 1, self.bits - 1)
-        self.dqsg_ranks = _check_int("dqsg_ranks", dqsg_ranks, 0, 2**31)
+        self.nested_bits = settings.integer("nested_bits", nested_bits, 1, self.bits - 1)
+        self.dqsg_ranks = settings.integer("dqsg_ranks", dqsg_ranks, 0, 2**31)
         self._events: List[str] = []
 
     @property
@@ -497,38 +285,22 @@ class NDQSG(ReportsEvents, DQSG):
         return self.nested_bits if self.is_nested(key.rank, key.world_size) else self.bits
 
     # -- encode ---------------------------------------------------------------------------
-    def encode(self, grad, key):
-        msg = super().encode(grad, key)
-        if msg.flags & FLAG_NONFINITE and msg.bits != self._bits_of(key):
-            msg = dataclasses.replace(msg, bits=self._bits_of(key))
-        return msg
+    def _new_message(self, grad, key, sections=(), flags=0) -> Message:
+        """As :meth:`Compressor._new_message`, with header bits = the code width of the
+        sender's group (``bits`` or ``nested_bits``), NONFINITE messages included."""
+        msg = super()._new_message(grad, key, sections, flags)
+        return dataclasses.replace(msg, bits=self._bits_of(key))
 
     def _encode(self, grad, key):
         if not self.is_nested(key.rank, key.world_size):
             return super()._encode(grad, key)
         x = self._flat(grad)
-        nb_bits = self.nested_bits
-        if x.numel() and not bool(torch.isfinite(x).all()):
-            return self._message(grad, key, nb_bits, (), FLAG_NONFINITE)
-        be = kernel_backend(x.device)
-        if be is not None:      # kernels/dithered.cu: the same bytes as below
-            x = x.contiguous()
-            delta = k_dithered.steps(be.backend, x, self.bits, self.bucket_size)
-            packed = k_dithered.quantize_pack(be.backend, x, delta, self.bits,
-                                              self.bucket_size, nb_bits, **_key_args(key))
-            check = k_dithered.checks(be.backend, x, delta, self.bits, self.bucket_size,
-                                      **_key_args(key))
-            return self._message(grad, key, nb_bits,
-                                 (_f32_section(delta),
-                                  self._symbols_packed(packed, x.numel(), nb_bits),
-                                  _u32_section(check)))
-        delta, q = self._quantize(x, key)
-        resid = q & (self.k - 1)
-        check = bucket_checksums(q, check_weights(q.numel(), key, device=q.device),
-                                 self.bucket_size)
-        return self._message(grad, key, nb_bits,
-                             (_f32_section(delta), self._symbols(resid, nb_bits),
-                              _u32_section(check)))
+        delta = dithered.bucket_steps(x, self.bits, self.bucket_size)
+        packed, check = dithered.nested_encode(x, delta, self.bits, self.nested_bits,
+                                               self.bucket_size, key)
+        residues, flag = write_codes(packed, x.numel(), self.nested_bits, self.entropy)
+        return self._new_message(grad, key,
+                                 (_f32_section(delta), residues, _u32_section(check)), flag)
 
     # -- decode ---------------------------------------------------------------------------
     def _validate(self, msg: Message, key: TensorKey, numel: int) -> None:
@@ -539,43 +311,39 @@ class NDQSG(ReportsEvents, DQSG):
             raise WireFormatError(f"numel mismatch: message has {msg.numel}, receiver "
                                   f"expects {numel}")
 
-    def _parse_nested(self, msg: Message):
-        """Validate a nested message's sections; returns (Delta (nb,), c (n,), S (nb,))."""
+    def _parse_nested(self, msg: Message, device):
+        """Validate a nested message's sections; returns (Delta float32 (nb,), residues
+        packed at ``nested_bits``, uint8, S int64 (nb,)), all on ``device``."""
         n = msg.numel
         nb = _nbuckets(n, self.bucket_size)
         msg.expect(nsections=3)
         delta = self._parse_steps(msg, nb)
         msg.section_size_check(2, 4 * nb, "bucket checks")
-        c = self._read_symbols(msg, 1, n, self.nested_bits, "residues")
+        packed = read_codes(msg, 1, n, self.nested_bits, device=device, what="residues")
         check = _read_u32(msg.sections[2])
-        zero = delta == 0
-        if n and bool(((_per_coord(zero, self.bucket_size, n)) & (c != 0)).any()):
-            raise WireFormatError(f"{self.name}: non-zero residue in a bucket with step 0")
-        if bool((zero & (check != 0)).any()):
-            raise WireFormatError(f"{self.name}: non-zero check in a bucket with step 0")
-        return delta, c, check
-
-    def _parse_nested_kernel(self, be, msg: Message, device):
-        """:meth:`_parse_nested` with the residues validated by a kernel (same checks, same
-        errors, same order); returns (Delta float32 (nb,), packed residues uint8, S int64
-        (nb,)), all on ``device``."""
-        n = msg.numel
-        nb = _nbuckets(n, self.bucket_size)
-        msg.expect(nsections=3)
-        delta = self._parse_steps(msg, nb)
-        msg.section_size_check(2, 4 * nb, "bucket checks")
-        msg.section_size_check(1, packed_size(n, self.nested_bits), "residues")
-        packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(device)
-        check = _read_u32(msg.sections[2])
-        zero = delta == 0
         delta_d = delta.to(device)
-        _, nonzero = k_dithered.validate(be.backend, packed, n, delta_d, self.bucket_size,
-                                         self.nested_bits, 0, self.k - 1)
+        _, nonzero = dithered.validate_codes(packed, n, delta_d, self.bucket_size,
+                                             self.nested_bits, 0, self.k - 1)
         if nonzero:
             raise WireFormatError(f"{self.name}: non-zero residue in a bucket with step 0")
-        if bool((zero & (check != 0)).any()):
+        if bool(((delta == 0) & (check != 0)).any()):
             raise WireFormatError(f"{self.name}: non-zero check in a bucket with step 0")
         return delta_d, packed, check.to(device)
+
+    def _parse_all(self, msgs: List[Message], keys: List[TensorKey], n: int, device):
+        """Every rank's message validated (all before anything is decoded): the parsed
+        sections by rank, or None if any message is NONFINITE."""
+        G = self.group_size(len(msgs))
+        parsed = []
+        for msg, key in zip(msgs, keys):
+            self._validate(msg, key, n)
+            if msg.flags & FLAG_NONFINITE:
+                parsed.append(None)
+            elif key.rank < G:
+                parsed.append(self._parse_dqsg(msg, device))
+            else:
+                parsed.append(self._parse_nested(msg, device))
+        return None if any(p is None for p in parsed) else parsed
 
     def decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> bool:
         """Decode one DQSG-group message (as :meth:`DQSG.decode`).
@@ -611,8 +379,9 @@ class NDQSG(ReportsEvents, DQSG):
     def resolve(self, msgs: List[Message], keys: List[TensorKey],
                 numel: Optional[int] = None) -> Optional[NestedResult]:
         """Validate and decode every rank's message for one tensor (``msgs[r]`` from rank r,
-        ``keys[r]`` its key; all N ranks).  Returns None if any message is NONFINITE (the
-        tensor is NaN, nothing is resolved), else a :class:`NestedResult`.
+        ``keys[r]`` its key; all N ranks), each rank's contribution apart (on the CPU).
+        Returns None if any message is NONFINITE (the tensor is NaN, nothing is resolved),
+        else a :class:`NestedResult`.
 
         Raises WireFormatError for any malformed or mismatched message (all are checked
         before anything is decoded); ValueError if ``keys`` are not ranks 0..N-1 of one
@@ -620,42 +389,24 @@ class NDQSG(ReportsEvents, DQSG):
         """
         world = self._check_keys(msgs, keys)
         n = msgs[0].numel if numel is None else numel
-        G = self.group_size(world)
-        parsed = []
-        for msg, key in zip(msgs, keys):
-            self._validate(msg, key, n)
-            if msg.flags & FLAG_NONFINITE:
-                parsed.append(None)
-            elif key.rank < G:
-                parsed.append(self._parse_dqsg(msg))
-            else:
-                parsed.append(self._parse_nested(msg))
-        if any(p is None for p in parsed):
+        parsed = self._parse_all(msgs, keys, n, torch.device("cpu"))
+        if parsed is None:
             return None
-        bs = self.bucket_size
+        G = self.group_size(world)
         values: List[torch.Tensor] = []
-        failed: List[Optional[torch.Tensor]] = []
+        failed: List[Optional[torch.Tensor]] = [None] * G
         side_sum = torch.zeros(n, dtype=torch.float32)
         for r in range(G):
-            delta, q = parsed[r]
-            v = dqsg_reconstruct(delta, q, dither(n, keys[r]), bs)
-            side_sum.add_(v)
-            values.append(v)
-            failed.append(None)
-        y = side_sum / G
+            delta, packed = parsed[r]
+            values.append(dithered.dqsg_decode_add(packed, n, delta, self.bits,
+                                                   self.bucket_size, torch.zeros(n), keys[r]))
+            side_sum.add_(values[r])
         for r in range(G, world):
-            delta, c, check = parsed[r]
-            s = dither(n, keys[r])
-            d = _per_coord(delta, bs, n)
-            z = y / torch.where(d > 0, d, torch.ones_like(d)) + s
-            qh = nested_resolve(c, z, self.bits, self.nested_bits)
-            qh = torch.where(d > 0, qh, torch.zeros_like(qh))
-            bad = bucket_checksums(qh, check_weights(n, keys[r]), bs) != check
-            v = dqsg_reconstruct(delta, qh, s, bs)
-            if bool(bad.any()):
-                v = torch.where(_per_coord(bad, bs, n), y, v)
-            values.append(v)
-            failed.append(bad)
+            delta, packed, check = parsed[r]
+            values.append(torch.zeros(n))
+            failed.append(dithered.nested_decode_add(
+                packed, n, delta, check, side_sum, G, self.bits, self.nested_bits,
+                self.bucket_size, values[r], keys[r]))
         return NestedResult(values, failed, side_sum, G)
 
     def combine(self, msgs: List[Message], keys: List[TensorKey], out: torch.Tensor) -> bool:
@@ -665,63 +416,28 @@ class NDQSG(ReportsEvents, DQSG):
         per nested rank with buckets whose side information was too far off (class
         docstring).  Raises WireFormatError / ValueError as :meth:`resolve`.
         """
-        be = self._kernel_decode(msgs, out)
-        if be is not None:
-            return self._combine_kernels(be, msgs, keys, out)
-        res = self.resolve(msgs, keys, out.numel())
-        if res is None:
-            return False
-        out.add_(res.side_sum.to(out.device))
-        for r in range(res.group, len(msgs)):
-            out.add_(res.values[r].to(out.device))
-            nf = int(res.failed[r].sum())
-            if nf:
-                k = keys[r]
-                self._events.append(
-                    f"ndqsg: side information too far off in {nf} of {res.failed[r].numel()} "
-                    f"buckets of rank {r} (step {k.step}, tensor {k.tensor_id}); used the "
-                    f"DQSG-group mean (ranks 0..{res.group - 1}) there")
-        return True
-
-    def _failure_event(self, nf: int, nb: int, r: int, k: TensorKey, group: int) -> str:
-        return (f"ndqsg: side information too far off in {nf} of {nb} buckets of rank {r} "
-                f"(step {k.step}, tensor {k.tensor_id}); used the DQSG-group mean "
-                f"(ranks 0..{group - 1}) there")
-
-    def _combine_kernels(self, be, msgs: List[Message], keys: List[TensorKey],
-                         out: torch.Tensor) -> bool:
-        """:meth:`combine` through kernels/dithered.cu: the same validation and errors in the
-        same order, the same float32 sums into ``out``, bit for bit, and the same events.
-        The side information, the coset resolution, the checks and the fallback are
-        computed on ``out``'s device (the reference computes them on the CPU: the kernels'
-        arithmetic, true division included, gives the same bits on either device)."""
         world = self._check_keys(msgs, keys)
         n = out.numel()
-        G = self.group_size(world)
-        dev = out.device
-        parsed = []
-        for msg, key in zip(msgs, keys):
-            self._validate(msg, key, n)
-            if msg.flags & FLAG_NONFINITE:
-                parsed.append(None)
-            elif key.rank < G:
-                parsed.append(self._parse_dqsg_kernel(be, msg, dev))
-            else:
-                parsed.append(self._parse_nested_kernel(be, msg, dev))
-        if any(p is None for p in parsed):
+        parsed = self._parse_all(msgs, keys, n, out.device)
+        if parsed is None:
             return False
-        side_sum = torch.zeros(n, dtype=torch.float32, device=dev)
+        G = self.group_size(world)
+        side_sum = torch.zeros(n, dtype=torch.float32, device=out.device)
         for r in range(G):
             delta, packed = parsed[r]
-            k_dithered.decode_add(be.backend, packed, n, delta, self.bits, self.bucket_size,
-                                  side_sum, **_key_args(keys[r]))
+            dithered.dqsg_decode_add(packed, n, delta, self.bits, self.bucket_size, side_sum,
+                                     keys[r])
         out.add_(side_sum)
         for r in range(G, world):
             delta, packed, check = parsed[r]
-            failed = k_dithered.resolve_add(be.backend, packed, n, delta, check, side_sum, G,
-                                            self.bits, self.nested_bits, self.bucket_size,
-                                            out, **_key_args(keys[r]))
+            failed = dithered.nested_decode_add(packed, n, delta, check, side_sum, G,
+                                                self.bits, self.nested_bits,
+                                                self.bucket_size, out, keys[r])
             nf = int(failed.sum())
             if nf:
-                self._events.append(self._failure_event(nf, failed.numel(), r, keys[r], G))
+                k = keys[r]
+                self._events.append(
+                    f"ndqsg: side information too far off in {nf} of {failed.numel()} "
+                    f"buckets of rank {r} (step {k.step}, tensor {k.tensor_id}); used the "
+                    f"DQSG-group mean (ranks 0..{G - 1}) there")
         return True

@@ -1,5 +1,5 @@
-"""DQSG and NDQSG kernels (kernels/dithered.cu, hvdcomp/backends/k_dithered.py) against the
-PyTorch specification (hvdcomp/compressors/dithered.py), bit for bit: the host build here, the
+"""DQSG and NDQSG kernels (kernels/dithered.cu, the kernel implementations of the ops in
+hvdcomp/ops/dithered.py) against their PyTorch references, bit for bit: the host build here, the
 CUDA backend on a GPU (tests marked requires_cuda), and end to end through the compressors
 (kernel path vs HVDCOMP_BACKEND=reference: identical message bytes, decoded sums, events),
 NDQSG's fallback where the side information is too far off included.
@@ -12,18 +12,17 @@ import torch
 
 import hvdcomp
 import hvdcomp.backends as B
-from hvdcomp.backends import k_dithered
 from hvdcomp.codecs import pack_bits
 from hvdcomp.compressors.base import TensorKey
-from hvdcomp.compressors.dithered import (bucket_checksums, check_weights, dither,
-                                          dqsg_quantize, dqsg_reconstruct)
+from hvdcomp.ops import dithered
+from hvdcomp.ops.dithered import (bucket_checksums, check_weights, dither, dqsg_quantize,
+                                  dqsg_reconstruct)
 from hvdcomp.errors import WireFormatError
 from hvdcomp.wire import Message
 
 from kernel_cases import same_bits
 
 KEY = TensorKey("w", 3, 7, 2, 4, 11)
-KW = dict(seed=KEY.seed, rank=KEY.rank, tensor_id=KEY.tensor_id, step=KEY.step)
 SIZES = (1, 7, 8, 9, 1000, 8193)
 BUCKETS = (1, 3, 8, 100, 512)
 
@@ -45,8 +44,14 @@ def gradient(n, bs, seed):
     return x.to(torch.float32)
 
 
+def quantize(x, bits, bs, key=KEY):
+    """(Delta, q) of the reference."""
+    delta = dithered.bucket_steps.reference(x, bits, bs)
+    return delta, dqsg_quantize(x, delta, bits, bs, dither(x.numel(), key, device=x.device))
+
+
 def reference_encode(x, bits, bs, nested_bits=0, key=KEY):
-    delta, q = dqsg_quantize(x, bits, bs, dither(x.numel(), key))
+    delta, q = quantize(x, bits, bs, key)
     M = (1 << (bits - 1)) - 1
     if nested_bits:
         return delta, q, pack_bits(q & ((1 << nested_bits) - 1), nested_bits)
@@ -62,16 +67,16 @@ def test_quantize_pack_and_decode(host, bits):
         for bs in BUCKETS:
             x = gradient(n, bs, seed=bits * 1000 + n + bs)
             delta_r, q, packed_r = reference_encode(x, bits, bs)
-            delta = k_dithered.steps(be, x, bits, bs)
+            delta = dithered.bucket_steps.kernels(be, x, bits, bs)
             assert same_bits(delta, delta_r), (n, bs)
-            assert torch.equal(k_dithered.quantize_pack(be, x, delta, bits, bs, **KW),
+            assert torch.equal(dithered.dqsg_encode.kernels(be, x, delta, bits, bs, KEY),
                                packed_r), (n, bs)
             for nb in range(1, bits):
-                got = k_dithered.quantize_pack(be, x, delta, bits, bs, nb, **KW)
+                got = dithered.nested_encode.kernels(be, x, delta, bits, nb, bs, KEY)[0]
                 assert torch.equal(got, reference_encode(x, bits, bs, nb)[2]), (n, bs, nb)
             out = torch.randn(n)
             want = out + dqsg_reconstruct(delta_r, q, dither(n, KEY), bs)
-            k_dithered.decode_add(be, packed_r, n, delta_r, bits, bs, out, **KW)
+            dithered.dqsg_decode_add.kernels(be, packed_r, n, delta_r, bits, bs, out, KEY)
             assert same_bits(out, want), (n, bs)
 
 
@@ -83,34 +88,36 @@ def test_checks(host, bits):
             x = gradient(n, bs, seed=bits + n + bs)
             delta, q, _ = reference_encode(x, bits, bs)
             want = bucket_checksums(q, check_weights(n, KEY), bs)
-            assert torch.equal(k_dithered.checks(be, x, delta, bits, bs, **KW), want), (n, bs)
+            got = dithered.nested_encode.kernels(be, x, delta, bits, 1, bs, KEY)[1]
+            assert torch.equal(got, want), (n, bs)
 
 
 def test_validate(host):
     be = host.backend
     bits, bs, n = 3, 10, 95
     M = 3
+
+    def validate(codes, delta):
+        return dithered.validate_codes.kernels(be, pack_bits(codes, bits), n, delta, bs, bits,
+                                               M, 2 * M)
     delta = torch.rand(10) + 0.1
     codes = torch.randint(0, 2 * M + 1, (n,))
-    assert k_dithered.validate(be, pack_bits(codes, bits), n, delta, bs, bits, M, 2 * M) \
-        == (False, False)
+    assert validate(codes, delta) == (False, False)
     bad = codes.clone()
     bad[94] = 2 * M + 1
-    assert k_dithered.validate(be, pack_bits(bad, bits), n, delta, bs, bits, M, 2 * M)[0]
+    assert validate(bad, delta)[0]
     d0 = delta.clone()
     d0[4] = 0.0
     zc = codes.clone()
     zc[40:50] = M
-    assert k_dithered.validate(be, pack_bits(zc, bits), n, d0, bs, bits, M, 2 * M) \
-        == (False, False)
+    assert validate(zc, d0) == (False, False)
     zc[47] = M + 1
-    assert k_dithered.validate(be, pack_bits(zc, bits), n, d0, bs, bits, M, 2 * M) \
-        == (False, True)
+    assert validate(zc, d0) == (False, True)
 
 
 def _resolve_reference(msgs_q, keys, deltas, bits, nbits, bs, n, G):
     """values of the nested ranks as NDQSG.resolve computes them, from their true q."""
-    from hvdcomp.compressors.dithered import nested_resolve, _per_coord
+    from hvdcomp.ops.dithered import nested_resolve, _per_coord
     side = torch.zeros(n)
     for r in range(G):
         side.add_(dqsg_reconstruct(deltas[r], msgs_q[r], dither(n, keys[r]), bs))
@@ -143,20 +150,19 @@ def test_resolve_add(host, bits, nbits, spread):
         for r in range(world):
             g = torch.Generator().manual_seed(r)
             x = base + spread * base.abs() * torch.randn(n, generator=g)
-            d, q = dqsg_quantize(x, bits, bs, dither(n, keys[r]))
+            d, q = quantize(x, bits, bs, keys[r])
             xs.append(x)
             deltas.append(d)
             qs.append(q)
         side, vals, fails = _resolve_reference(qs, keys, deltas, bits, nbits, bs, n, G)
         for j, r in enumerate(range(G, world)):
             k = keys[r]
-            kw = dict(seed=k.seed, rank=k.rank, tensor_id=k.tensor_id, step=k.step)
             check = bucket_checksums(qs[r], check_weights(n, k), bs)
             packed = pack_bits(qs[r] & ((1 << nbits) - 1), nbits)
             out = torch.randn(n)
             want = out + vals[j]
-            failed = k_dithered.resolve_add(be, packed, n, deltas[r], check, side, G, bits,
-                                            nbits, bs, out, **kw)
+            failed = dithered.nested_decode_add.kernels(be, packed, n, deltas[r], check, side,
+                                                        G, bits, nbits, bs, out, k)
             assert torch.equal(failed, fails[j]), (n, bs)
             assert same_bits(out, want), (n, bs)
 
@@ -166,18 +172,21 @@ def test_argument_checks(host):
     x = torch.randn(10)
     d = torch.ones(1)
     with pytest.raises(ValueError):
-        k_dithered.quantize_pack(be, x, d, 1, 10, **KW)
+        dithered.dqsg_encode.kernels(be, x, d, 1, 10, KEY)
     with pytest.raises(ValueError):
-        k_dithered.quantize_pack(be, x, d, 4, 10, 4, **KW)
+        dithered.nested_encode.kernels(be, x, d, 4, 4, 10, KEY)
     with pytest.raises(ValueError):
-        k_dithered.quantize_pack(be, x, torch.ones(2), 4, 10, **KW)
-    with pytest.raises(TypeError):
-        k_dithered.decode_add(be, torch.zeros(5, dtype=torch.uint8), 10, d, 4, 10,
-                              torch.zeros(10, dtype=torch.float64), **KW)
+        dithered.dqsg_encode.kernels(be, x, torch.ones(2), 4, 10, KEY)
+    # an accumulator the kernel cannot write (not float32): the reference serves it
+    out64 = torch.zeros(10, dtype=torch.float64)
+    assert dithered.dqsg_decode_add.kernels(be, torch.zeros(5, dtype=torch.uint8), 10, d, 4, 10,
+                                            out64, KEY) is NotImplemented
     with pytest.raises(ValueError):
-        k_dithered.resolve_add(be, torch.zeros(3, dtype=torch.uint8), 10, d, torch.zeros(1),
-                               torch.zeros(10), 0, 4, 2, 10, torch.zeros(10), **KW)
-    assert k_dithered.quantize_pack(be, torch.zeros(0), torch.zeros(0), 4, 10, **KW).numel() == 0
+        dithered.nested_decode_add.kernels(be, torch.zeros(3, dtype=torch.uint8), 10, d,
+                                           torch.zeros(1), torch.zeros(10), 0, 4, 2, 10,
+                                           torch.zeros(10), KEY)
+    assert dithered.dqsg_encode.kernels(be, torch.zeros(0), torch.zeros(0), 4, 10,
+                                        KEY).numel() == 0
 
 
 # ---- end to end through the compressors ------------------------------------------------------
@@ -322,20 +331,21 @@ def test_dqsg_kernels_on_gpu(cuda_backend, maybe_host, bits):
     for n in SIZES + (1_000_003,):
         for bs in BUCKETS:
             x = gradient(n, bs, seed=bits + n + bs).cuda()
-            delta_r, q = dqsg_quantize(x, bits, bs, dither(n, KEY, device="cuda"))
-            delta = k_dithered.steps(be, x, bits, bs)
+            delta_r, q = quantize(x, bits, bs)
+            delta = dithered.bucket_steps.kernels(be, x, bits, bs)
             assert same_bits(delta.cpu(), delta_r.cpu())
             M = (1 << (bits - 1)) - 1
-            packed = k_dithered.quantize_pack(be, x, delta, bits, bs, **KW)
+            packed = dithered.dqsg_encode.kernels(be, x, delta, bits, bs, KEY)
             assert torch.equal(packed, pack_bits(q + M, bits))
             if maybe_host is not None:
-                assert torch.equal(packed.cpu(), k_dithered.quantize_pack(
-                    maybe_host.backend, x.cpu(), delta.cpu(), bits, bs, **KW))
+                assert torch.equal(packed.cpu(), dithered.dqsg_encode.kernels(
+                    maybe_host.backend, x.cpu(), delta.cpu(), bits, bs, KEY))
             want = bucket_checksums(q, check_weights(n, KEY, device="cuda"), bs)
-            assert torch.equal(k_dithered.checks(be, x, delta, bits, bs, **KW), want)
+            assert torch.equal(dithered.nested_encode.kernels(be, x, delta, bits, 1, bs, KEY)[1],
+                               want)
             out = torch.randn(n, device="cuda")
             exp = out + dqsg_reconstruct(delta_r, q, dither(n, KEY, device="cuda"), bs)
-            k_dithered.decode_add(be, packed, n, delta, bits, bs, out, **KW)
+            dithered.dqsg_decode_add.kernels(be, packed, n, delta, bits, bs, out, KEY)
             assert same_bits(out.cpu(), exp.cpu())
 
 

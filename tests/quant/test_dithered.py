@@ -1,7 +1,7 @@
 """DQSG and NDQSG (hvdcomp/compressors/dithered.py; Abdi & Fekri, arXiv 1904.01197).
 
-Expected values come from an independent NumPy implementation written from the module
-docstring's specification (Philox4x32-10 included, pinned by a Random123 known-answer
+Expected values come from an independent NumPy implementation written from the specification
+in hvdcomp/ops/dithered.py's docstring (Philox4x32-10 included, pinned by a Random123 known-answer
 vector), from hand-worked cases, from formulas (Delta**2/12, message lengths), and from
 Monte-Carlo statistics with explicit bounds.  Nested coset resolution is checked against a
 brute-force search over all lattice points, not the closed form the module uses.
@@ -141,14 +141,18 @@ def test_settings_validation_and_spec():
     assert (c.bits, c.nested_bits, c.bucket_size, c.dqsg_ranks, c.k, c.M) == (5, 3, 64, 2, 8, 15)
     assert hvdcomp.get(c.spec()).settings() == c.settings()
     assert c.codec == CODECS["ndqsg"] == 20 and hvdcomp.get("dqsg").codec == CODECS["dqsg"] == 19
+    # one meaning per setting (hvdcomp.compressors.settings), in Python as in a spec string
+    assert hvdcomp.get("ndqsg", entropy="yes").entropy is True
+    assert hvdcomp.get("dqsg", entropy="no").entropy is False
+    assert hvdcomp.get("dqsg", bits=3.0).bits == 3
     bad = [("dqsg", dict(bits=1)), ("dqsg", dict(bits=9)), ("dqsg", dict(bits=True)),
-           ("dqsg", dict(bits=3.0)), ("dqsg", dict(bucket_size=0)),
+           ("dqsg", dict(bits=3.5)), ("dqsg", dict(bucket_size=0)),
            ("dqsg", dict(bucket_size=2 ** 31 + 1)), ("ndqsg", dict(nested_bits=0)),
            ("ndqsg", dict(bits=4, nested_bits=4)), ("ndqsg", dict(dqsg_ranks=-1)),
-           ("dqsg", dict(entropy=2)), ("ndqsg", dict(entropy="yes"))]
+           ("dqsg", dict(entropy=2)), ("ndqsg", dict(entropy="maybe"))]
     for name, kw in bad:
         cls = REGISTRY[name]
-        with pytest.raises(ValueError):
+        with pytest.raises((ValueError, TypeError)):     # TypeError: not an integer at all
             cls(**kw)
         with pytest.raises(ConfigError):
             hvdcomp.get(name, **kw)
@@ -534,7 +538,7 @@ def test_nested_resolve_vs_brute_force(bits, nbits):
     """Closed-form coset resolution against listing every lattice point, for every residue
     and side information inside, at the edge of and far outside the lattice (also +-inf,
     NaN -> 0), and the guarantee: exact whenever |z - q| < k/2."""
-    from hvdcomp.compressors.dithered import nested_resolve
+    from hvdcomp.ops.dithered import nested_resolve
     M, k = 2 ** (bits - 1) - 1, 2 ** nbits
     rng = np.random.default_rng(bits)
     z = np.concatenate([rng.uniform(-M - 3 * k, M + 3 * k, 4000),
