@@ -131,7 +131,7 @@ def reduce_block(bucket_size: int) -> int:
 
 
 def packed_size(n: int, bits: int) -> int:
-    """Bytes of ``n`` codes of ``bits`` bits (hvdcomp.codecs.bitpack.packed_size)."""
+    """Bytes of ``n`` codes of ``bits`` bits (hvdcomp.ops.bitpack.packed_size)."""
     return (n * bits + 7) // 8
 
 

@@ -23,7 +23,7 @@ parameter ``k`` for the section: ``d = q * 2**k + r`` with ``0 <= r < 2**k``.
                     b // 8); padded with zero bits to a whole byte.  Its length is
                     U = ceil((m + sum q_j) / 8) bytes.
     1+W+U     R     remainders: r_j in k bits each, LSB-first, packed exactly as
-                    hvdcomp.codecs.bitpack packs codes (r_j occupies stream bits
+                    hvdcomp.ops.bitpack packs codes (r_j occupies stream bits
                     [j*k, (j+1)*k)); R = ceil(m * k / 8) bytes; unused high bits zero.
 
 U is what remains of the section after the fixed parts, so the section needs no length
@@ -88,7 +88,7 @@ def pack_uint(codes: np.ndarray, bits: int) -> np.ndarray:
     LSB-first bit stream: code j occupies stream bits [j*bits, (j+1)*bits).  Returns
     ``ceil(len(codes) * bits / 8)`` uint8 bytes; the last byte's unused high bits are zero.
 
-    bits <= 8 uses hvdcomp.codecs.bitpack; 9..56 assemble each code's (at most 8) bytes in
+    bits <= 8 uses hvdcomp.ops.bitpack; 9..56 assemble each code's (at most 8) bytes in
     a 64-bit word; 57..63 go through an explicit bit array.
     """
     if not 1 <= bits <= 63:

@@ -27,7 +27,7 @@ Wire (sections of hvdcomp.wire.Message; nb = ceil(numel / bucket_size); see each
 its header fields):
   dqsg / ndqsg's DQSG group:  0: Delta_b, float32 LE (nb values, finite, >= 0)
                               1: codes q_i + M, ``bits`` each, packed LSB-first
-                                 (hvdcomp.codecs.bitpack); the code 2**bits - 1 is invalid
+                                 (hvdcomp.ops.bitpack); the code 2**bits - 1 is invalid
                               payload: 4*nb + ceil(numel*bits/8) bytes
   ndqsg's nested group:       0: Delta_b, float32 LE (as above)
                               1: residues q_i mod k (k = 2**nested_bits, 0..k-1),

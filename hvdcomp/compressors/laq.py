@@ -92,7 +92,7 @@ None`` in ``combine``).
 
 Wire (codec ``laq`` = 24; header bits = ``bits``, bucket size 0, level-table version 0):
     section 0: R, float32 little-endian (4 bytes)
-    section 1: codes c_i, ``bits`` per coordinate packed LSB-first (hvdcomp.codecs.bitpack);
+    section 1: codes c_i, ``bits`` per coordinate packed LSB-first (hvdcomp.ops.bitpack);
                every b-bit value is a valid grid index
     payload bytes = 4 + ceil(numel * bits / 8)           (:meth:`LAQ.message_bytes`)
     a skipped upload: no message at all (zero bytes in the allgather)

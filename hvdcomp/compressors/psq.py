@@ -43,7 +43,7 @@ Wire sections
 -------------
 psq (codec 17; header bits = bits, bucket_size = 0):
     0: per row float32 (lo, hi), 8 R bytes
-    1: codes, ``bits`` per coordinate packed LSB-first (hvdcomp.codecs.bitpack), row-major
+    1: codes, ``bits`` per coordinate packed LSB-first (hvdcomp.ops.bitpack), row-major
   payload = 8 R + ceil(R D bits / 8) bytes.
 bhq (codec 18; header bits = bits, bucket_size = block_size):
     0: per wire row float32 (lo, hi) of the transformed rows, 8 R bytes
@@ -65,7 +65,7 @@ from typing import Dict, Tuple
 import numpy as np
 import torch
 
-from ..codecs.bitpack import packed_size
+from ..ops.bitpack import packed_size
 from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
 from ..ops.psq import bhq_dequantize_add, bhq_plan, dequantize_add, quantize_rows, row_variance

@@ -13,7 +13,7 @@ Per bucket of ``bucket_size`` coordinates of the flattened gradient v:
 
 Wire sections (see docs/wire-format.md):
     0: bucket norms, float32, ceil(numel / bucket_size) values
-    1: codes, ``bits`` per coordinate packed LSB-first (hvdcomp.codecs.bitpack):
+    1: codes, ``bits`` per coordinate packed LSB-first (hvdcomp.ops.bitpack):
        code = sign << (bits - 1) | level index; sign = 1 for v_i < 0.
 So a message costs numel * bits / 8 + 4 * ceil(numel / bucket_size) bytes plus its header.
 """

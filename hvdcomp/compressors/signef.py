@@ -47,7 +47,7 @@ happened for this tensor on this rank); every receiver sets the averaged tensor 
 Wire (codec ``signef`` = 16; header bits = 1, bucket size = the setting, 0 = per tensor):
     section 0: scales, float32 little-endian, ``nb`` values, nb = ceil(numel / bucket_size)
                (bucket_size = 0: nb = 1, or 0 for an empty tensor)
-    section 1: sign bits, 1 bit per coordinate packed LSB-first (hvdcomp.codecs.bitpack):
+    section 1: sign bits, 1 bit per coordinate packed LSB-first (hvdcomp.ops.bitpack):
                coordinate i is bit i % 8 of byte i // 8; unused high bits of the last byte 0
     payload bytes = 4 * nb + ceil(numel / 8)           (:meth:`SignEF.message_bytes`)
 """

@@ -40,7 +40,7 @@ its own message instead.
 Wire (codec ``terngrad`` = 15; header bits = 2, bucket size = the setting, 0 = per tensor):
     section 0: bucket scales ``s``, float32 little-endian, ``nb`` values where
                nb = ceil(numel / bucket_size) (bucket_size = 0: nb = 1, or 0 if numel = 0)
-    section 1: codes, 2 bits per coordinate packed LSB-first (hvdcomp.codecs.bitpack):
+    section 1: codes, 2 bits per coordinate packed LSB-first (hvdcomp.ops.bitpack):
                code = sign << 1 | b, sign = 1 iff c_i < 0 (the family's convention: ``bits``
                counts the sign; a coordinate that rounds to 0 keeps its sign bit)
     payload bytes = 4 * nb + ceil(2 * numel / 8)    (:meth:`TernGrad.message_bytes`)

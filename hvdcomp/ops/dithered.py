@@ -40,7 +40,7 @@ Ops (each a reference, the specification, and a kernel implementation, kernels/d
 :func:`bucket_steps`, :func:`dqsg_encode`, :func:`nested_encode`, :func:`validate_codes`,
 :func:`dqsg_decode_add`, :func:`nested_decode_add`.  ``key`` arguments are any object with
 integer fields ``seed``, ``step``, ``rank`` and ``tensor_id`` (a hvdcomp.TensorKey).  Packed
-codes are uint8 tensors as hvdcomp.codecs.bitpack.pack_bits makes them.  The kernel
+codes are uint8 tensors as hvdcomp.ops.bitpack.pack_bits makes them.  The kernel
 implementations raise TypeError / ValueError (hvdcomp.backends._common.check_tensor /
 check_int) for arguments of the wrong type, dtype, device, shape or range; the decodes return
 NotImplemented (the reference runs) for an accumulator that is not a contiguous float32 (n,).
@@ -53,7 +53,7 @@ import torch
 
 from ..backends._common import (BLOCK, MAX_GRID, check_int, check_tensor, grid_for, packed_size,
                                 reduce_block, u32)
-from ..codecs.bitpack import pack_bits, unpack_bits
+from .bitpack import pack_bits, unpack_bits
 from ..random import random_words, uniform
 from . import op
 

@@ -78,7 +78,7 @@ from typing import Tuple
 import torch
 
 from ..backends._common import BLOCK, check_int, check_tensor, grid_for, packed_size, u32
-from ..codecs.bitpack import pack_bits, unpack_bits
+from .bitpack import pack_bits, unpack_bits
 from ..random import uniform
 from . import op
 
