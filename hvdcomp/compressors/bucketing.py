@@ -1,13 +1,29 @@
 """Bucket geometry of the compressors whose ``bucket_size`` setting 0 means "one bucket per
 tensor" (TernGrad, EF-SignSGD): one float32 scale per bucket plus ``code_bits`` bits per
-coordinate on the wire."""
+coordinate on the wire (section 0: the scales, section 1: the codes)."""
 from __future__ import annotations
 
 from typing import ClassVar
 
-from ..codecs import packed_size
+import numpy as np
+import torch
 
-__all__ = ["TensorBuckets"]
+from ..codecs import packed_size
+from ..errors import WireFormatError
+from ..wire import Message
+from . import settings
+
+__all__ = ["TensorBuckets", "bucket_size_setting"]
+
+
+def bucket_size_setting(bucket_size) -> int:
+    """The ``bucket_size`` setting: a Python int in 0..2**31 (0: one bucket per tensor).
+    Raises ValueError otherwise (bools and floats included; a spec string is converted to
+    an int before it gets here)."""
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
+        raise ValueError(f"bucket_size must be an integer in 0..2**31 (0: one bucket per "
+                         f"tensor), got {bucket_size!r}")
+    return settings.integer("bucket_size", bucket_size, 0, 2**31)
 
 
 class TensorBuckets:
@@ -15,6 +31,7 @@ class TensorBuckets:
     ``code_bits`` (bits per coordinate) give the geometry below."""
     bucket_size: int
     code_bits: ClassVar[int]
+    name: ClassVar[str]
 
     def _bs(self, n: int) -> int:
         """Effective bucket size for a tensor of ``n`` elements (>= 1)."""
@@ -29,3 +46,14 @@ class TensorBuckets:
         """Payload bytes for ``numel`` coordinates:
         ``4 * num_buckets(numel) + ceil(code_bits * numel / 8)``."""
         return 4 * self.num_buckets(numel) + packed_size(numel, self.code_bits)
+
+    def _read_scales(self, msg: Message) -> torch.Tensor:
+        """Section 0 of a message of two sections: its ``num_buckets(numel)`` float32 scales
+        (CPU).  Raises WireFormatError for another number of sections, a section of the wrong
+        size, or scales that are negative or not finite."""
+        msg.expect(nsections=2)
+        msg.section_size_check(0, 4 * self.num_buckets(msg.numel), "scales")
+        s = torch.from_numpy(np.array(msg.sections[0]).view(np.float32))
+        if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
+            raise WireFormatError(f"{self.name}: bucket scales must be finite and >= 0")
+        return s

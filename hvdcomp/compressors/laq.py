@@ -37,11 +37,12 @@ With ``Qnew = Qprev + delta``, ``eps = Qnew - x`` (this step's quantization erro
     on upload: Qprev = Qnew, eps_hat = eps, silent = 0;  on a skip: nothing changes but the
     silent counter, and ``encode`` returns None (a zero-length message, the empty upload).
 
-All squared norms are float64 sums of float32 values squared, summed in the fixed order of
-:func:`fixed_sum` (a tree order that does not depend on the device or the thread count,
-and that the kernels of kernels/laq.cu reproduce bit for bit).  ``>=`` follows the authors' code and
-seeds.md; the paper's criterion skips on equality, which only matters for an all-zero innovation
-with no parameter history (e.g. an all-zero gradient at the first step: sent here).
+The quantizer and the sums are the ops of hvdcomp.ops.laq (PyTorch references, and the
+kernels of kernels/laq.cu, equal bit for bit).  All squared norms are float64 sums of float32
+values squared, summed in the fixed order of ``hvdcomp.ops.laq.fixed_sum`` (a tree order that
+does not depend on the device or the thread count).  ``>=`` follows the authors' code; the
+paper's criterion skips on equality, which only matters for an all-zero innovation with no
+parameter history (e.g. an all-zero gradient at the first step: sent here).
 
 Choices (the paper leaves them to its code):
   * ``xi_d``: the authors' code (LAQ.py) weights the last ``min(k, D)`` squared parameter
@@ -112,72 +113,30 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..backends import k_laq, kernel_backend
-from .protocols import ParamDeltas, ReportsEvents
-from ..codecs import pack_bits, packed_size, unpack_bits
+from ..codecs import packed_size
 from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
-from ..wire import CODECS, FLAG_ENTROPY, Message, dtype_code
+from ..ops import laq as ops
+from ..wire import CODECS, Message, dtype_code
+from . import settings
 from .base import Compressor, TensorKey, register
+from .protocols import ParamDeltas, ReportsEvents
 
-__all__ = ["LAQ", "quantize_innovation", "dequantize_innovation", "fixed_sum"]
+__all__ = ["LAQ"]
 
 _SPLITS = ("numel", "full")
 _RECORD_KEYS = {"numel", "qprev", "aggregate", "eps_hat_sq", "silent", "uploads", "skips"}
 
 
-FIXED_SUM_CHUNK = 2048          # 256 groups of 8: the block of kernels/laq.cu
-
-
-def fixed_sum(t: torch.Tensor) -> float:
-    """The sum of the float64 values of flat ``t`` in a fixed order (kernels/laq.cu's):
-    pad with zeros to a multiple of 2048; per chunk of 2048, each group of 8 (t0..t7) as
-    ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)), then the 256 group sums folded in
-    halves (s[j] = s[j] + s[j + w] for w = 128, 64, ..., 1); repeat on the chunk sums until
-    one value is left.  Elementwise float64 additions only, so the result is the same on
-    every device and for every thread count (torch.sum's order is neither).  0.0 if empty.
-    Padding adds +0.0: exact for the non-negative terms LAQ sums."""
-    t = t.reshape(-1).to(torch.float64)
-    if t.numel() == 0:
-        return 0.0
-    while True:
-        n = t.numel()
-        c = (n + FIXED_SUM_CHUNK - 1) // FIXED_SUM_CHUNK
-        if c * FIXED_SUM_CHUNK != n:
-            t = torch.cat([t, t.new_zeros(c * FIXED_SUM_CHUNK - n)])
-        g = t.view(c, FIXED_SUM_CHUNK // 8, 8)
-        s = ((g[..., 0] + g[..., 1]) + (g[..., 2] + g[..., 3])) \
-            + ((g[..., 4] + g[..., 5]) + (g[..., 6] + g[..., 7]))
-        w = s.shape[1] // 2
-        while w >= 1:
-            s = s[:, :w] + s[:, w:2 * w]
-            w //= 2
-        t = s[:, 0]
-        if c == 1:
-            return float(t[0])
-
-
-def quantize_innovation(v: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The paper's deterministic quantizer of a flat float32 innovation ``v``.
-
-    Returns ``(R, codes)``: R = max|v_i| as a float32 0-d tensor and int64 codes in
-    [0, 2**bits - 1] (see the module docstring for the grid and the rounding).
-    """
-    n = v.numel()
-    R = v.abs().max() if n else torch.zeros((), dtype=torch.float32, device=v.device)
-    L = (1 << bits) - 1
-    if n == 0 or float(R) == 0.0:
-        return R, torch.zeros(n, dtype=torch.int64, device=v.device)
-    r = R.double()
-    u = (v.double() + r) * L / (2.0 * r)
-    return R, torch.floor(u + 0.5).clamp_(0, L).to(torch.int64)
-
-
-def dequantize_innovation(R: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """float32 ``R * (2 c - L) / L`` (float64 arithmetic, rounded once): the grid point of
-    each code.  The sender adds exactly this to its Qprev, every receiver to its aggregate."""
-    L = (1 << bits) - 1
-    return (R.double() * (2 * codes - L).double() / L).to(torch.float32)
+def _typed(name: str, v: Any, kind: type) -> Any:
+    """``v`` if it is a Python value of the setting's kind (int, float: an int or a float,
+    bool), else ValueError: bools are not numbers, numbers and strings are not bools, floats
+    and strings are not ints (a spec string is converted before it gets here)."""
+    kinds = {int: (int,), float: (int, float), bool: (bool,)}[kind]
+    if isinstance(v, bool) != (kind is bool) or not isinstance(v, kinds):
+        raise ValueError(f"{name} must be a{'n' if kind is int else ''} {kind.__name__}, "
+                         f"got {v!r}")
+    return v
 
 
 @dataclass
@@ -219,12 +178,9 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
     for ``key.name``, so call it exactly once per tensor per step.  ``after_step(step, sq)``
     records ``||theta_{k+1} - theta_k||^2`` (the drop-in calls it: ``wants_param_deltas``).
 
-    Example::
-
-        import hvdcomp.torch as hvd
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2),
-                                       named_parameters=model.named_parameters(),
-                                       compression="laq:bits=4,alpha=0.2")
+    Used through the drop-in optimizer, with ``alpha`` its learning rate:
+    ``hvdcomp.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2),
+    named_parameters=model.named_parameters(), compression="laq:bits=4,alpha=0.2")``.
     """
     codec = CODECS["laq"]
     wants_param_deltas = True
@@ -232,32 +188,17 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
     def __init__(self, bits: int = 4, alpha: float = 0.1, xi: float = 0.8, history: int = 10,
                  t_max: int = 100, stochastic: bool = False, slaq_err: float = 0.5,
                  slaq_const: float = 0.2, split: str = "numel", entropy: bool = False):
-        self.entropy = bool(entropy)
-        def integer(name, v, lo, hi):
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                raise ValueError(f"{name} must be an integer in {lo}..{hi}, got {v!r}")
-            return int(v)
-
-        def real(name, v, positive):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or v < 0 or (positive and v == 0):
-                raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}"
-                                 f", got {v!r}")
-            return float(v)
-
-        self.bits = integer("bits", bits, 1, 8)
-        self.alpha = real("alpha", alpha, True)
-        self.xi = real("xi", xi, False)
-        self.history = integer("history", history, 0, 2**20)
-        self.t_max = integer("t_max", t_max, 0, 2**62)
-        if not isinstance(stochastic, bool):
-            raise ValueError(f"stochastic must be True or False, got {stochastic!r}")
-        self.stochastic = stochastic
-        self.slaq_err = real("slaq_err", slaq_err, False)
-        self.slaq_const = real("slaq_const", slaq_const, False)
-        if split not in _SPLITS:
-            raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
-        self.split = split
+        self.bits = settings.integer("bits", _typed("bits", bits, int), 1, 8)
+        self.alpha = settings.real("alpha", _typed("alpha", alpha, float), 0.0, lo_open=True)
+        self.xi = settings.real("xi", _typed("xi", xi, float), 0.0)
+        self.history = settings.integer("history", _typed("history", history, int), 0, 2**20)
+        self.t_max = settings.integer("t_max", _typed("t_max", t_max, int), 0, 2**62)
+        self.stochastic = _typed("stochastic", stochastic, bool)
+        self.slaq_err = settings.real("slaq_err", _typed("slaq_err", slaq_err, float), 0.0)
+        self.slaq_const = settings.real("slaq_const", _typed("slaq_const", slaq_const, float),
+                                        0.0)
+        self.split = settings.choice("split", split, _SPLITS)
+        self.entropy = settings.boolean("entropy", entropy)
         self._hist: List[float] = []            # newest first, at most `history` entries
         self._rec: Dict[str, _Record] = {}
         self._events: List[str] = []
@@ -319,52 +260,38 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
             raise TypeError(f"laq quantizes floating-point gradients only, got {grad.dtype}")
         dtype_code(grad.dtype)
         n = grad.numel()
-        rec = self._rec.get(key.name)
-        if rec is None:
-            rec = self._rec[key.name] = _Record(numel=n)
-        elif rec.numel != n or (rec.qprev is not None
-                                and tuple(rec.qprev.shape) != tuple(grad.shape)):
-            have = tuple(rec.qprev.shape) if rec.qprev is not None else f"{rec.numel} elements"
-            raise ValueError(f"laq: the state held for {key.name!r} is for a tensor of shape "
-                             f"{have}, but its gradient has shape {tuple(grad.shape)} (was a "
-                             f"checkpoint of another model loaded?)")
+        rec = self._record(key.name, grad)
         x = grad.detach().reshape(-1).to(torch.float32)
-        be = kernel_backend(x.device)
-        codes = packed = None
-        if be is not None:      # kernels/laq.cu: the same codes, Qnew and sums as below
-            q = rec.qprev.to(x.device).reshape(-1) if rec.qprev is not None else None
-            inn = k_laq.encode(be.backend, x, q, self.bits)
-            if inn is None:
-                return self._nonfinite(grad, key)           # state unchanged
-            R, packed, qnew, eps_sq, delta_sq = inn
-        else:
-            q = (rec.qprev.to(x.device).reshape(-1) if rec.qprev is not None
-                 else torch.zeros_like(x))
-            v = x - q
-            if n and not bool(torch.isfinite(v).all()):
-                return self._nonfinite(grad, key)           # state unchanged
-            R, codes = quantize_innovation(v, self.bits)
-            delta = dequantize_innovation(R, codes, self.bits)
-            qnew = q + delta
-            eps_sq = fixed_sum((qnew - x).double().pow(2))
-            delta_sq = fixed_sum(delta.double().pow(2))
-        upload = (delta_sq >= self.threshold(key.name, eps_sq)
-                  or rec.silent >= self.t_max)
-        if not upload:
+        q = rec.qprev.to(x.device).reshape(-1) if rec.qprev is not None else None
+        inn = ops.encode_innovation(x, q, self.bits)
+        if inn is None:
+            return self._nonfinite(grad, key)               # state unchanged
+        if not (inn.delta_sq >= self.threshold(key.name, inn.eps_sq)
+                or rec.silent >= self.t_max):
             rec.silent += 1
             rec.skips += 1
             return None
-        rec.qprev = qnew.view(grad.shape)
-        rec.eps_hat_sq = eps_sq
+        rec.qprev = inn.qnew.view(grad.shape)
+        rec.eps_hat_sq = inn.eps_sq
         rec.silent = 0
         rec.uploads += 1
-        if packed is None:
-            packed = pack_bits(codes, self.bits)
-        sec, flags = write_codes(packed, n, self.bits, self.entropy)
-        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=(R.reshape(1).cpu().numpy().view(np.uint8), sec), flags=flags,
-                       tensor_id=key.tensor_id, rank=key.rank, seed=key.seed, step=key.step,
-                       **self._header_fields())
+        codes, flags = write_codes(inn.packed, n, self.bits, self.entropy)
+        return self._new_message(grad, key,
+                                 (inn.R.reshape(1).cpu().numpy().view(np.uint8), codes), flags)
+
+    def _record(self, name: str, grad: torch.Tensor) -> _Record:
+        """The record of ``name`` (a new one for ``grad``'s size); ValueError if the one held
+        is for a tensor of another shape."""
+        rec = self._rec.get(name)
+        if rec is None:
+            rec = self._rec[name] = _Record(numel=grad.numel())
+        elif rec.numel != grad.numel() or (rec.qprev is not None
+                                           and tuple(rec.qprev.shape) != tuple(grad.shape)):
+            have = tuple(rec.qprev.shape) if rec.qprev is not None else f"{rec.numel} elements"
+            raise ValueError(f"laq: the state held for {name!r} is for a tensor of shape "
+                             f"{have}, but its gradient has shape {tuple(grad.shape)} (was a "
+                             f"checkpoint of another model loaded?)")
+        return rec
 
     # --- decode -----------------------------------------------------------------------
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
@@ -374,17 +301,8 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
         R = torch.from_numpy(np.array(msg.sections[0]).view(np.float32).copy()).reshape(())
         if not bool(torch.isfinite(R)) or float(R) < 0:
             raise WireFormatError(f"laq: radius R must be finite and >= 0, got {float(R)}")
-        be = kernel_backend(out.device)
-        if (be is not None and not msg.flags & FLAG_ENTROPY and out.dtype == torch.float32
-                and out.dim() == 1 and out.is_contiguous()):
-            # kernels/laq.cu: out += the decoded innovation, bit for bit as below
-            msg.section_size_check(1, packed_size(n, self.bits), "codes")
-            packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8))
-            k_laq.dequantize_add(be.backend, packed.to(out.device), n, float(R), self.bits,
-                                 out)
-            return
-        codes = unpack_bits(read_codes(msg, 1, n, self.bits), n, self.bits)
-        out.add_(dequantize_innovation(R, codes, self.bits).to(out.device))
+        packed = read_codes(msg, 1, n, self.bits, device=out.device)
+        ops.dequantize_add(packed, n, R, self.bits, out)
 
     def combine(self, msgs: List[Optional[Message]], keys: List[TensorKey],
                 out: torch.Tensor) -> bool:
@@ -454,72 +372,72 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
         compressor already holds for that name.  A history longer than ``history`` keeps its
         newest entries.
         """
-        def bad(msg):
-            return ValueError(f"laq: {msg}")
-
         if not isinstance(state, dict):
-            raise bad(f"state must be a dict, got {type(state).__name__}")
+            raise _bad(f"state must be a dict, got {type(state).__name__}")
         extra = sorted(set(state) - {"history", "tensors"})
         if extra:
-            raise bad(f"unknown state keys {extra}; expected 'history' and 'tensors'")
+            raise _bad(f"unknown state keys {extra}; expected 'history' and 'tensors'")
         hist = state.get("history", [])
         if not isinstance(hist, (list, tuple)):
-            raise bad(f"'history' must be a list of floats, got {type(hist).__name__}")
-        new_hist = []
-        for h in hist:
-            if isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h) \
-                    or h < 0:
-                raise bad(f"history entries must be finite numbers >= 0, got {h!r}")
-            new_hist.append(float(h))
+            raise _bad(f"'history' must be a list of floats, got {type(hist).__name__}")
+        new_hist = [_nonneg(h, "history entries must be finite numbers >= 0") for h in hist]
         tens = state.get("tensors", {})
         if not isinstance(tens, dict):
-            raise bad(f"'tensors' must map parameter names to records, got "
-                      f"{type(tens).__name__}")
-        new: Dict[str, _Record] = {}
-        for name, r in tens.items():
-            if not isinstance(name, str):
-                raise bad(f"parameter names must be strings, got {name!r}")
-            if not isinstance(r, dict) or set(r) != _RECORD_KEYS:
-                got = sorted(r) if isinstance(r, dict) else type(r).__name__
-                raise bad(f"record of {name!r} must have the keys {sorted(_RECORD_KEYS)}, "
-                          f"got {got}")
-            numel = r["numel"]
-            if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-                raise bad(f"numel of {name!r} must be an integer >= 0, got {numel!r}")
-            rec = _Record(numel=numel)
-            for field in ("qprev", "aggregate"):
-                t = r[field]
-                if t is None:
-                    continue
-                if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-                    raise bad(f"{field} of {name!r} must be a float32 torch.Tensor or None, "
-                              f"got {getattr(t, 'dtype', type(t).__name__)}")
-                if t.numel() != numel:
-                    raise bad(f"{field} of {name!r} has {t.numel()} elements, the record "
-                              f"says {numel}")
-                if field == "aggregate" and t.dim() != 1:
-                    raise bad(f"aggregate of {name!r} must be flat, got shape "
-                              f"{tuple(t.shape)}")
-                if t.numel() and not bool(torch.isfinite(t).all()):
-                    raise bad(f"{field} of {name!r} holds NaN or Inf")
-                cur = self._rec.get(name)
-                if field == "qprev" and cur is not None and cur.qprev is not None \
-                        and tuple(cur.qprev.shape) != tuple(t.shape):
-                    raise bad(f"qprev of {name!r} has shape {tuple(t.shape)}, the one held "
-                              f"for it has shape {tuple(cur.qprev.shape)}")
-                dev = (getattr(cur, field).device if cur is not None
-                       and getattr(cur, field) is not None else "cpu")
-                setattr(rec, field, t.detach().to(dev).clone())
-            e = r["eps_hat_sq"]
-            if isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e) \
-                    or e < 0:
-                raise bad(f"eps_hat_sq of {name!r} must be a finite number >= 0, got {e!r}")
-            rec.eps_hat_sq = float(e)
-            for field in ("silent", "uploads", "skips"):
-                v = r[field]
-                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    raise bad(f"{field} of {name!r} must be an integer >= 0, got {v!r}")
-                setattr(rec, field, int(v))
-            new[name] = rec
+            raise _bad(f"'tensors' must map parameter names to records, got "
+                       f"{type(tens).__name__}")
+        new = {name: self._load_record(name, r) for name, r in tens.items()}
         self._hist = new_hist[:self.history]
         self._rec = new
+
+    def _load_record(self, name: Any, r: Any) -> _Record:
+        """One record of a state dict, validated (ValueError) against the one held."""
+        if not isinstance(name, str):
+            raise _bad(f"parameter names must be strings, got {name!r}")
+        if not isinstance(r, dict) or set(r) != _RECORD_KEYS:
+            got = sorted(r) if isinstance(r, dict) else type(r).__name__
+            raise _bad(f"record of {name!r} must have the keys {sorted(_RECORD_KEYS)}, "
+                       f"got {got}")
+        numel = r["numel"]
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise _bad(f"numel of {name!r} must be an integer >= 0, got {numel!r}")
+        rec = _Record(numel=numel)
+        cur = self._rec.get(name)
+        for field in ("qprev", "aggregate"):
+            t = r[field]
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+                raise _bad(f"{field} of {name!r} must be a float32 torch.Tensor or None, "
+                           f"got {getattr(t, 'dtype', type(t).__name__)}")
+            if t.numel() != numel:
+                raise _bad(f"{field} of {name!r} has {t.numel()} elements, the record "
+                           f"says {numel}")
+            if field == "aggregate" and t.dim() != 1:
+                raise _bad(f"aggregate of {name!r} must be flat, got shape {tuple(t.shape)}")
+            if t.numel() and not bool(torch.isfinite(t).all()):
+                raise _bad(f"{field} of {name!r} holds NaN or Inf")
+            held = getattr(cur, field) if cur is not None else None
+            if field == "qprev" and held is not None and tuple(held.shape) != tuple(t.shape):
+                raise _bad(f"qprev of {name!r} has shape {tuple(t.shape)}, the one held "
+                           f"for it has shape {tuple(held.shape)}")
+            setattr(rec, field, t.detach().to(held.device if held is not None else "cpu")
+                    .clone())
+        rec.eps_hat_sq = _nonneg(r["eps_hat_sq"],
+                                 f"eps_hat_sq of {name!r} must be a finite number >= 0")
+        for field in ("silent", "uploads", "skips"):
+            v = r[field]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise _bad(f"{field} of {name!r} must be an integer >= 0, got {v!r}")
+            setattr(rec, field, int(v))
+        return rec
+
+
+def _bad(msg: str) -> ValueError:
+    return ValueError(f"laq: {msg}")
+
+
+def _nonneg(v: Any, what: str) -> float:
+    """``v`` as a float if it is a finite number >= 0 (not a bool), else ValueError."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise _bad(f"{what}, got {v!r}")
+    return float(v)

@@ -50,6 +50,9 @@ Wire (codec ``signef`` = 16; header bits = 1, bucket size = the setting, 0 = per
     section 1: sign bits, 1 bit per coordinate packed LSB-first (hvdcomp.ops.bitpack):
                coordinate i is bit i % 8 of byte i // 8; unused high bits of the last byte 0
     payload bytes = 4 * nb + ceil(numel / 8)           (:meth:`SignEF.message_bytes`)
+
+The computations are the ops of hvdcomp.ops.ternary (``signef_scales``, ``signef_pack``,
+``signef_decode_add``: the PyTorch references and kernels/ternary.cu).
 """
 from __future__ import annotations
 
@@ -58,13 +61,12 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from ..backends import k_ternary, kernel_backend
-from ..codecs import pack_bits, packed_size, unpack_bits
 from ..codecs.sections import read_codes, write_codes
-from ..errors import WireFormatError
-from ..wire import CODECS, FLAG_ENTROPY, Message, dtype_code
+from ..ops import ternary
+from ..wire import CODECS, Message
+from . import settings
 from .base import Compressor, TensorKey, register
-from .bucketing import TensorBuckets
+from .bucketing import TensorBuckets, bucket_size_setting
 from .state import finite, load_tensors
 
 __all__ = ["SignEF"]
@@ -80,8 +82,10 @@ class SignEF(TensorBuckets, Compressor):
     carries the error into the next step (see the module docstring).
 
     Args:
-      bucket_size: coordinates per float32 scale (int, 0..2**31); 0 (default) = one scale
-        per tensor, as in Algorithm 1 applied layer-wise.  Raises ValueError otherwise.
+      bucket_size: coordinates per float32 scale (a Python int in 0..2**31); 0 (default) =
+        one scale per tensor, as in Algorithm 1 applied layer-wise.
+      entropy: rANS-code the sign bits (hvdcomp.codecs.sections, flag ENTROPY).
+    Raises ValueError for other values.
 
     encode(grad, key): grad of any shape and layout, float16 / bfloat16 / float32 / float64
       (its float32 values are used); returns a Message of ``4 * nb + ceil(numel / 8)``
@@ -97,30 +101,14 @@ class SignEF(TensorBuckets, Compressor):
     code_bits = _BITS
 
     def __init__(self, bucket_size: int = 0, entropy: bool = False):
-        self.entropy = bool(entropy)
-        if (isinstance(bucket_size, bool) or not isinstance(bucket_size, int)
-                or not 0 <= bucket_size <= 2**31):
-            raise ValueError(f"bucket_size must be an integer in 0..2**31 (0: one bucket per "
-                             f"tensor), got {bucket_size!r}")
-        self.bucket_size = int(bucket_size)
+        self.bucket_size = bucket_size_setting(bucket_size)
+        self.entropy = settings.boolean("entropy", entropy)
         self._residuals: Dict[str, torch.Tensor] = {}
 
     def _header_fields(self) -> Dict[str, int]:
         return {"bits": _BITS, "bucket_size": self.bucket_size, "level_version": 0}
 
     # --- the compressor -----------------------------------------------------------------
-    def scales(self, p: torch.Tensor) -> torch.Tensor:
-        """float32 ``||p_b||_1 / len(b)`` per bucket of the flat float32 tensor ``p``."""
-        n = p.numel()
-        bs = self._bs(n)
-        nb = (n + bs - 1) // bs
-        a = torch.zeros(nb * bs, dtype=torch.float64, device=p.device)
-        a[:n] = p.abs().to(torch.float64)
-        counts = torch.full((nb,), float(bs), dtype=torch.float64, device=p.device)
-        if nb:
-            counts[-1] = n - (nb - 1) * bs
-        return (a.view(nb, bs).sum(dim=1) / counts).to(torch.float32)
-
     def _encode(self, grad: torch.Tensor, key: TensorKey) -> Message:
         if not grad.is_floating_point():
             raise TypeError(f"signef compresses floating-point gradients only, got {grad.dtype}")
@@ -133,75 +121,23 @@ class SignEF(TensorBuckets, Compressor):
                     f"{tuple(e.shape)} and dtype {e.dtype}, but its gradient has shape "
                     f"{tuple(grad.shape)} (residuals are float32 of the gradient's shape; "
                     f"was a checkpoint of another model loaded?)")
-        be = kernel_backend(g.device) if g.numel() else None
-        if be is not None:
-            return self._encode_kernels(be.backend, grad, g, e, key)
-        if e is not None:
-            p = g + e.to(g.device).reshape(-1)
-        else:
-            p = g.clone()
-        n = p.numel()
-        if n and not bool(torch.isfinite(p).all()):
-            return self._nonfinite(grad, key)        # residual unchanged
-        bs = self._bs(n)
-        s = self.scales(p)
-        neg = p < 0                                  # sign of zero: + (bit 0)
-        sf = s.repeat_interleave(bs)[:n] if n else s[:0]
-        decoded = torch.where(neg, -sf, sf)
-        self._residuals[key.name] = (p - decoded).view(grad.shape)
-        sec, flags = write_codes(pack_bits(neg, _BITS), n, _BITS, self.entropy)
-        return self._message(grad, key, s, sec, flags)
-
-    def _message(self, grad: torch.Tensor, key: TensorKey, s: torch.Tensor, sec,
-                 flags: int) -> Message:
-        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=(s.cpu().numpy().view(np.uint8), sec), flags=flags,
-                       tensor_id=key.tensor_id, rank=key.rank, seed=key.seed, step=key.step,
-                       **self._header_fields())
-
-    def _encode_kernels(self, be, grad: torch.Tensor, g: torch.Tensor,
-                        e: Optional[torch.Tensor], key: TensorKey) -> Message:
-        """_encode on kernels/ternary.cu (``be``: a kernel backend's launch object): the same
-        message bytes and the same new residual as the reference path, for a non-empty flat
-        float32 ``g`` and the (already checked) residual ``e`` or None.
-
-        Pass 1: the bucket scales of p = g + e (a scale is used only where it is certified
-        equal to the reference's, else the reference's own scales are computed, see
-        k_ternary.signef_scales); pass 2: sign bits, and the residual p - decoded written
-        over the old one (which this compressor owns)."""
+            e = e.to(g.device).reshape(-1)
         n = g.numel()
         bs = self._bs(n)
-        ef = None if e is None else e.to(g.device).reshape(-1)
-        s, uncertain = k_ternary.signef_scales(be, g, ef, bs)
-        if not finite(s):                        # NaN/Inf in p: residual unchanged
+        s = ternary.signef_scales(g, e, bs)
+        if not finite(s):                        # p = g + e holds NaN/Inf: residual unchanged
             return self._nonfinite(grad, key)
-        if bool(uncertain.any()):
-            s = self.scales(g + ef if ef is not None else g)
-        bits, e_new = k_ternary.signef_pack(be, g, ef, s, bs, e_out=ef)
+        bits, e_new = ternary.signef_pack(g, e, s, bs, e_out=e)   # the residual, in place
         self._residuals[key.name] = e_new.view(grad.shape)
-        sec, flags = write_codes(bits, n, _BITS, self.entropy)
-        return self._message(grad, key, s, sec, flags)
+        codes, flags = write_codes(bits, n, _BITS, self.entropy)
+        return self._new_message(grad, key, (s.cpu().numpy().view(np.uint8), codes), flags)
 
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
         n = msg.numel
-        nb = self.num_buckets(n)
-        msg.expect(nsections=2)
-        msg.section_size_check(0, 4 * nb, "scales")
-        s = torch.from_numpy(np.array(msg.sections[0]).view(np.float32))
-        if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
-            raise WireFormatError("signef: bucket scales must be finite and >= 0")
-        be = kernel_backend(out.device)
-        if (be is not None and not msg.flags & FLAG_ENTROPY and out.dtype == torch.float32
-                and out.dim() == 1 and out.is_contiguous()):
-            # kernels/ternary.cu: out += the decoded values, bit for bit as below
-            msg.section_size_check(1, packed_size(n, _BITS), "sign bits")
-            dev = out.device
-            packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(dev)
-            k_ternary.signef_decode_add(be.backend, packed, n, s.to(dev), self._bs(n), out)
-            return
-        bits = unpack_bits(read_codes(msg, 1, n, _BITS, what="sign bits"), n, _BITS)
-        sf = s.repeat_interleave(self._bs(n))[:n] if n else s[:0]
-        out.add_(torch.where(bits != 0, -sf, sf).to(out.device))
+        s = self._read_scales(msg)
+        dev = out.device
+        bits = read_codes(msg, 1, n, _BITS, device=dev, what="sign bits")
+        ternary.signef_decode_add(bits, n, s.to(dev), self._bs(n), out)
 
     # --- state --------------------------------------------------------------------------
     def residual(self, name: str) -> Optional[torch.Tensor]:

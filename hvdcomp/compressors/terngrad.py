@@ -44,6 +44,9 @@ Wire (codec ``terngrad`` = 15; header bits = 2, bucket size = the setting, 0 = p
                code = sign << 1 | b, sign = 1 iff c_i < 0 (the family's convention: ``bits``
                counts the sign; a coordinate that rounds to 0 keeps its sign bit)
     payload bytes = 4 * nb + ceil(2 * numel / 8)    (:meth:`TernGrad.message_bytes`)
+
+The computations are the ops of hvdcomp.ops.ternary (``clip_threshold``, ``terngrad_scales``,
+``terngrad_pack``, ``terngrad_decode_add``: the PyTorch references and kernels/ternary.cu).
 """
 from __future__ import annotations
 
@@ -53,48 +56,18 @@ from typing import Dict
 import numpy as np
 import torch
 
-from ..backends import k_ternary, kernel_backend
-from ..codecs import packed_size
-from ..errors import WireFormatError
-from ..random import uniform
-from ..wire import CODECS, FLAG_ENTROPY, Message
+from ..codecs.sections import read_codes, write_codes
+from ..ops import ternary
+from ..wire import CODECS, Message
+from . import settings
 from .base import TensorKey, register
-from .bucketing import TensorBuckets
-from .quantizers import BucketQuantizer, dequantize_reference, quantize_reference
-from .state import finite
+from .bucketing import TensorBuckets, bucket_size_setting
+from .quantizers import BucketQuantizer
 
-__all__ = ["TernGrad", "clip_threshold", "clip_gradient"]
+__all__ = ["TernGrad"]
 
 _BITS = 2                     # 1 sign bit + 1 index bit (levels {0, 1})
 _LEVELS = (0.0, 1.0)
-
-
-def clip_threshold(x: torch.Tensor, clip: float) -> float:
-    """The clipping threshold ``T = float32(clip * sigma)`` of one gradient, as a Python float.
-
-    x: any shape, floating dtype (its float32 values are used); sigma is the population
-    standard deviation of the elements, ``sqrt(mean((x - mean x)^2))``, in float64.
-    Returns ``inf`` (no clipping) when clip == 0, the tensor is empty, or T == 0.
-    """
-    x32 = x.detach().reshape(-1).to(torch.float32)
-    if clip == 0 or x32.numel() == 0:
-        return math.inf
-    xd = x32.to(torch.float64)
-    sigma = float(torch.sqrt(((xd - xd.mean()) ** 2).mean()))
-    t = float(torch.tensor(clip * sigma, dtype=torch.float64).to(torch.float32))
-    return t if t > 0 else math.inf
-
-
-def clip_gradient(x: torch.Tensor, clip: float) -> torch.Tensor:
-    """The clipped gradient ``min(max(x, -T), T)`` as a flat float32 tensor (a new tensor).
-
-    T from :func:`clip_threshold`; ``x`` is read, never modified.
-    """
-    x32 = x.detach().reshape(-1).to(torch.float32)
-    t = clip_threshold(x32, clip)
-    if math.isinf(t):
-        return x32.clone()
-    return x32.clamp(-t, t)
 
 
 @register("terngrad")
@@ -105,10 +78,12 @@ class TernGrad(TensorBuckets, BucketQuantizer):
     gradient; ``Var[Q(c_i)] = |c_i| (s - |c_i|)`` (see the module docstring).
 
     Args:
-      clip: clipping factor c (float >= 0, finite); 0 disables clipping.  Default 2.5 (paper).
-      bucket_size: coordinates per scale (int, 0..2**31); 0 (default) = one scale per tensor,
-        the paper's layer-wise ternarizing.  Smaller buckets lower the variance at 4 bytes
-        per bucket.
+      clip: clipping factor c (a Python int or float >= 0, finite); 0 disables clipping.
+        Default 2.5 (paper).
+      bucket_size: coordinates per scale (a Python int in 0..2**31); 0 (default) = one scale
+        per tensor, the paper's layer-wise ternarizing.  Smaller buckets lower the variance
+        at 4 bytes per bucket.
+      entropy: rANS-code the 2-bit codes (hvdcomp.codecs.sections, flag ENTROPY).
     Raises ValueError for other values.
 
     encode(grad, key): grad of any shape and layout, float16 / bfloat16 / float32 / float64
@@ -128,16 +103,10 @@ class TernGrad(TensorBuckets, BucketQuantizer):
     def __init__(self, clip: float = 2.5, bucket_size: int = 0, entropy: bool = False):
         if isinstance(clip, bool) or not isinstance(clip, (int, float)):
             raise ValueError(f"clip must be a number >= 0 (0 disables clipping), got {clip!r}")
-        if not math.isfinite(clip) or clip < 0:
-            raise ValueError(f"clip must be finite and >= 0 (0 disables clipping), got {clip}")
-        if (isinstance(bucket_size, bool) or not isinstance(bucket_size, int)
-                or not 0 <= bucket_size <= 2**31):
-            raise ValueError(f"bucket_size must be an integer in 0..2**31 (0: one bucket per "
-                             f"tensor), got {bucket_size!r}")
-        self.clip = float(clip)
-        self.bucket_size = int(bucket_size)
+        self.clip = settings.real("clip", clip, 0.0)
+        self.bucket_size = bucket_size_setting(bucket_size)
+        self.entropy = settings.boolean("entropy", entropy)
         self.bits = _BITS
-        self.entropy = bool(entropy)
         self.levels = torch.tensor(_LEVELS, dtype=torch.float32)
         self.level_version = 0
 
@@ -148,84 +117,41 @@ class TernGrad(TensorBuckets, BucketQuantizer):
     def clipped(self, grad: torch.Tensor) -> torch.Tensor:
         """The clipped gradient that encode quantizes (flat float32); ``E[decode] ==``
         this, reshaped to ``grad.shape``."""
-        return clip_gradient(grad, self.clip)
+        return ternary.clip_gradient(grad, self.clip)
 
     def _encode(self, grad: torch.Tensor, key: TensorKey) -> Message:
+        # finite values only: Compressor.encode sends a NONFINITE message for anything else
         if not grad.is_floating_point():
             raise TypeError(f"terngrad quantizes floating-point gradients only, got {grad.dtype}")
         x = grad.detach().reshape(-1).to(torch.float32)
-        be = kernel_backend(x.device) if x.numel() else None
-        if be is not None:
-            return self._encode_kernels(be.backend, grad, x, key)
-        if x.numel() and not bool(torch.isfinite(x).all()):
-            return self._nonfinite(grad, key)        # a float64 value beyond float32's range
-        c = clip_gradient(x, self.clip)
-        n = c.numel()
-        u = uniform(n, seed=key.seed, step=key.step, rank=key.rank, tensor_id=key.tensor_id,
-                    device=c.device)
-        norms, codes = quantize_reference(c, self.levels.to(c.device), self._bs(n), "linf", u)
-        return self._message(grad, key, norms, codes)       # packed, or rANS with entropy
+        n = x.numel()
+        bs = self._bs(n)
+        scales, t = ternary.terngrad_scales(x, self.clip, bs)
+        packed = ternary.terngrad_pack(x, scales, bs, t, seed=key.seed, rank=key.rank,
+                                       tensor_id=key.tensor_id, step=key.step)
+        codes, flags = write_codes(packed, n, _BITS, self.entropy)
+        return self._new_message(grad, key, (scales.cpu().numpy().view(np.uint8), codes),
+                                 flags)
 
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
         n = msg.numel
-        nb = self.num_buckets(n)
-        msg.expect(nsections=2)
-        msg.section_size_check(0, 4 * nb, "scales")
-        norms = torch.from_numpy(np.array(msg.sections[0]).view(np.float32))
-        if not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
-            raise WireFormatError("terngrad: bucket scales must be finite and >= 0")
-        be = kernel_backend(out.device)
-        if (be is not None and not msg.flags & FLAG_ENTROPY and out.dtype == torch.float32
-                and out.dim() == 1 and out.is_contiguous()):
-            # kernels/ternary.cu: out += the decoded values, bit for bit as below
-            msg.section_size_check(1, packed_size(n, _BITS), "codes")
-            dev = out.device
-            packed = torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(dev)
-            k_ternary.terngrad_decode_add(be.backend, packed, n, norms.to(dev), self._bs(n),
-                                          out)
-            return
-        codes = self._codes(msg, n)                         # unpacked or entropy-decoded
-        v = dequantize_reference(norms, codes, self.levels, self._bs(n), _BITS - 1)
-        out.add_(v.to(out.device))
-
-    def _encode_kernels(self, be, grad: torch.Tensor, x: torch.Tensor,
-                        key: TensorKey) -> Message:
-        """_encode on kernels/ternary.cu (``be``: a kernel backend's launch object): the same
-        message bytes as the reference path above, for a non-empty flat float32 ``x``.
-
-        One pass gives the bucket maxima of |x| (and the sums of the clipping statistics);
-        the threshold T is the reference's (certified from the kernels' sums, else computed
-        by clip_threshold itself, see k_ternary.terngrad_clip_threshold); the scales are
-        min(max |x|, T) = max |clamp(x, -T, T)| exactly; a second pass clips, ternarizes and
-        packs."""
-        n = x.numel()
-        bs = self._bs(n)
-        maxima, sums = k_ternary.terngrad_bucket_max(be, x, bs)
-        if not finite(maxima):                   # a NaN/Inf in x (NaN propagates in max)
-            return self._nonfinite(grad, key)
-        t = k_ternary.terngrad_clip_threshold(be, x, self.clip, sums)
-        if t is None:                            # not certified: the reference's own value
-            t = clip_threshold(x, self.clip)
-        scales = maxima if math.isinf(t) else maxima.clamp(max=t)
-        packed = k_ternary.terngrad_pack(be, x, scales, bs, t, seed=key.seed, rank=key.rank,
-                                         tensor_id=key.tensor_id, step=key.step)
-        return self._message(grad, key, scales, None, packed)   # packed, or rANS
+        scales = self._read_scales(msg)
+        dev = out.device
+        packed = read_codes(msg, 1, n, _BITS, device=dev)
+        ternary.terngrad_decode_add(packed, n, scales.to(dev), self._bs(n), out)
 
     # --- statistics -----------------------------------------------------------------------
     def variance(self, grad: torch.Tensor) -> float:
         """``E||Q(c) - c||^2 = sum_i |c_i| (s_b(i) - |c_i|)`` (float64) for the clipped
         gradient ``c`` of ``grad`` and the float32 bucket scales ``s_b`` that encode sends."""
-        c = self.clipped(grad)
-        n = c.numel()
+        x = grad.detach().reshape(-1).to(torch.float32).cpu()
+        n = x.numel()
         if n == 0:
             return 0.0
         bs = self._bs(n)
-        nb = (n + bs - 1) // bs
-        cp = torch.zeros(nb * bs, dtype=torch.float32)
-        cp[:n] = c.cpu()
-        s = cp.view(nb, bs).abs().amax(dim=1).to(torch.float64)
-        a = c.cpu().abs().to(torch.float64)
-        return float((a * (s.repeat_interleave(bs)[:n] - a)).sum())
+        s, t = ternary.terngrad_scales(x, self.clip, bs)
+        a = (x if math.isinf(t) else x.clamp(-t, t)).abs().to(torch.float64)
+        return float((a * (s.to(torch.float64).repeat_interleave(bs)[:n] - a)).sum())
 
     # --- state (none) -------------------------------------------------------------------
     def state_dict(self) -> Dict:

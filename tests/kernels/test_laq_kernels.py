@@ -1,5 +1,6 @@
-"""LAQ's innovation quantizer on the kernels (kernels/laq.cu, hvdcomp.backends.k_laq) against
-the PyTorch specification (hvdcomp/compressors/laq.py), bit for bit.
+"""LAQ's innovation quantizer on the kernels (kernels/laq.cu) against the PyTorch
+specification, bit for bit (hvdcomp.ops.laq: each op's kernel implementation against its
+reference).
 
 Everything is exact: the codes (packed), R, Qnew, and the two float64 squared norms
 ||Qnew - x||^2 and ||delta||^2, which the reference sums in laq.fixed_sum's fixed order (the
@@ -14,10 +15,9 @@ import torch
 
 import hvdcomp
 from hvdcomp import backends
-from hvdcomp.backends import k_laq
 from hvdcomp.codecs import pack_bits, unpack_bits
-from hvdcomp.compressors.laq import (LAQ, dequantize_innovation, fixed_sum,
-                                     quantize_innovation)
+from hvdcomp.ops import laq
+from hvdcomp.ops.laq import dequantize_innovation, fixed_sum, quantize_innovation
 
 from kernel_cases import same_bits
 
@@ -63,7 +63,7 @@ def test_encode_matches_reference(host, bits):
     for n in SIZES:
         x, q = innovation_inputs(n, seed=n * 13 + bits)
         for qq in (None, q):
-            got = k_laq.encode(host.backend, x, qq, bits)
+            got = laq.encode_innovation.kernels(host.backend, x, qq, bits)
             check_same(got, ref(x, qq, bits))
 
 
@@ -72,46 +72,51 @@ def test_encode_large_three_summation_stages(host):
     n = 2048 * 2048 + 4099
     x, q = innovation_inputs(n, seed=5)
     for bits in (1, 4):
-        check_same(k_laq.encode(host.backend, x, q, bits), ref(x, q, bits))
+        check_same(laq.encode_innovation.kernels(host.backend, x, q, bits), ref(x, q, bits))
 
 
 def test_special_values(host):
     for bits in (1, 3, 8):
         z = torch.zeros(37)
-        check_same(k_laq.encode(host.backend, z, None, bits), ref(z, None, bits))   # R = 0
+        check_same(laq.encode_innovation.kernels(host.backend, z, None, bits),
+                   ref(z, None, bits))                                               # R = 0
         x = torch.randn(37)
-        check_same(k_laq.encode(host.backend, x, x.clone(), bits),
+        check_same(laq.encode_innovation.kernels(host.backend, x, x.clone(), bits),
                    ref(x, x.clone(), bits))                                          # x == q
         nz = -torch.zeros(37)
-        check_same(k_laq.encode(host.backend, nz, None, bits), ref(nz, None, bits))
+        check_same(laq.encode_innovation.kernels(host.backend, nz, None, bits),
+                   ref(nz, None, bits))
         tiny = torch.full((37,), 1e-45) * torch.sign(torch.randn(37))               # denormal R
-        check_same(k_laq.encode(host.backend, tiny, None, bits), ref(tiny, None, bits))
+        check_same(laq.encode_innovation.kernels(host.backend, tiny, None, bits),
+                   ref(tiny, None, bits))
         big = torch.randn(37) * 1e38                                                # huge, finite
-        check_same(k_laq.encode(host.backend, big, None, bits), ref(big, None, bits))
+        check_same(laq.encode_innovation.kernels(host.backend, big, None, bits),
+                   ref(big, None, bits))
         # ties: v exactly halfway between grid points (R = 3, L = 2**bits - 1)
         L = (1 << bits) - 1
         j = torch.arange(L, dtype=torch.float64)
         half = (-3.0 + (2 * j + 1) * 3.0 / L).float()
         half = torch.cat([half, torch.tensor([3.0, -3.0])])
-        check_same(k_laq.encode(host.backend, half, None, bits), ref(half, None, bits))
+        check_same(laq.encode_innovation.kernels(host.backend, half, None, bits),
+                   ref(half, None, bits))
 
 
 def test_nonfinite_innovations_are_refused(host):
     for bad in (float("nan"), float("inf"), -float("inf")):
         x = torch.randn(3000)
         x[2500] = bad
-        assert k_laq.encode(host.backend, x, None, 4) is None
+        assert laq.encode_innovation.kernels(host.backend, x, None, 4) is None
     x = torch.full((10,), 3e38)
     q = torch.full((10,), -3e38)                         # x - q overflows float32
     assert not bool(torch.isfinite(x - q).all())
-    assert k_laq.encode(host.backend, x, q, 4) is None
+    assert laq.encode_innovation.kernels(host.backend, x, q, 4) is None
 
 
 def test_empty(host):
-    got = k_laq.encode(host.backend, torch.zeros(0), None, 3)
+    got = laq.encode_innovation.kernels(host.backend, torch.zeros(0), None, 3)
     check_same(got, ref(torch.zeros(0), None, 3))
     out = torch.zeros(0)
-    k_laq.dequantize_add(host.backend, torch.zeros(0, dtype=torch.uint8), 0, 1.0, 3, out)
+    laq.dequantize_add.kernels(host.backend, torch.zeros(0, dtype=torch.uint8), 0, 1.0, 3, out)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -122,8 +127,8 @@ def test_dequantize_add_matches_reference(host, bits):
         R = torch.tensor(float(torch.rand(1, generator=g)) * 7.0, dtype=torch.float32)
         acc = torch.randn(n, generator=g)
         want = acc + dequantize_innovation(R, codes, bits)
-        got = k_laq.dequantize_add(host.backend, pack_bits(codes, bits), n, float(R), bits,
-                                   acc.clone())
+        got = laq.dequantize_add.kernels(host.backend, pack_bits(codes, bits), n, float(R),
+                                         bits, acc.clone())
         assert same_bits(got, want)
 
 
@@ -152,7 +157,7 @@ def test_thread_count_does_not_change_anything(host):
     for th in (1, 2, 3):
         host.set_num_threads(th)
         try:
-            outs.append(k_laq.encode(host.backend, x, q, 5))
+            outs.append(laq.encode_innovation.kernels(host.backend, x, q, 5))
         finally:
             host.set_num_threads(None)
     for o in outs[1:]:
@@ -163,21 +168,27 @@ def test_thread_count_does_not_change_anything(host):
 def test_argument_checks(host):
     x = torch.randn(10)
     with pytest.raises(ValueError):
-        k_laq.encode(host.backend, x, None, 0)
+        laq.encode_innovation.kernels(host.backend, x, None, 0)
     with pytest.raises(ValueError):
-        k_laq.encode(host.backend, x, None, 9)
+        laq.encode_innovation.kernels(host.backend, x, None, 9)
     with pytest.raises(TypeError):
-        k_laq.encode(host.backend, x.double(), None, 3)
+        laq.encode_innovation.kernels(host.backend, x.double(), None, 3)
     with pytest.raises(ValueError):
-        k_laq.encode(host.backend, x, torch.randn(11), 3)
+        laq.encode_innovation.kernels(host.backend, x, torch.randn(11), 3)
     with pytest.raises(TypeError):
-        k_laq.encode(host.backend, x, None, True)
+        laq.encode_innovation.kernels(host.backend, x, None, True)
     with pytest.raises(ValueError):
-        k_laq.dequantize_add(host.backend, torch.zeros(3, dtype=torch.uint8), 10, 1.0, 3,
-                             torch.zeros(10))          # 10 codes of 3 bits need 4 bytes
+        laq.dequantize_add.kernels(host.backend, torch.zeros(3, dtype=torch.uint8), 10, 1.0, 3,
+                                   torch.zeros(10))    # 10 codes of 3 bits need 4 bytes
     with pytest.raises(ValueError):
-        k_laq.dequantize_add(host.backend, torch.zeros(4, dtype=torch.uint8), 10, 1.0, 3,
-                             torch.zeros(20)[::2])     # output not contiguous
+        laq.dequantize_add.kernels(host.backend, torch.zeros(4, dtype=torch.uint8), 10, 1.0, 3,
+                                   torch.zeros(9))     # 9 outputs for 10 codes
+    # an output the kernel cannot write (not contiguous): the reference serves it
+    packed = pack_bits(torch.arange(10) % 8, 3)
+    strided = torch.zeros(20)[::2]
+    assert laq.dequantize_add.kernels(host.backend, packed, 10, 1.0, 3, strided) is NotImplemented
+    want = laq.dequantize_add.kernels(host.backend, packed, 10, 1.0, 3, torch.zeros(10))
+    assert same_bits(laq.dequantize_add(packed, 10, 1.0, 3, strided), want)
 
 
 def test_kernels_reject_bad_geometry(host):
@@ -300,20 +311,20 @@ def test_gpu_encode_and_decode_match_reference(cuda_backend, bits):
     for n in (1, 9, 2049, 100_003, 2048 * 2048 + 5):
         x, q = innovation_inputs(n, seed=n + bits)
         for qq in (None, q):
-            got = k_laq.encode(cuda_backend.backend, x.cuda(), None if qq is None else qq.cuda(),
-                               bits)
+            got = laq.encode_innovation.kernels(cuda_backend.backend, x.cuda(),
+                                                None if qq is None else qq.cuda(), bits)
             want = ref(x, qq, bits)
-            got = k_laq.Innovation(got.R.cpu(), got.packed.cpu(), got.qnew.cpu(), got.eps_sq,
-                                   got.delta_sq)
+            got = laq.Innovation(got.R.cpu(), got.packed.cpu(), got.qnew.cpu(), got.eps_sq,
+                                 got.delta_sq)
             check_same(got, want)
         codes = unpack_bits(want[1], n, bits)
         acc = torch.randn(n)
-        out = k_laq.dequantize_add(cuda_backend.backend, want[1].cuda(), n, float(want[0]), bits,
-                                   acc.cuda())
+        out = laq.dequantize_add.kernels(cuda_backend.backend, want[1].cuda(), n,
+                                         float(want[0]), bits, acc.cuda())
         assert same_bits(out.cpu(), acc + dequantize_innovation(want[0], codes, bits))
     x = torch.randn(1000, device="cuda")
     x[5] = float("nan")
-    assert k_laq.encode(cuda_backend.backend, x, None, 4) is None
+    assert laq.encode_innovation.kernels(cuda_backend.backend, x, None, 4) is None
 
 
 @pytest.mark.requires_cuda

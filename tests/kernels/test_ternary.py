@@ -1,11 +1,12 @@
-"""kernels/ternary.cu (TernGrad, EF-SignSGD) against the PyTorch reference, bit for bit.
+"""kernels/ternary.cu (TernGrad, EF-SignSGD) against the PyTorch reference, bit for bit
+(hvdcomp.ops.ternary: each op's kernel implementation against its reference).
 
 * Kernel level (host build): bucket maxima, packed codes and sign bits, residuals and
   decode-accumulate equal the reference's formulas on many sizes and bucket sizes, with
   zeros of both signs, denormals, huge values, NaN/Inf propagation.
-* The certified float64 sums: terngrad_clip_threshold equals terngrad.clip_threshold and
-  signef_scales equals SignEF.scales wherever they claim certainty (and they claim it on
-  almost every input); where they cannot (huge buckets) they say so.
+* The certified float64 sums: certified_clip_threshold equals clip_threshold and
+  certified_signef_scales equals the reference signef_scales wherever they claim certainty
+  (and they claim it on almost every input); where they cannot (huge buckets) they say so.
 * End to end: each compressor with the kernels vs HVDCOMP_BACKEND=reference gives identical
   message bytes, identical decodes and identical residual state, step after step, for odd
   shapes, non-contiguous and half-precision gradients, empty and tiny tensors, NaN, the
@@ -20,20 +21,16 @@ import torch
 
 import hvdcomp
 from hvdcomp import backends
-from hvdcomp.backends import k_ternary as K
 from hvdcomp.codecs import pack_bits, unpack_bits
 from hvdcomp.compressors.base import TensorKey
-from hvdcomp.compressors.quantizers import dequantize_reference, quantize_reference
-from hvdcomp.compressors.signef import SignEF
-from hvdcomp.compressors.terngrad import clip_gradient, clip_threshold
-from hvdcomp.random import uniform
+from hvdcomp.ops import ternary as T
+from hvdcomp.ops.ternary import clip_threshold
 from hvdcomp.wire import FLAG_NONFINITE
 
 from kernel_cases import KEY, gradient, same_bits
 
 SIZES = (1, 7, 8, 9, 1000, 8193, 40_000)
 BUCKETS = (1, 3, 8, 100, 512, 8192, 0)          # 0: one bucket = the whole tensor
-LEVELS = torch.tensor([0.0, 1.0])
 
 
 def eff(bs, n):
@@ -50,18 +47,14 @@ def padded_absmax(x, bs):
 
 def ref_terngrad(x, bs, clip, key=KEY):
     """(scales, packed, T) of the reference path of TernGrad._encode."""
-    c = clip_gradient(x, clip)
-    u = uniform(x.numel(), seed=key["seed"], step=key["step"], rank=key["rank"],
-                tensor_id=key["tensor_id"], device=x.device)
-    norms, codes = quantize_reference(c, LEVELS.to(x.device), bs, "linf", u)
-    return norms, pack_bits(codes, 2), clip_threshold(x, clip)
+    norms, t = T.terngrad_scales.reference(x, clip, bs)
+    return norms, T.terngrad_pack.reference(x, norms, bs, t, **key), t
 
 
 def ref_signef(g, e, bs):
     """(scales, bits, new residual) of the reference path of SignEF._encode."""
     p = g.clone() if e is None else g + e
-    comp = SignEF(bucket_size=bs)
-    s = comp.scales(p)
+    s = T.signef_scales.reference(p, None, bs)
     n = p.numel()
     neg = p < 0
     sf = s.repeat_interleave(bs)[:n]
@@ -77,14 +70,14 @@ def test_terngrad_bucket_max_and_pack(host, bs):
         b = eff(bs, n)
         for clip in (2.5, 0.0, 0.7):
             x = gradient(n, b, seed=n * 7 + b)
-            maxima, sums = K.terngrad_bucket_max(be, x, b)
+            maxima, sums = T.terngrad_bucket_max(be, x, b)
             assert same_bits(maxima, padded_absmax(x, b)), (n, b)
             norms, packed, t_ref = ref_terngrad(x, b, clip)
-            t = K.terngrad_clip_threshold(be, x, clip, sums)
+            t = T.certified_clip_threshold(be, x, clip, sums)
             assert t is None or t == t_ref, (n, b, clip, t, t_ref)
             scales = maxima if math.isinf(t_ref) else maxima.clamp(max=t_ref)
             assert same_bits(scales, norms), (n, b, clip)          # min(max|x|, T) = max|c|
-            got = K.terngrad_pack(be, x, norms, b, t_ref, **KEY)
+            got = T.terngrad_pack.kernels(be, x, norms, b, t_ref, **KEY)
             assert torch.equal(got, packed), (n, b, clip)
 
 
@@ -93,7 +86,7 @@ def test_terngrad_bucket_max_propagates_nan_and_inf(host):
     x[30_001] = float("nan")
     x[7] = float("-inf")
     for bs in (1, 100, 16_384, 20_000, 50_000):
-        got, sums = K.terngrad_bucket_max(host.backend, x, bs)
+        got, sums = T.terngrad_bucket_max(host.backend, x, bs)
         assert same_bits(got, padded_absmax(x, bs)), bs
         assert math.isnan(float(sums[1]))
 
@@ -108,7 +101,7 @@ def test_terngrad_clip_threshold_is_the_references(host):
         offset = float(torch.randn(1, generator=g)) * (seed % 3)   # mean up to ~2 std
         x = (torch.randn(n, generator=g) + offset) * scale
         for clip in (2.5, 1.0, 1e-3, 7.25):
-            t = K.terngrad_clip_threshold(be, x, clip)
+            t = T.certified_clip_threshold(be, x, clip)
             total += 1
             if t is not None:
                 certified += 1
@@ -122,7 +115,7 @@ def test_terngrad_clip_threshold_with_a_mean_far_above_the_spread(host):
     for seed in range(10):
         g = torch.Generator().manual_seed(seed)
         x = 1.0 + torch.randn(20_000, generator=g) * 10.0 ** -(seed % 6 + 2)
-        t = K.terngrad_clip_threshold(host.backend, x, 2.5)
+        t = T.certified_clip_threshold(host.backend, x, 2.5)
         assert t is None or t == clip_threshold(x, 2.5), seed
 
 
@@ -132,9 +125,9 @@ def test_terngrad_clip_threshold_with_a_mean_far_above_the_spread(host):
                                torch.tensor([2.0])])
 def test_terngrad_clip_threshold_edge_cases(host, x):
     for clip in (2.5, 0.0):
-        t = K.terngrad_clip_threshold(host.backend, x, clip)
+        t = T.certified_clip_threshold(host.backend, x, clip)
         assert t is None or t == clip_threshold(x, clip), (x[:3], clip, t)
-    assert K.terngrad_clip_threshold(host.backend, x, 0.0) == math.inf
+    assert T.certified_clip_threshold(host.backend, x, 0.0) == math.inf
 
 
 def test_terngrad_decode_add(host):
@@ -150,8 +143,10 @@ def test_terngrad_decode_add(host):
             scales[1::7] = -0.0          # passes the decoder's check (not < 0): sign of zero
             out0 = torch.randn(n, generator=g)
             out0[::3] = -0.0
-            want = out0 + dequantize_reference(scales, codes, LEVELS, bs, 1)
-            got = K.terngrad_decode_add(be, pack_bits(codes, 2), n, scales, bs, out0.clone())
+            want = T.terngrad_decode_add.reference(pack_bits(codes, 2), n, scales, bs,
+                                                   out0.clone())
+            got = T.terngrad_decode_add.kernels(be, pack_bits(codes, 2), n, scales, bs,
+                                                out0.clone())
             assert same_bits(got, want), (n, bs)
 
 
@@ -167,13 +162,13 @@ def test_signef_scales_pack_and_residual(host, bs, with_residual):
         g = gradient(n, b, seed=n * 3 + b)
         e = gradient(n, b, seed=n * 5 + b + 1) * 0.25 if with_residual else None
         s_ref, bits_ref, e_ref = ref_signef(g, e, b)
-        s, unc = K.signef_scales(be, g, e, b)
+        s, unc = T.certified_signef_scales(be, g, e, b)
         ok = unc == 0
         assert same_bits(s[ok], s_ref[ok]), (n, b)
         flagged += int((~ok).sum())
         buckets += s.numel()
         e_in = None if e is None else e.clone()
-        bits, e_new = K.signef_pack(be, g, e_in, s_ref, b, e_out=e_in)
+        bits, e_new = T.signef_pack.kernels(be, g, e_in, s_ref, b, e_out=e_in)
         assert torch.equal(bits, bits_ref), (n, b)
         assert same_bits(e_new, e_ref), (n, b)
         if e_in is not None:
@@ -185,14 +180,14 @@ def test_signef_scales_pack_and_residual(host, bs, with_residual):
 
 def test_signef_scales_flag_what_they_cannot_certify(host):
     g = torch.randn(100)
-    s, unc = K.signef_scales(host.backend, g, None, 2**52)     # gamma_bs ~ 0.5: no proof
+    s, unc = T.certified_signef_scales(host.backend, g, None, 2**52)     # gamma_bs ~ 0.5: no proof
     assert bool((unc == 1).all())
-    assert same_bits(s, SignEF(bucket_size=2**31).scales(g))
+    assert same_bits(s, T.signef_scales.reference(g, None, 2**31))
     g[17] = float("nan")
-    s, _ = K.signef_scales(host.backend, g, torch.zeros(100), 10)
+    s, _ = T.certified_signef_scales(host.backend, g, torch.zeros(100), 10)
     assert math.isnan(float(s[1])) and bool(torch.isfinite(s[[0, 2, 3]]).all())
     g[17] = 3e38
-    s, _ = K.signef_scales(host.backend, g, torch.full((100,), 3e38), 10)
+    s, _ = T.certified_signef_scales(host.backend, g, torch.full((100,), 3e38), 10)
     assert math.isinf(float(s[1]))                               # p overflows float32
 
 
@@ -210,7 +205,7 @@ def test_signef_decode_add(host):
             out0[::3] = -0.0
             sf = s.repeat_interleave(bs)[:n]
             want = out0 + torch.where(bits != 0, -sf, sf)
-            got = K.signef_decode_add(be, pack_bits(bits, 1), n, s, bs, out0.clone())
+            got = T.signef_decode_add.kernels(be, pack_bits(bits, 1), n, s, bs, out0.clone())
             assert same_bits(got, want), (n, bs)
 
 
@@ -218,24 +213,23 @@ def test_argument_checks(host):
     be = host.backend
     x = torch.randn(10)
     with pytest.raises(TypeError):
-        K.terngrad_bucket_max(be, x.double(), 4)
+        T.terngrad_bucket_max(be, x.double(), 4)
     with pytest.raises(ValueError):
-        K.terngrad_bucket_max(be, x, 0)
+        T.terngrad_bucket_max(be, x, 0)
     with pytest.raises(ValueError):
-        K.terngrad_bucket_max(be, x[:0], 4)
+        T.terngrad_bucket_max(be, x[:0], 4)
     with pytest.raises(ValueError):
-        K.terngrad_pack(be, x, torch.ones(3), 4, 0.1, **KEY)       # not a float32 value
+        T.terngrad_pack.kernels(be, x, torch.ones(3), 4, 0.1, **KEY)    # not a float32 value
     with pytest.raises(ValueError):
-        K.terngrad_pack(be, x, torch.ones(2), 4, 1.0, **KEY)       # wrong number of scales
+        T.terngrad_pack.kernels(be, x, torch.ones(2), 4, 1.0, **KEY)    # wrong number of scales
     with pytest.raises(ValueError):
-        K.signef_decode_add(be, torch.zeros(1, dtype=torch.uint8), 10, torch.ones(1), 10,
-                            torch.zeros(10))                       # 10 bits need 2 bytes
+        T.signef_decode_add.kernels(be, torch.zeros(1, dtype=torch.uint8), 10, torch.ones(1),
+                                    10, torch.zeros(10))               # 10 bits need 2 bytes
     with pytest.raises(ValueError):
-        K.signef_pack(be, x, torch.zeros(9), torch.ones(1), 10)
+        T.signef_pack.kernels(be, x, torch.zeros(9), torch.ones(1), 10)
     with pytest.raises(ValueError):
-        K.terngrad_decode_add(be, torch.zeros(3, dtype=torch.uint8), 10, torch.ones(1), 10,
-                              torch.zeros(10)[::2])
-
+        T.terngrad_decode_add.kernels(be, torch.zeros(3, dtype=torch.uint8), 10, torch.ones(1),
+                                      10, torch.zeros(10)[::2])
 
 # ---- end to end: the compressors with and without the kernels --------------------------------
 
@@ -342,7 +336,7 @@ def test_end_to_end_with_the_reference_fallbacks(monkeypatch, host):
     grads = _grads((5000,), steps=3, seed=11)
     want = {s: run_steps(monkeypatch, "reference", s, grads)
             for s in ("terngrad", "terngrad:bucket_size=300", "signef", "signef:bucket_size=300")}
-    real_scales = K.signef_scales
+    real_scales = T.certified_signef_scales
     calls = {"T": 0, "s": 0}
 
     def no_threshold(*a, **k):
@@ -354,8 +348,8 @@ def test_end_to_end_with_the_reference_fallbacks(monkeypatch, host):
         s, unc = real_scales(*a, **k)
         return s, torch.ones_like(unc)
 
-    monkeypatch.setattr(K, "terngrad_clip_threshold", no_threshold)
-    monkeypatch.setattr(K, "signef_scales", all_uncertain)
+    monkeypatch.setattr(T, "certified_clip_threshold", no_threshold)
+    monkeypatch.setattr(T, "certified_signef_scales", all_uncertain)
     for spec, ref in want.items():
         assert_same_runs(ref, run_steps(monkeypatch, "kernels", spec, grads))
     assert calls["T"] == 6 and calls["s"] == 6
@@ -401,28 +395,28 @@ def test_kernels_on_gpu(cuda_backend, bs):
         b = eff(bs, n)
         x = gradient(n, b, seed=n + b)
         xc = x.cuda()
-        maxima, sums = K.terngrad_bucket_max(be, xc, b)
+        maxima, sums = T.terngrad_bucket_max(be, xc, b)
         assert same_bits(maxima.cpu(), padded_absmax(x, b))
         norms, packed, t_ref = ref_terngrad(x, b, 2.5)
-        t = K.terngrad_clip_threshold(be, xc, 2.5, sums)
+        t = T.certified_clip_threshold(be, xc, 2.5, sums)
         assert t is None or t == t_ref
-        got = K.terngrad_pack(be, xc, norms.cuda(), b, t_ref, **KEY)
+        got = T.terngrad_pack.kernels(be, xc, norms.cuda(), b, t_ref, **KEY)
         assert torch.equal(got.cpu(), packed)
         out0 = torch.randn(n)
-        want = out0 + dequantize_reference(norms, unpack_bits(packed, n, 2), LEVELS, b, 1)
-        got = K.terngrad_decode_add(be, packed.cuda(), n, norms.cuda(), b, out0.cuda())
+        want = T.terngrad_decode_add.reference(packed, n, norms, b, out0.clone())
+        got = T.terngrad_decode_add.kernels(be, packed.cuda(), n, norms.cuda(), b, out0.cuda())
         assert same_bits(got.cpu(), want)
 
         e = gradient(n, b, seed=n + b + 1) * 0.3
         s_ref, bits_ref, e_ref = ref_signef(x, e, b)
-        s, unc = K.signef_scales(be, xc, e.cuda(), b)
+        s, unc = T.certified_signef_scales(be, xc, e.cuda(), b)
         ok = (unc == 0).cpu()
         assert same_bits(s.cpu()[ok], s_ref[ok])
-        bits, e_new = K.signef_pack(be, xc, e.cuda(), s_ref.cuda(), b)
+        bits, e_new = T.signef_pack.kernels(be, xc, e.cuda(), s_ref.cuda(), b)
         assert torch.equal(bits.cpu(), bits_ref) and same_bits(e_new.cpu(), e_ref)
         sf = s_ref.repeat_interleave(b)[:n]
         want = out0 + torch.where(unpack_bits(bits_ref, n, 1) != 0, -sf, sf)
-        got = K.signef_decode_add(be, bits_ref.cuda(), n, s_ref.cuda(), b, out0.cuda())
+        got = T.signef_decode_add.kernels(be, bits_ref.cuda(), n, s_ref.cuda(), b, out0.cuda())
         assert same_bits(got.cpu(), want)
 
 

@@ -6,9 +6,10 @@ line also says whether the results are identical (LAQ) or how close (statistics)
 """
 import sys, time, torch, numpy as np
 sys.path.insert(0, __import__('os').path.dirname(__import__('os').path.dirname(__import__('os').path.dirname(__import__('os').path.abspath(__file__)))))
-from hvdcomp.backends import host, k_stats, k_laq
+from hvdcomp.backends import host, k_stats
 from hvdcomp import levels as L
-from hvdcomp.compressors.laq import quantize_innovation, dequantize_innovation, fixed_sum
+from hvdcomp.ops import laq
+from hvdcomp.ops.laq import quantize_innovation, dequantize_innovation, fixed_sum
 from hvdcomp.codecs import pack_bits, unpack_bits
 torch.set_num_threads(1); host.set_num_threads(1); host.load()
 n = 25_000_000
@@ -36,12 +37,12 @@ def ref_enc():
     qn = q + d
     return R, pack_bits(codes, bits), qn, fixed_sum((qn - x).double().pow(2)), fixed_sum(d.double().pow(2))
 tr, r = t(ref_enc, 1)
-tk, k = t(lambda: k_laq.encode(host.backend, x, q, bits))
+tk, k = t(lambda: laq.encode_innovation.kernels(host.backend, x, q, bits))
 same = bool(torch.equal(r[1], k.packed)) and bool(torch.equal(r[2], k.qnew)) and r[3]==k.eps_sq and r[4]==k.delta_sq and float(r[0])==float(k.R)
 print(f"laq encode: ref {tr*1e3:.0f} ms kernel {tk*1e3:.0f} ms speedup {tr/tk:.1f}x identical={same}")
 out_r = torch.zeros(n); out_k = torch.zeros(n)
 tr, _ = t(lambda: out_r.add_(dequantize_innovation(r[0], unpack_bits(r[1], n, bits), bits)), 1)
-tk, _ = t(lambda: k_laq.dequantize_add(host.backend, r[1], n, float(r[0]), bits, out_k))
+tk, _ = t(lambda: laq.dequantize_add.kernels(host.backend, r[1], n, float(r[0]), bits, out_k))
 o1 = torch.zeros(n).add_(dequantize_innovation(r[0], unpack_bits(r[1], n, bits), bits))
-o2 = k_laq.dequantize_add(host.backend, r[1], n, float(r[0]), bits, torch.zeros(n))
+o2 = laq.dequantize_add.kernels(host.backend, r[1], n, float(r[0]), bits, torch.zeros(n))
 print(f"laq decode: ref {tr*1e3:.0f} ms kernel {tk*1e3:.0f} ms speedup {tr/tk:.1f}x identical={bool(torch.equal(o1,o2))}")

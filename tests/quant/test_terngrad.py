@@ -25,7 +25,8 @@ import torch
 
 import hvdcomp
 from hvdcomp import ConfigError, WireFormatError
-from hvdcomp.compressors.terngrad import TernGrad, clip_threshold
+from hvdcomp.compressors.terngrad import TernGrad
+from hvdcomp.ops.ternary import clip_threshold
 from hvdcomp.random import uniform
 from hvdcomp.wire import FLAG_NONFINITE, Message
 
