@@ -266,19 +266,10 @@ def _describe(cls) -> str:
 
 
 def _convert(cls, pname: str, raw: str, default: Any) -> Any:
-    """A spec string's value typed like the setting's default (hvdcomp.compressors.settings:
-    the same meaning as a value given in Python)."""
+    """A spec string's value typed like the setting's default (settings.parse)."""
     try:
-        if isinstance(default, bool):
-            return settings.boolean(pname, raw)
-        if isinstance(default, int):
-            return settings.integer(pname, raw)
-        if isinstance(default, float):
-            return settings.real(pname, raw)
-        if isinstance(default, tuple):
-            return settings.int_tuple(pname, raw)
-        return raw
-    except (TypeError, ValueError):
+        return settings.parse(pname, raw, default)
+    except ValueError:
         raise ConfigError(f"{cls.name}: setting {pname}={raw!r} is not a valid "
                           f"{type(default).__name__}; valid: {_describe(cls)}") from None
 

@@ -11,19 +11,8 @@ import torch
 from ..codecs import packed_size
 from ..errors import WireFormatError
 from ..wire import Message
-from . import settings
 
-__all__ = ["TensorBuckets", "bucket_size_setting"]
-
-
-def bucket_size_setting(bucket_size) -> int:
-    """The ``bucket_size`` setting: a Python int in 0..2**31 (0: one bucket per tensor).
-    Raises ValueError otherwise (bools and floats included; a spec string is converted to
-    an int before it gets here)."""
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
-        raise ValueError(f"bucket_size must be an integer in 0..2**31 (0: one bucket per "
-                         f"tensor), got {bucket_size!r}")
-    return settings.integer("bucket_size", bucket_size, 0, 2**31)
+__all__ = ["TensorBuckets"]
 
 
 class TensorBuckets:

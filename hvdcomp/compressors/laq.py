@@ -128,17 +128,6 @@ _SPLITS = ("numel", "full")
 _RECORD_KEYS = {"numel", "qprev", "aggregate", "eps_hat_sq", "silent", "uploads", "skips"}
 
 
-def _typed(name: str, v: Any, kind: type) -> Any:
-    """``v`` if it is a Python value of the setting's kind (int, float: an int or a float,
-    bool), else ValueError: bools are not numbers, numbers and strings are not bools, floats
-    and strings are not ints (a spec string is converted before it gets here)."""
-    kinds = {int: (int,), float: (int, float), bool: (bool,)}[kind]
-    if isinstance(v, bool) != (kind is bool) or not isinstance(v, kinds):
-        raise ValueError(f"{name} must be a{'n' if kind is int else ''} {kind.__name__}, "
-                         f"got {v!r}")
-    return v
-
-
 @dataclass
 class _Record:
     """What one rank remembers about one parameter name."""
@@ -188,15 +177,14 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
     def __init__(self, bits: int = 4, alpha: float = 0.1, xi: float = 0.8, history: int = 10,
                  t_max: int = 100, stochastic: bool = False, slaq_err: float = 0.5,
                  slaq_const: float = 0.2, split: str = "numel", entropy: bool = False):
-        self.bits = settings.integer("bits", _typed("bits", bits, int), 1, 8)
-        self.alpha = settings.real("alpha", _typed("alpha", alpha, float), 0.0, lo_open=True)
-        self.xi = settings.real("xi", _typed("xi", xi, float), 0.0)
-        self.history = settings.integer("history", _typed("history", history, int), 0, 2**20)
-        self.t_max = settings.integer("t_max", _typed("t_max", t_max, int), 0, 2**62)
-        self.stochastic = _typed("stochastic", stochastic, bool)
-        self.slaq_err = settings.real("slaq_err", _typed("slaq_err", slaq_err, float), 0.0)
-        self.slaq_const = settings.real("slaq_const", _typed("slaq_const", slaq_const, float),
-                                        0.0)
+        self.bits = settings.integer("bits", bits, 1, 8)
+        self.alpha = settings.real("alpha", alpha, 0.0, lo_open=True)
+        self.xi = settings.real("xi", xi, 0.0)
+        self.history = settings.integer("history", history, 0, 2**20)
+        self.t_max = settings.integer("t_max", t_max, 0, 2**62)
+        self.stochastic = settings.boolean("stochastic", stochastic)
+        self.slaq_err = settings.real("slaq_err", slaq_err, 0.0)
+        self.slaq_const = settings.real("slaq_const", slaq_const, 0.0)
         self.split = settings.choice("split", split, _SPLITS)
         self.entropy = settings.boolean("entropy", entropy)
         self._hist: List[float] = []            # newest first, at most `history` entries

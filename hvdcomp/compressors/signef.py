@@ -66,7 +66,7 @@ from ..ops import ternary
 from ..wire import CODECS, Message
 from . import settings
 from .base import Compressor, TensorKey, register
-from .bucketing import TensorBuckets, bucket_size_setting
+from .bucketing import TensorBuckets
 from .state import finite, load_tensors
 
 __all__ = ["SignEF"]
@@ -101,7 +101,7 @@ class SignEF(TensorBuckets, Compressor):
     code_bits = _BITS
 
     def __init__(self, bucket_size: int = 0, entropy: bool = False):
-        self.bucket_size = bucket_size_setting(bucket_size)
+        self.bucket_size = settings.integer("bucket_size", bucket_size, 0, 2**31)
         self.entropy = settings.boolean("entropy", entropy)
         self._residuals: Dict[str, torch.Tensor] = {}
 

@@ -61,7 +61,7 @@ from ..ops import ternary
 from ..wire import CODECS, Message
 from . import settings
 from .base import TensorKey, register
-from .bucketing import TensorBuckets, bucket_size_setting
+from .bucketing import TensorBuckets
 from .quantizers import BucketQuantizer
 
 __all__ = ["TernGrad"]
@@ -101,10 +101,8 @@ class TernGrad(TensorBuckets, BucketQuantizer):
     code_bits = _BITS
 
     def __init__(self, clip: float = 2.5, bucket_size: int = 0, entropy: bool = False):
-        if isinstance(clip, bool) or not isinstance(clip, (int, float)):
-            raise ValueError(f"clip must be a number >= 0 (0 disables clipping), got {clip!r}")
         self.clip = settings.real("clip", clip, 0.0)
-        self.bucket_size = bucket_size_setting(bucket_size)
+        self.bucket_size = settings.integer("bucket_size", bucket_size, 0, 2**31)
         self.entropy = settings.boolean("entropy", entropy)
         self.bits = _BITS
         self.levels = torch.tensor(_LEVELS, dtype=torch.float32)

@@ -20,7 +20,7 @@ its first tensor, else the reference; both give the same values bit for bit)::
     signef_decode_add(bits, n, scales, bucket_size, out) -> out
 
 Bucket sizes are effective sizes (>= 1): the compressors map their setting 0 ("one bucket per
-tensor") to ``max(n, 1)``.  Codes are packed (hvdcomp.codecs.bitpack: code i at bit
+tensor") to ``max(n, 1)``.  Codes are packed (hvdcomp.ops.bitpack: code i at bit
 ``i * bits``, LSB first): 2 bits per coordinate for TernGrad, 1 for EF-SignSGD.
 
 Certificates.  TernGrad's threshold and EF-SignSGD's scales come from float64 sums; the
