@@ -24,7 +24,7 @@ the exchange never compresses (1-D, small, non-float) stay as they are.
     opt = hvdcomp.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                              compression=hvdcomp.Auto("alq:bits=3"))
     opt.plan        # {name: "none" | "fp16" | "alq" ...}; the measured costs:
-                    # opt._exchange.auto.model (a CostModel)
+                    # auto.model (a CostModel), once the optimizer is built
 
 As a spec string (``--compression`` of the main job, ``$HVDCOMP_COMPRESSION``, the
 optimizer's ``compression=``): ``"auto+alq:bits=3"``.
@@ -165,23 +165,24 @@ class Auto:
     def __repr__(self) -> str:
         return f"hvdcomp.Auto({self.compressor.spec()!r}, fallbacks={self.fallbacks})"
 
-    # --- planning (called by hvdcomp.torch.exchange.Exchange, on every rank together) ----
+    # --- planning (called by hvdcomp.exchange.plan.Plan, on every rank together) --------
     def settings(self) -> str:
         """What every rank must agree on before measuring (checked by the exchange)."""
         return (f"{self.spec()} link={self.link} codec={self.codec} "
                 f"calibrate_numel={self.calibrate_numel}")
 
-    def make_plan(self, sizes: Dict[str, int], transport, hvd=None,
+    def make_plan(self, sizes: Dict[str, int], transport, allreduce=None,
                   device=None) -> Dict[str, Compressor]:
         """{name: compressor} for the tensors of ``sizes`` ({name: numel}) that the exchange
         would compress: ``self.compressor``, a NoneCompressor or an FP16 (all ranks agree:
-        the measurements are the slowest rank's).  ``device``: where the gradients live (the
-        compressor and the allreduce are timed on tensors there)."""
-        allreduce = hvd is not None
-        link = self.link or measure_link(transport, hvd, device=device)
+        the measurements are the slowest rank's).  ``allreduce``: the exchange's carrier of
+        summable tensors (hvdcomp.transport.Allreduce), or None (fp32 and fp16 then travel
+        as messages too).  ``device``: where the gradients live (the compressor and the
+        allreduce are timed on tensors there)."""
+        link = self.link or measure_link(transport, allreduce, device=device)
         codec = self.codec or measure_codec(self.compressor, transport, self.calibrate_numel,
                                             device=device)
-        self.model = CostModel(link, codec, transport.size, allreduce)
+        self.model = CostModel(link, codec, transport.size, allreduce is not None)
         allowed = self.fallbacks + ("compressor",)
         none, fp16 = NoneCompressor(), FP16()
         out = {}
@@ -209,17 +210,17 @@ def _best_of(fn: Callable[[], None], reps: int) -> float:
     return best
 
 
-def measure_link(transport, hvd=None, sizes=(1 << 16, 1 << 20), reps: int = 2,
+def measure_link(transport, allreduce=None, sizes=(1 << 16, 1 << 20), reps: int = 2,
                  device=None) -> LinkCost:
-    """Time Horovod's allreduce (if ``hvd``; of a buffer on ``device``) and the transport's
-    allgather (host bytes, as the exchange sends messages) at two buffer sizes (bytes per
-    rank) and fit latency + per-byte cost; slowest rank's values."""
+    """Time the ``allreduce`` carrier (if any; a float32 buffer on ``device``) and the
+    transport's allgather (host bytes, as the exchange sends messages) at two buffer sizes
+    (bytes per rank) and fit latency + per-byte cost; slowest rank's values."""
     vals = []
     for i, b in enumerate(sizes):
-        if hvd is not None:
+        if allreduce is not None:
             buf = torch.zeros(b // 4, device=device)
-            hvd.allreduce(buf, name=f"hvdcomp.auto.warm.{i}")
-            vals.append(_best_of(lambda: hvd.allreduce(buf, name=f"hvdcomp.auto.ar.{i}"), reps))
+            allreduce.sum_(buf, f"hvdcomp.auto.warm.{i}")
+            vals.append(_best_of(lambda: allreduce.sum_(buf, f"hvdcomp.auto.ar.{i}"), reps))
         else:
             vals.append(0.0)
         msg = np.zeros(b, dtype=np.uint8)

@@ -10,12 +10,12 @@ import contextlib
 import os
 from typing import Dict, Optional
 
-import numpy as np
 import torch
 
 from .. import compressors
 from ..auto import Auto, from_spec
 from ..compressors import Compressor
+from ..compressors.protocols import MomentumCorrection
 from ..transport import make as make_transport
 from .exchange import Exchange, StepStats
 
@@ -68,11 +68,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             named = [(f"param.{i}.{j}", p) for i, g in enumerate(self.param_groups)
                      for j, p in enumerate(g["params"])]
         named = [(n, p) for n, p in named if p.requires_grad]
-        self._hvd = hvd
-        self._compression = _as_compressor(compression)
-        self._auto = None
-        if isinstance(self._compression, Auto):        # the plan is made in Exchange()
-            self._auto, self._compression = self._compression, self._compression.compressor
+        compression = _as_compressor(compression)
         self._bpps = int(backward_passes_per_step)
         if self._bpps < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
@@ -81,11 +77,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("hvdcomp.torch.DistributedOptimizer supports op=Average and "
                              "op=Sum (Adasum cannot combine decoded messages)")
         tp = make_transport(transport) if isinstance(transport, str) else transport
-        self._exchange = Exchange(named, self._auto or self._compression, tp, hvd=hvd,
+        self._exchange = Exchange(named, compression, tp, hvd=hvd,
                                   fusion_bytes=fusion_bytes,
                                   min_compress_numel=min_compress_numel,
                                   compress_1d=compress_1d, seed=seed, average=average,
                                   predivide=gradient_predivide_factor)
+        self._compression = self._exchange.compression     # with Auto: Auto's compressor
         self._named = named
         self._split_momentum()
         self._counts = {n: 0 for n, _ in named}
@@ -101,7 +98,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Momentum correction (DGC): for tensors whose compressor applies momentum itself,
         move them into param groups with momentum 0 and give the compressor the factor."""
         comp = self._compression
-        if not comp.handles_momentum:
+        if not (isinstance(comp, MomentumCorrection) and comp.handles_momentum):
             return
         handled = {id(e.param): n for n, e in self._exchange.entries.items()
                    if e.compressor is comp}
@@ -128,7 +125,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _make_hook(self, name):
         def hook(p):
-            if not self._exchange._active:
+            if not self._exchange.in_step:
                 self._exchange.begin(self._hvdcomp_step)
             self._counts[name] += 1
             if self._counts[name] == self._bpps:
@@ -157,7 +154,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @property
     def plan(self) -> Dict[str, str]:
         """{parameter name: name of the compressor its gradient travels with}."""
-        return {n: e.compressor.name for n, e in self._exchange.entries.items()}
+        return self._exchange.plan.compressor_names()
 
     def synchronize(self) -> StepStats:
         """Finish the exchange and write the averaged gradients into ``p.grad``.
@@ -166,7 +163,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ``last_stats``).  Raises WireFormatError if any rank's message is malformed.
         """
         ex = self._exchange
-        if not ex._active:
+        if not ex.in_step:
             ex.begin(self._hvdcomp_step)
         results, stats = ex.finish()
         for n, p in self._named:
@@ -197,37 +194,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif not self._synchronized:
             raise RuntimeError("step() inside skip_synchronize() needs synchronize() first")
         self._synchronized = False
-        comp = self._compression
-        before = ([p.detach().clone() for _, p in self._named] if comp.wants_param_deltas
-                  else None)
+        self._exchange.before_step()
         loss = super(self.__class__, self).step(closure)
-        if before is not None:
-            sq = sum(float((p.detach() - b).double().pow(2).sum())
-                     for (_, p), b in zip(self._named, before))
-            comp.after_step(self._hvdcomp_step, sq)
+        self._exchange.after_step(self._hvdcomp_step)      # LAQ's rule, ALQ/AMQ's refit
         self._hvdcomp_step += 1
-        self._refit()
         return loss
 
-    def _refit(self) -> None:
-        """Adaptive compressors (ALQ/AMQ): sum their statistics across ranks, fit on rank 0,
-        broadcast, so every rank adopts an identical level table with a new version."""
-        comp = self._compression
-        if not comp.wants_stats(self._hvdcomp_step - 1):
-            return
-        tp = self._exchange.transport
-        local = comp.pending_stats()
-        local = comp.empty_stats() if local is None else local
-        summed = tp.allreduce_sum(local)
-        if not np.any(summed):                   # nothing observed: same decision on every rank
-            return
-        fitted = comp.update(summed, self._hvdcomp_step) if tp.rank == 0 else None
-        if fitted is None:
-            fitted = np.zeros(len(comp.levels), dtype=np.float32)
-        comp.adopt(tp.broadcast(np.asarray(fitted, dtype=np.float32), root=0))
-
     def zero_grad(self, set_to_none: bool = True):
-        if self._exchange._active:
+        if self._exchange.in_step:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
                                  "but before optimizer.step() or optimizer.synchronize()")
         return super(self.__class__, self).zero_grad(set_to_none)

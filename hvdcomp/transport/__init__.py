@@ -1,16 +1,25 @@
-"""How encoded messages travel between ranks: variable-length allgather of bytes.
+"""How encoded messages travel between ranks.
 
-Two interchangeable carriers with identical results (a setting, ``transport=``):
+:class:`Transport` carries bytes: ``exchange(Outgoing) -> Incoming`` sends one rank's framed
+messages of a fusion bucket to every rank (:mod:`.framing`: the frame, the error frame), on a
+variable-length allgather.  Two interchangeable carriers with identical results (a setting,
+``transport=``):
   "mpi"      mpi4py: counts with Allgather, then Allgatherv of MPI.BYTE (default)
   "horovod"  Horovod's allgather of uint8 tensors, with the counts gathered first
 
 Both split messages of 2**31 bytes or more into rounds (MPI counts are C ints).
+
+:class:`Allreduce` carries summable buffers (in-place sums); :class:`HorovodAllreduce` is
+Horovod's.
 """
-from .base import Transport, error_frame, frame_error, join_frames, split_frames
+from .base import Allreduce, Transport
+from .framing import Incoming, Outgoing, error_frame, frame_error, join_frames, split_frames
+from .horovod import HorovodAllreduce, HorovodTransport
 from .mpi import MPITransport
 
-__all__ = ["Transport", "MPITransport", "HorovodTransport", "make", "split_frames",
-           "join_frames", "error_frame", "frame_error"]
+__all__ = ["Transport", "Allreduce", "MPITransport", "HorovodTransport", "HorovodAllreduce",
+           "make", "Outgoing", "Incoming", "split_frames", "join_frames", "error_frame",
+           "frame_error"]
 
 
 def make(name: str, **kwargs) -> Transport:
@@ -18,13 +27,6 @@ def make(name: str, **kwargs) -> Transport:
     if name == "mpi":
         return MPITransport(**kwargs)
     if name == "horovod":
-        from .horovod import HorovodTransport
         return HorovodTransport(**kwargs)
     raise ValueError(f"unknown transport {name!r}; valid: 'mpi', 'horovod'")
 
-
-def __getattr__(name):
-    if name == "HorovodTransport":
-        from .horovod import HorovodTransport
-        return HorovodTransport
-    raise AttributeError(name)

@@ -1,15 +1,15 @@
-"""Transport interface and the frame that carries several messages in one collective."""
+"""The two carriers the exchange drives: :class:`Transport` (bytes, every rank's messages to
+every rank) and :class:`Allreduce` (in-place sums of summable buffers)."""
 from __future__ import annotations
 
-import struct
-from typing import List, Sequence
+from typing import Any, List, Sequence, Tuple
 
 import numpy as np
+import torch
 
-from ..errors import WireFormatError
+from .framing import Incoming, Outgoing, frame_error
 
-__all__ = ["Transport", "join_frames", "split_frames", "error_frame", "frame_error",
-           "INT_MAX"]
+__all__ = ["Transport", "Allreduce", "INT_MAX"]
 
 INT_MAX = 2**31 - 1
 
@@ -20,6 +20,9 @@ class Transport:
     rank, size: this process's rank and the world size.
     max_chunk: largest number of bytes one rank contributes to one underlying call
     (default 2**31 - 1 split among the ranks, so all counts and displacements fit C ints).
+
+    A carrier implements ``_allgather_counts``, ``_allgatherv``, ``allreduce_sum`` and
+    ``broadcast``; framing, error frames and the rounds for large messages are shared.
     """
     name = "?"
     rank = 0
@@ -31,6 +34,25 @@ class Transport:
     @property
     def max_chunk(self) -> int:
         return self._max_chunk or max(INT_MAX // max(self.size, 1), 1)
+
+    def exchange(self, out: Outgoing, what: str = "messages") -> Incoming:
+        """Every rank's messages of one call (:mod:`hvdcomp.transport.framing`).
+
+        out: this rank's messages, framed (or its encoder error); what: names them in errors.
+        Returns every rank's frames, split.  Raises, on every rank, when some rank sent an
+        error frame: that rank re-raises its own ``out.failure``, the others a RuntimeError
+        naming the first failed rank and its error text.  Raises WireFormatError when a frame
+        is malformed.
+        """
+        frames = self.allgather(out.data)
+        failed = [(r, text) for r, text in enumerate(map(frame_error, frames))
+                  if text is not None]
+        if failed:
+            if out.failure is not None:
+                raise out.failure
+            r, text = failed[0]
+            raise RuntimeError(f"hvdcomp: rank {r} failed to encode {what}: {text}")
+        return Incoming(frames, out.count)
 
     def allgather(self, data: np.ndarray) -> List[np.ndarray]:
         """data: 1-D uint8 array (any length, 0 included).  Returns every rank's data,
@@ -69,52 +91,24 @@ class Transport:
         raise NotImplementedError
 
 
-_FRAME = struct.Struct("<4sI")
-_FRAME_MAGIC = b"HVDF"
-_ERROR_MAGIC = b"HVDE"
+class Allreduce:
+    """In-place sums across ranks of summable buffers (the casts of ``none``/``fp16``),
+    started asynchronously and waited for later.  Every rank starts the same buffers (same
+    size, dtype and name) in the same order.
 
+    dtypes: the buffer dtypes it can sum.
+    """
+    dtypes: Tuple[torch.dtype, ...] = ()
 
-def error_frame(text: str) -> np.ndarray:
-    """A frame that tells every rank this rank failed to encode (so nobody waits forever
-    for it and every rank raises the same error)."""
-    return np.frombuffer(_ERROR_MAGIC + text.encode("utf-8", "replace")[:4000], dtype=np.uint8)
+    def start(self, buf: torch.Tensor, name: str) -> Any:
+        """Start summing ``buf`` (1-D, contiguous) in place; returns a handle for wait."""
+        raise NotImplementedError
 
+    def wait(self, handle: Any) -> None:
+        """Block until the sum of ``handle`` is in its buffer."""
+        raise NotImplementedError
 
-def frame_error(frame: np.ndarray):
-    """The error text of an error frame, or None for a normal frame."""
-    if len(frame) >= 4 and bytes(frame[:4]) == _ERROR_MAGIC:
-        return bytes(frame[4:]).decode("utf-8", "replace")
-    return None
-
-
-def join_frames(messages: Sequence[bytes]) -> np.ndarray:
-    """Pack several wire messages into one frame: magic, count, u64 lengths, messages."""
-    head = _FRAME.pack(_FRAME_MAGIC, len(messages)) + struct.pack(
-        f"<{len(messages)}Q", *(len(m) for m in messages))
-    return np.frombuffer(b"".join([head, *messages]), dtype=np.uint8)
-
-
-def split_frames(frame: np.ndarray, expected: int) -> List[np.ndarray]:
-    """Inverse of :func:`join_frames`; raises WireFormatError unless the frame holds exactly
-    ``expected`` messages whose lengths add up to the frame's size."""
-    n = len(frame)
-    if n < _FRAME.size:
-        raise WireFormatError(f"frame truncated: {n} bytes")
-    magic, count = _FRAME.unpack_from(frame, 0)
-    if magic != _FRAME_MAGIC:
-        raise WireFormatError(f"bad frame magic {bytes(magic)!r}")
-    if count != expected:
-        raise WireFormatError(f"frame holds {count} messages, expected {expected} "
-                              f"(do the ranks disagree on the model or the compressors?)")
-    off = _FRAME.size + 8 * count
-    if n < off:
-        raise WireFormatError("frame truncated inside its length table")
-    lengths = struct.unpack_from(f"<{count}Q", frame, _FRAME.size)
-    if off + sum(lengths) != n:
-        raise WireFormatError(f"frame lengths sum to {sum(lengths)} bytes, frame carries "
-                              f"{n - off}")
-    out = []
-    for ln in lengths:
-        out.append(frame[off:off + ln])
-        off += ln
-    return out
+    def sum_(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        """``buf`` summed in place across ranks, synchronously."""
+        self.wait(self.start(buf, name))
+        return buf

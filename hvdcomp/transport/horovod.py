@@ -1,5 +1,6 @@
-"""The Horovod carrier: hvd.allgather of uint8 tensors (counts gathered first, since
-Horovod's allgather does not return the per-rank sizes)."""
+"""The Horovod carriers: hvd.allgather of uint8 tensors (counts gathered first, since
+Horovod's allgather does not return the per-rank sizes), and Horovod's asynchronous
+allreduce of summable buffers."""
 from __future__ import annotations
 
 import itertools
@@ -8,9 +9,9 @@ from typing import List, Sequence
 import numpy as np
 import torch
 
-from .base import Transport
+from .base import Allreduce, Transport
 
-__all__ = ["HorovodTransport"]
+__all__ = ["HorovodTransport", "HorovodAllreduce"]
 
 
 _instances = itertools.count()
@@ -56,3 +57,21 @@ class HorovodTransport(Transport):
     def broadcast(self, arr, root=0):
         t = torch.from_numpy(np.ascontiguousarray(arr).copy())
         return self.hvd.broadcast(t, root_rank=root, name=self._name("bc")).numpy()
+
+
+class HorovodAllreduce(Allreduce):
+    """hvd.allreduce_async_ with op=Sum of float32, float64 and float16 buffers (Horovod
+    fuses them with its own tensor fusion and sums in its own, e.g. MPI's, order).
+
+    hvd: the initialized ``horovod.torch`` module.
+    """
+    dtypes = (torch.float32, torch.float64, torch.float16)
+
+    def __init__(self, hvd):
+        self.hvd = hvd
+
+    def start(self, buf, name):
+        return self.hvd.allreduce_async_(buf, name=name, op=self.hvd.Sum)
+
+    def wait(self, handle):
+        self.hvd.synchronize(handle)

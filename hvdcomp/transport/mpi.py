@@ -1,15 +1,28 @@
-"""The mpi4py carrier: Allgather of counts, then Allgatherv of bytes."""
+"""The mpi4py carrier: Allgather of counts, then Allgatherv of bytes.
+
+Thread level.  hvdcomp calls MPI from its pipeline's communicate thread during a step, and
+from the thread that builds and steps the optimizer otherwise (the rank handshake, Auto's
+measurements, the ALQ/AMQ refit), never from both at once (as long as the steps of two
+optimizers do not overlap): MPI_THREAD_SERIALIZED is enough for hvdcomp's own calls.  When
+Horovod runs on MPI in the same process, its background thread calls MPI at any time,
+concurrently with the communicate thread: then it needs MPI_THREAD_MULTIPLE (what mpi4py and
+Horovod request by default).  The application's own MPI calls during a step (between the
+first backward hook and ``step()``) also need MPI_THREAD_MULTIPLE.  :class:`MPITransport`
+checks the provided level when it is built (:func:`check_thread_level`); with less,
+``transport="horovod"`` makes no MPI call of hvdcomp's own.
+"""
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from typing import List, Optional, Sequence
 
 import numpy as np
 
 from .base import Transport
 
-__all__ = ["MPITransport", "cuda_aware"]
+__all__ = ["MPITransport", "cuda_aware", "check_thread_level", "horovod_on_mpi"]
 
 
 def cuda_aware() -> Optional[bool]:
@@ -31,17 +44,47 @@ def cuda_aware() -> Optional[bool]:
     return bool(fn())
 
 
+def horovod_on_mpi() -> bool:
+    """Whether horovod.torch is initialized in this process and runs on MPI (not Gloo)."""
+    hvd = sys.modules.get("horovod.torch")
+    return bool(hvd is not None and hvd.is_initialized() and hvd.mpi_enabled())
+
+
+def check_thread_level(provided: int, horovod_mpi: bool, MPI) -> None:
+    """Raise RuntimeError when the MPI library's thread level ``provided`` is below what
+    hvdcomp needs (module docstring): MPI_THREAD_MULTIPLE when ``horovod_mpi`` (Horovod runs
+    on MPI in this process), else MPI_THREAD_SERIALIZED.  ``MPI``: the mpi4py.MPI module
+    (its THREAD_* constants)."""
+    need = MPI.THREAD_MULTIPLE if horovod_mpi else MPI.THREAD_SERIALIZED
+    if provided >= need:
+        return
+    names = {getattr(MPI, f"THREAD_{x}"): f"MPI_THREAD_{x}"
+             for x in ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")}
+    why = ("Horovod's background thread and hvdcomp's communicate thread call MPI "
+           "concurrently" if horovod_mpi else
+           "hvdcomp's communicate thread calls MPI, and it is not the main thread")
+    raise RuntimeError(
+        f"hvdcomp: the MPI library provides {names.get(provided, provided)}; the mpi "
+        f"transport needs {names[need]} ({why}). Start MPI with it (mpi4py requests "
+        f"MPI_THREAD_MULTIPLE unless mpi4py.rc.thread_level or $MPI4PY_RC_THREAD_LEVEL says "
+        f"otherwise; the MPI library must be built with thread support) or use "
+        f"transport='horovod'.")
+
+
 class MPITransport(Transport):
     """Allgatherv over a private duplicate of ``comm`` (default MPI.COMM_WORLD), so hvdcomp's
     traffic never matches a user's own mpi4py messages.
 
-    Requires MPI_THREAD_MULTIPLE when Horovod runs in the same process (checked).
+    Raises RuntimeError when MPI provides less than MPI_THREAD_SERIALIZED, or less than
+    MPI_THREAD_MULTIPLE while Horovod runs on MPI (module docstring); Horovod initialized
+    after the transport is built is not seen.
     """
     name = "mpi"
 
     def __init__(self, comm=None, max_chunk: int = 0):
         super().__init__(max_chunk)
         from mpi4py import MPI
+        check_thread_level(MPI.Query_thread(), horovod_on_mpi(), MPI)
         self._MPI = MPI
         self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
         self.rank = self.comm.Get_rank()

@@ -50,21 +50,21 @@ class _NoCollectives:
 
 def test_plan_from_given_costs():
     auto = Auto("alq:bits=3", link=LINK, codec=CODEC)
-    plan = auto.make_plan({"big": 1_000_000, "small": 1000}, _NoCollectives(), hvd=object())
+    plan = auto.make_plan({"big": 1_000_000, "small": 1000}, _NoCollectives(), allreduce=object())
     assert plan["big"] is auto.compressor and isinstance(plan["small"], hvdcomp.FP16)
     assert auto.plan == {"big": "alq", "small": "fp16"}
     # only fp32 as fallback: the small tensor goes fp32 instead
     auto = Auto("alq:bits=3", fallbacks=("none",), link=LINK, codec=CODEC)
-    plan = auto.make_plan({"small": 1000}, _NoCollectives(), hvd=object())
+    plan = auto.make_plan({"small": 1000}, _NoCollectives(), allreduce=object())
     assert auto.plan == {"small": "none"} and isinstance(plan["small"], hvdcomp.NoneCompressor)
     # a slow link makes everything big enough worth compressing; a fast one nothing
     slow = LinkCost(1e-3, 8e-7, 2e-3, 4e-7)
     auto = Auto("alq:bits=3", link=slow, codec=CODEC)
-    auto.make_plan({"a": 100_000}, _NoCollectives(), hvd=object())
+    auto.make_plan({"a": 100_000}, _NoCollectives(), allreduce=object())
     assert auto.plan == {"a": "alq"}
     fast = LinkCost(1e-5, 8e-12, 2e-5, 4e-12)
     auto = Auto("alq:bits=3", link=fast, codec=CODEC)
-    auto.make_plan({"a": 10_000_000}, _NoCollectives(), hvd=object())
+    auto.make_plan({"a": 10_000_000}, _NoCollectives(), allreduce=object())
     # t32 = 1e-5 + 8e-12 * 4e7 = 3.3e-4 s; fp16's casts alone cost 1e-9 * 1e7 = 1e-2 s
     assert auto.plan == {"a": "none"}
 

@@ -1,0 +1,18 @@
+"""The exchange core, independent of Horovod and of the launcher that drives it.
+
+* :mod:`.plan`: which compressor and which path each tensor takes (routing, Auto);
+* :mod:`.buckets`: the fixed fusion order and the handshake that makes ranks agree on it;
+* :mod:`.pipeline`: the encode | communicate | decode threads, bucket by bucket;
+* :mod:`.collective`: what the pipeline drives, per bucket: :class:`Allgather` today;
+* :mod:`.averaging`: gradients in, averages out (predivide, op=Sum, the NaN policy);
+* :mod:`.core`: :class:`Exchange`, all of it assembled, with the training-loop protocols.
+
+Bytes travel through a :class:`hvdcomp.transport.Transport`, summable buffers through an
+:class:`hvdcomp.transport.Allreduce`.
+"""
+from .collective import Allgather, Collective
+from .core import Exchange, refit
+from .plan import Entry, Plan
+from .stats import StepStats
+
+__all__ = ["Exchange", "StepStats", "Plan", "Entry", "Collective", "Allgather", "refit"]

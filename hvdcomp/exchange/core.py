@@ -1,0 +1,161 @@
+"""The exchange core: a plan, fusion buckets and a pipeline driving a collective.
+
+Any launcher drives it the same way (the drop-in optimizer today, a DDP communication hook
+next): per step ``begin(step)``, ``ready(name)`` as each gradient becomes final,
+``finish()`` for the averages; ``before_step()`` / ``after_step(step)`` around the
+parameter update, for the compressors that need the training loop (the opt-in protocols of
+:mod:`hvdcomp.compressors.protocols`).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..auto import Auto
+from ..compressors import Compressor
+from ..compressors.protocols import AdaptiveLevels, ParamDeltas
+from ..transport import Allreduce, Transport
+from ..transport.mpi import cuda_aware
+from .averaging import Averaging
+from .buckets import fuse, handshake
+from .collective import Allgather
+from .pipeline import Pipeline
+from .plan import Entry, Plan
+from .stats import StepStats
+
+__all__ = ["Exchange", "refit"]
+
+
+class Exchange:
+    """Averages gradients across ranks with real encoded bytes.
+
+    named_params: [(name, parameter)] in registration order; names unique (ValueError).
+    compression: the compressor for tensors that qualify (``none`` for the rest: see
+      :mod:`hvdcomp.exchange.plan`), or an :class:`hvdcomp.Auto`.
+    transport: the byte carrier; allreduce: the carrier of summable tensors, or None.
+    fusion_bytes: gradient bytes per fusion bucket (ValueError if < 1).
+    seed: the shared seed of the Philox streams; average: False for a sum (op=Sum);
+    predivide: Horovod's gradient_predivide_factor.
+
+    Construction is collective (Auto's measurements, the handshake): every rank builds its
+    exchanges together, in the same order; RuntimeError on every rank if they disagree on
+    the model, the routing or the settings.
+    """
+
+    def __init__(self, named_params: Sequence[Tuple[str, torch.Tensor]],
+                 compression, transport: Transport, *, allreduce: Optional[Allreduce] = None,
+                 fusion_bytes: int = 25 * 2**20, min_compress_numel: int = 1024,
+                 compress_1d: bool = False, seed: int = 0, average: bool = True,
+                 predivide: float = 1.0):
+        self.transport = transport
+        self.rank, self.size = transport.rank, transport.size
+        self.seed = int(seed) & 0xFFFFFFFF
+        self.buckets = fuse(named_params, fusion_bytes)
+        self.plan = Plan(named_params, compression, transport, allreduce,
+                         min_compress_numel=min_compress_numel, compress_1d=compress_1d)
+        handshake(transport, [self.seed, average, float(predivide), self.compression.spec()],
+                  self.buckets, self.entries)
+        self.cuda_aware = report_cuda(named_params, self.rank)
+        self.collective = Allgather(transport, allreduce,
+                                    Averaging(self.size, average, predivide), self.seed)
+        self.pipeline = Pipeline(self.buckets, self.entries, self.collective)
+        self._before: Optional[list] = None
+
+    @property
+    def entries(self) -> Dict[str, Entry]:
+        """{name: :class:`~hvdcomp.exchange.plan.Entry`} in registration order."""
+        return self.plan.entries
+
+    @property
+    def compression(self) -> Compressor:
+        """The compressor (with Auto, Auto's compressor)."""
+        return self.plan.compression
+
+    @property
+    def auto(self) -> Optional[Auto]:
+        """The Auto that made the plan (its ``model``: the measured costs), or None."""
+        return self.plan.auto
+
+    # --- per step -------------------------------------------------------------------
+    @property
+    def in_step(self) -> bool:
+        """Whether a step has begun and not finished."""
+        return self.pipeline.in_step
+
+    @property
+    def results(self) -> Dict[str, torch.Tensor]:
+        """{name: averaged gradient} of the tensors averaged so far in this step."""
+        return self.pipeline.results
+
+    def begin(self, step: int) -> None:
+        """Start step ``step`` (before the first ``ready``)."""
+        self.pipeline.begin(step)
+
+    def ready(self, name: str) -> None:
+        """The gradient of ``name`` is final for this step; its bucket goes when complete.
+        RuntimeError outside a step."""
+        self.pipeline.ready(name)
+
+    def finish(self) -> Tuple[Dict[str, torch.Tensor], StepStats]:
+        """Submit what is left (gradients never produced count as zeros), wait, and return
+        {name: averaged gradient (float32, flat)} and the step's statistics.  The averaged
+        gradients of compressed tensors live in buffers that the next step reuses: copy
+        what you keep.  Re-raises the step's first error (e.g. WireFormatError, or a
+        RuntimeError naming a rank that failed to encode) on the calling thread."""
+        return self.pipeline.finish()
+
+    def close(self) -> None:
+        """Stop the worker threads (they hold this exchange, its buffers and its compressors'
+        state until then).  Call between steps; the exchange cannot be used afterwards."""
+        self.pipeline.close()
+
+    # --- around the parameter update ------------------------------------------------
+    def before_step(self) -> None:
+        """Call before the parameters are updated (a ParamDeltas compressor needs their
+        change: they are copied)."""
+        self._before = ([e.param.detach().clone() for e in self.entries.values()]
+                        if isinstance(self.compression, ParamDeltas) else None)
+
+    def after_step(self, step: int) -> None:
+        """Call after the parameters of step ``step`` were updated, on every rank: a
+        ParamDeltas compressor gets ``sum ||theta_{k+1} - theta_k||^2``; an AdaptiveLevels
+        compressor that collected statistics during ``step`` refits (:func:`refit`)."""
+        comp = self.compression
+        if self._before is not None:
+            sq = sum(float((e.param.detach() - b).double().pow(2).sum())
+                     for e, b in zip(self.entries.values(), self._before))
+            self._before = None
+            comp.after_step(step, sq)
+        if isinstance(comp, AdaptiveLevels) and comp.wants_stats(step):
+            refit(comp, self.transport, step)
+
+
+def refit(comp: AdaptiveLevels, transport: Transport, step: int) -> None:
+    """ALQ/AMQ (Faghri et al. 2020, Sec. 3): sum the statistics of ``step`` across ranks,
+    fit on rank 0, broadcast, so that every rank adopts an identical level table with a new
+    version.  Nothing happens (on every rank) when no rank observed anything."""
+    local = comp.pending_stats()
+    summed = transport.allreduce_sum(comp.empty_stats() if local is None else local)
+    if not np.any(summed):
+        return
+    payload = (np.asarray(comp.update(summed, step + 1), dtype=np.float32)
+               if transport.rank == 0 else np.zeros(comp.fit_size(), dtype=np.float32))
+    comp.adopt(transport.broadcast(payload, root=0))
+
+
+def report_cuda(named_params: Sequence[Tuple[str, torch.Tensor]], rank: int) -> Optional[bool]:
+    """With CUDA parameters, whether MPI is CUDA-aware (None: unknown), also printed on
+    rank 0; None without.  Their gradients are encoded and decoded on their device; the
+    compressed messages are staged through host memory for the collective."""
+    if not any(p.is_cuda for _, p in named_params):
+        return None
+    aware = cuda_aware()
+    if rank == 0:
+        print(f"hvdcomp: CUDA parameters; MPI CUDA-aware: "
+              f"{ {True: 'yes', False: 'no', None: 'unknown'}[aware] }; "
+              f"compressed messages are staged through host memory", file=sys.stderr,
+              flush=True)
+    return aware

@@ -1,0 +1,197 @@
+"""The pipeline: encode | communicate | decode threads driving a collective, bucket by bucket.
+
+As soon as all gradients of a bucket are ready, the encode thread encodes it, while the
+communicate thread has the bucket before on the wire and the decode thread decodes the one
+before that, and backward goes on computing earlier layers.  Buckets go through every stage
+in the fixed bucket order on every rank, whatever order they become ready in.  Kernels, MPI
+and PyTorch release the GIL while they work.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .collective import Collective
+from .plan import Entry
+from .stats import StepStats
+
+__all__ = ["Pipeline"]
+
+
+class Pipeline:
+    """Runs ``collective`` over ``buckets`` (lists of names of ``entries``) once per step:
+    ``begin(step)``, ``ready(name)`` for each gradient, ``finish()``.  The threads start on
+    the first step and run until ``close()``.
+
+    Errors: the first error of a step (on any thread) is raised by ``finish()``; every bucket
+    is still encoded and communicated (see :class:`~hvdcomp.exchange.collective.Collective`),
+    so no rank is left waiting in a collective, and the next step starts clean.
+    """
+
+    def __init__(self, buckets: List[List[str]], entries: Dict[str, Entry],
+                 collective: Collective):
+        self.buckets = buckets
+        self.bucket_of = {n: k for k, b in enumerate(buckets) for n in b}
+        self.collective = collective
+        self._entries = [[entries[n] for n in b] for b in buckets]
+        self._error_lock = threading.Lock()
+        self._q: "queue.Queue" = queue.Queue()
+        self._cq: "queue.Queue" = queue.Queue()
+        self._dq: "queue.Queue" = queue.Queue()
+        self._threads: List[threading.Thread] = []
+        self._reset(0)
+
+    @property
+    def in_step(self) -> bool:
+        """Between ``begin`` and the end of ``finish``."""
+        return self._in_step
+
+    @property
+    def results(self) -> Dict[str, torch.Tensor]:
+        """{name: averaged gradient} of the buckets decoded so far in this step."""
+        return self._results
+
+    def begin(self, step: int) -> None:
+        """Start a step."""
+        self._reset(step)
+        self._in_step = True
+        if not self.buckets:                  # no trainable parameters: nothing to exchange
+            self._done.set()
+        self._start()
+        self._q.put(("step", step))
+
+    def ready(self, name: str) -> None:
+        """The gradient of ``name`` is final for this step; submit its bucket when complete."""
+        if not self._in_step:
+            raise RuntimeError("ready() outside a step: call begin(step) first")
+        k = self.bucket_of[name]
+        self._pending[k] -= 1
+        if self._pending[k] == 0:
+            self._submit(k)
+
+    def finish(self) -> Tuple[Dict[str, torch.Tensor], StepStats]:
+        """Submit what is left, wait, and return the results and the step's statistics;
+        re-raises the step's first error on the calling thread."""
+        if not self._in_step:
+            raise RuntimeError("finish() outside a step")
+        for k in range(len(self.buckets)):
+            self._submit(k)
+        self._done.wait()
+        self._in_step = False
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        return self._results, self._stats
+
+    def close(self) -> None:
+        """Stop the threads (they hold the collective and its buffers until then) and free
+        the collective's buffers.  Call between steps; the pipeline cannot run afterwards."""
+        if self._in_step:
+            raise RuntimeError("close() during a step: call finish() first")
+        if self._threads:
+            self._q.put(("stop", None))     # passed down the pipeline, each thread exits
+            for t in self._threads:
+                t.join()
+            self._threads = []
+        self.collective.close()
+        self._results = {}
+
+    # --- per step -------------------------------------------------------------------
+    def _reset(self, step: int) -> None:
+        self._pending = {k: len(b) for k, b in enumerate(self.buckets)}
+        self._submitted = set()
+        self._results: Dict[str, torch.Tensor] = {}
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._stats = StepStats(step=step)
+        self._in_step = False
+
+    def _submit(self, k: int) -> None:
+        if k not in self._submitted:
+            self._submitted.add(k)
+            self._q.put(("bucket", k))
+
+    def _set_error(self, e: BaseException) -> None:
+        """Keep the first error of the step (the one finish() raises)."""
+        with self._error_lock:
+            if self._error is None:
+                self._error = e
+
+    # --- threads --------------------------------------------------------------------
+    def _start(self) -> None:
+        if not self._threads:
+            self._threads = [threading.Thread(target=fn, name=f"hvdcomp-{name}", daemon=True)
+                             for fn, name in ((self._encoder, "encode"),
+                                              (self._communicator, "communicate"),
+                                              (self._decoder, "decode"))]
+            for t in self._threads:
+                t.start()
+
+    def _encoder(self) -> None:
+        ready, nxt, step = set(), 0, 0
+        while True:
+            kind, val = self._q.get()
+            if kind == "step":
+                ready, nxt, step = set(), 0, val
+                continue
+            if kind == "stop":
+                self._cq.put((None, "stop"))
+                return
+            ready.add(val)
+            # Fixed bucket order on every rank: wait for bucket `nxt` even if later ones
+            # are ready first.
+            while nxt in ready:
+                # Always encode, even after an error elsewhere: whether this rank joins the
+                # bucket's collectives must never depend on another thread's timing.
+                job = None
+                try:
+                    job = self._encode(nxt, step)
+                except BaseException as e:      # surfaced by finish()
+                    self._set_error(e)
+                self._cq.put((nxt, job))
+                nxt += 1
+
+    def _encode(self, k: int, step: int):
+        st = self._stats
+        for e in self._entries[k]:
+            st.compressors[e.name] = e.compressor.name
+            st.fp32_bytes += 4 * e.param.numel()
+        t0 = time.perf_counter()
+        job = self.collective.encode(k, self._entries[k], step, st)
+        st.encode_s += time.perf_counter() - t0
+        return job
+
+    def _communicator(self) -> None:
+        while True:
+            k, job = self._cq.get()
+            if k is None:
+                self._dq.put((None, None))
+                return
+            if job is not None:                 # every bucket goes on the wire (see above)
+                try:
+                    t0 = time.perf_counter()
+                    self.collective.communicate(job, self._stats)
+                    self._stats.comm_s += time.perf_counter() - t0
+                except BaseException as e:      # surfaced by finish()
+                    self._set_error(e)
+                    job = None                  # nothing to decode
+            self._dq.put((k, job))
+
+    def _decoder(self) -> None:
+        while True:
+            k, job = self._dq.get()
+            if k is None:
+                return
+            if job is not None and self._error is None:
+                try:                            # local work only: may stop after an error
+                    t0 = time.perf_counter()
+                    self._results.update(self.collective.decode(job, self._stats))
+                    self._stats.decode_s += time.perf_counter() - t0
+                except BaseException as e:      # surfaced by finish()
+                    self._set_error(e)
+            if k == len(self.buckets) - 1:
+                self._done.set()

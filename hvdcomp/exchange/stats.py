@@ -1,0 +1,39 @@
+"""What one rank sent in one step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+__all__ = ["StepStats"]
+
+
+@dataclass
+class StepStats:
+    """What one rank sent in one step.
+
+    bytes_sent:   bytes of this rank's encoded payload (wire messages with their headers,
+                  plus allreduced buffers), i.e. what it contributes to the collectives.
+    fp32_bytes:   4 * elements of every gradient exchanged: the uncompressed fp32 payload.
+    ratio:        fp32_bytes / bytes_sent.
+    traffic_bytes: estimate of bytes this rank puts on the network with ring algorithms:
+                  allgather (N-1)/N of all ranks' messages, allreduce 2(N-1)/N of the buffer.
+    compressors:  parameter name -> name of the compressor applied to it.
+    nonfinite:    names of tensors that held NaN/Inf on some rank (their average is NaN).
+    events:       notable events reported by compressors (e.g. side information too far).
+    encode_s, comm_s, decode_s: seconds spent in each phase (summed over buckets; the
+                  phases of different buckets overlap in the pipeline).
+    """
+    step: int = 0
+    bytes_sent: int = 0
+    fp32_bytes: int = 0
+    traffic_bytes: float = 0.0
+    compressors: Dict[str, str] = field(default_factory=dict)
+    nonfinite: List[str] = field(default_factory=list)
+    events: List[str] = field(default_factory=list)
+    encode_s: float = 0.0
+    comm_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.fp32_bytes / self.bytes_sent if self.bytes_sent else float("inf")

@@ -1,0 +1,127 @@
+"""hvdcomp.exchange without MPI: the plan's routing, the fusion order, the handshake, the
+ALQ/AMQ refit and LAQ's parameter change (one-rank and fake transports)."""
+import numpy as np
+import pytest
+import torch
+
+import hvdcomp
+from hvdcomp.exchange import Exchange, Plan, refit
+from hvdcomp.exchange.buckets import agree, fuse
+from hvdcomp.transport import Allreduce, Transport
+
+
+class OneRank(Transport):
+    """Rank ``rank`` of ``size``, every other rank an echo of this one (or ``others``)."""
+    name = "fake"
+
+    def __init__(self, rank=0, size=1, others=None, root_payload=None):
+        super().__init__()
+        self.rank, self.size = rank, size
+        self.others, self.root_payload = others, root_payload
+        self.broadcasts = []
+
+    def _allgather_counts(self, n):
+        return [n] * self.size
+
+    def _allgatherv(self, data, counts):
+        other = np.array(data, copy=True) if self.others is None else self.others
+        return [np.array(data, copy=True) if r == self.rank else other
+                for r in range(self.size)]
+
+    def allreduce_sum(self, arr):
+        return np.asarray(arr, dtype=np.float64) * self.size
+
+    def broadcast(self, arr, root=0):
+        self.broadcasts.append(np.array(arr, copy=True))
+        return arr if self.rank == root else self.root_payload
+
+
+class Float32Sums(Allreduce):
+    dtypes = (torch.float32,)
+
+
+def _params():
+    return [("emb.weight", torch.zeros(40, 40, dtype=torch.float64)),
+            ("fc.weight", torch.zeros(50, 30)),
+            ("fc.bias", torch.zeros(50)),
+            ("small.weight", torch.zeros(3, 3)),
+            ("steps", torch.zeros(4, 4, dtype=torch.int64))]
+
+
+def test_plan_routes_and_chooses_the_path():
+    qsgd = hvdcomp.get("qsgd:bits=4")
+    plan = Plan(_params(), qsgd, OneRank(), None, min_compress_numel=16, compress_1d=False)
+    assert plan.compressor_names() == {"emb.weight": "qsgd", "fc.weight": "qsgd",
+                                       "fc.bias": "none", "small.weight": "none",
+                                       "steps": "none"}
+    assert [e.tensor_id for e in plan.entries.values()] == [0, 2, 1, 3, 4]  # name-sorted ids
+    assert not any(e.allreduce for e in plan.entries.values())
+    plan = Plan(_params(), qsgd, OneRank(), Float32Sums(), min_compress_numel=16,
+                compress_1d=True)
+    assert plan.compressor_names()["fc.bias"] == "qsgd"
+    # summable and summed in float32 by the carrier: small.weight and steps (none)
+    assert {n for n, e in plan.entries.items() if e.allreduce} == {"small.weight", "steps"}
+    with pytest.raises(ValueError, match="unique"):
+        Plan(_params() + [("fc.bias", torch.zeros(2))], qsgd, OneRank(), None,
+             min_compress_numel=16, compress_1d=False)
+
+
+def test_fusion_order_is_reverse_registration():
+    p = _params()          # bytes: 12800, 6000, 200, 36, 128
+    assert fuse(p, 6000) == [["steps", "small.weight", "fc.bias", "fc.weight"], ["emb.weight"]]
+    assert fuse(p, 1) == [[n] for n, _ in reversed(p)]
+    with pytest.raises(ValueError):
+        fuse(p, 0)
+
+
+def test_disagreeing_ranks_raise():
+    agree(OneRank(0, 3), "same", "the settings")
+    with pytest.raises(RuntimeError, match=r"ranks \[1, 2\] disagree with rank 0 on the x"):
+        agree(OneRank(0, 3, others=np.zeros(32, np.uint8)), "mine", "the x")
+    with pytest.raises(RuntimeError, match="disagree"):
+        Exchange(_params(), hvdcomp.get("qsgd:bits=4"),
+                 OneRank(0, 2, others=np.zeros(32, np.uint8)))
+
+
+def test_refit_sizes_the_payload_by_fit_size_and_adopts_roots_table():
+    alq = hvdcomp.get("alq:bits=3,bucket_size=64")
+    alq.observe(torch.randn(1000))
+    table = np.sort(np.random.default_rng(0).random(alq.fit_size())).astype(np.float32)
+    table[0], table[-1] = 0.0, 1.0
+    tp = OneRank(1, 2, root_payload=table)
+    refit(alq, tp, 99)
+    assert tp.broadcasts[0].shape == (alq.fit_size(),) and not tp.broadcasts[0].any()
+    assert np.array_equal(alq.levels.numpy(), table) and alq.level_version == 1
+    refit(alq, tp, 100)                     # nothing observed on any rank: no collective
+    assert len(tp.broadcasts) == 1 and alq.level_version == 1
+
+
+def test_after_step_gives_laq_the_parameter_change_and_refits_alq():
+    params = [("w", torch.nn.Parameter(torch.ones(40, 40))),
+              ("b", torch.nn.Parameter(torch.ones(40)))]
+    seen = []
+
+    class Probe(hvdcomp.LAQ):
+        def after_step(self, step, sq):
+            seen.append((step, sq))
+
+    ex = Exchange(params, Probe(bits=4), OneRank(), min_compress_numel=16)
+    ex.before_step()
+    with torch.no_grad():
+        params[0][1].add_(0.5)
+        params[1][1].sub_(2.0)
+    ex.after_step(7)
+    assert seen == [(7, 1600 * 0.25 + 40 * 4.0)]
+    ex.close()
+
+    alq = hvdcomp.get("alq:bits=3,bucket_size=64,refit_steps=1,refit_every=0")
+    ex = Exchange(params, alq, OneRank(), min_compress_numel=16)
+    for step in range(2):
+        for _, p in params:
+            p.grad = torch.randn(p.shape)
+        ex.begin(step)
+        ex.finish()
+        ex.before_step()
+        ex.after_step(step)
+    assert alq.level_version == 1          # statistics of step 0, table fitted before step 1
+    ex.close()
