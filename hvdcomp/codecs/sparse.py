@@ -22,8 +22,8 @@ parameter ``k`` for the section: ``d = q * 2**k + r`` with ``0 <= r < 2**k``.
                     one LSB-first bit stream (bit b of the stream is bit b % 8 of byte
                     b // 8); padded with zero bits to a whole byte.  Its length is
                     U = ceil((m + sum q_j) / 8) bytes.
-    1+W+U     R     remainders: r_j in k bits each, LSB-first, packed exactly as
-                    hvdcomp.codecs.bitpack packs codes (r_j occupies stream bits
+    1+W+U     R     remainders: r_j in k bits each, LSB-first, packed exactly as the
+                    quantizers pack their codes (r_j occupies stream bits
                     [j*k, (j+1)*k)); R = ceil(m * k / 8) bytes; unused high bits zero.
 
 U is what remains of the section after the fixed parts, so the section needs no length
