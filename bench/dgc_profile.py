@@ -13,7 +13,7 @@ One "exchange" per rep: encode every tensor (bench/shapes.py's ResNet-50: 161 te
 (Message.to_bytes), then for each tensor parse 4 messages (rank 0's bytes under ranks
 0..3) and combine() them into a fresh float32 accumulator, then finalize().  1 thread
 (torch and the host kernels).  Both paths run in this process, alternately (the reference
-by patching kernel_backend to None in hvdcomp.compressors.sparse), on their own compressor
+with HVDCOMP_BACKEND=reference, hvdcomp.backends.use), on their own compressor
 instances; every message's bytes, every decoded sum and the final state are compared.
 Reported: median encode and decode seconds per exchange, wall clock and process CPU time
 (on a shared machine the wall clock includes waiting for a core).
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import hvdcomp  # noqa: E402
-import hvdcomp.compressors.sparse as sp  # noqa: E402
+from hvdcomp import backends  # noqa: E402
 from hvdcomp.compressors import TensorKey  # noqa: E402
 from hvdcomp.wire import Message  # noqa: E402
 from shapes import resnet50  # noqa: E402
@@ -54,13 +54,12 @@ class Path:
         self.enc, self.dec, self.enc_cpu, self.dec_cpu = [], [], [], []
 
     def __enter__(self):
-        self._real = sp.kernel_backend
-        if self.name == "reference":
-            sp.kernel_backend = lambda device: None
+        self._use = backends.use(self.name)           # "reference" or "kernels"
+        self._use.__enter__()
         return self
 
     def __exit__(self, *exc):
-        sp.kernel_backend = self._real
+        self._use.__exit__(*exc)
 
 
 def exchange(path, grads, step, record=True):

@@ -5,9 +5,9 @@ Bandwidth for Distributed Training", ICLR 2018 (arXiv 1712.01887): Sec. 3.1 (gra
 sparsification with local accumulation, Algorithm 1), Sec. 3.2 (momentum correction: the
 per-worker update u = m u + g, v = v + u, send sparse(v); local gradient clipping),
 Sec. 3.3 (momentum factor masking; warm-up training), and the system analysis (Sec. 5:
-threshold from a 0.1 %-1 % sample, exact re-selection when too many pass).  Summary:
-../shared/docs/seeds.md, section 3.  Random-k and top-k with error feedback: Stich,
-Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018 (arXiv 1809.07599).
+threshold from a 0.1 %-1 % sample, exact re-selection when too many pass).  Random-k and
+top-k with error feedback: Stich, Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS
+2018 (arXiv 1809.07599).
 
 Common to the three (``n`` = numel, everything float32 unless stated):
 
@@ -16,8 +16,8 @@ Common to the three (``n`` = numel, everything float32 unless stated):
   a tensor smaller than 1 / density still sends one coordinate.  DGC's density follows its
   warm-up schedule (:meth:`DGC.density_at`).
 * Selection by magnitude (top-k, DGC) is EXACT top-k of ``|x|`` among the NONZERO
-  coordinates, ties broken by the lower index (:func:`topk_indices`): an all-zero tensor,
-  or one with fewer than k nonzeros, sends fewer (possibly 0) coordinates.
+  coordinates, ties broken by the lower index (hvdcomp.ops.sparsify.topk_indices): an
+  all-zero tensor, or one with fewer than k nonzeros, sends fewer (possibly 0) coordinates.
 * Error feedback (Stich et al., Algorithm 1; DGC's local accumulation): the sender keeps,
   per parameter name (``TensorKey.name``), the part of ``p = g + e`` it did not send:
   ``e <- p - decoded`` (0 at sent coordinates with fp32 values; the float16 rounding error
@@ -32,19 +32,16 @@ Common to the three (``n`` = numel, everything float32 unless stated):
   call it once per tensor per step.  ``state_dict()`` holds CPU copies; ``load_state_dict``
   checks names, dtypes (float32), finiteness and shapes against the state held.
 
-Kernel path (kernels/dgc.cu through hvdcomp/backends/k_dgc.py, used wherever
-``hvdcomp.backends.kernel_backend`` gives a backend; the code below stays the
-specification): the same message bytes and the same state, bit for bit.  Per tensor: one
-pass computes u, v (or p = g + e), their finiteness and the number of candidates above two
-thresholds taken from the reference's Philox sample (gathered from the inputs first); one
-pass writes the candidates in index order (per-chunk counts, prefix sum, each chunk writing
-its own outputs) and masks them when they are final; the exact top-k among the few
-candidates and the masking of the rest follow.  State is double-buffered per name (the new
-u / v / residual go into a spare buffer that becomes live only if finite), so u and v take
-twice their size in memory and no step allocates gradient-sized tensors.  The clipping norm
-is summed in float64 in a fixed order (kernels/dgc.cu), torch's order in the reference:
-the two agree to float64 rounding, so the float32 factor T / ||g|| is the same except in
-the rare case of a float64 sum straddling a float32 rounding boundary.
+Computation (hvdcomp.ops.sparsify; the index section: hvdcomp.ops.rice): per tensor one
+``select`` (random-k: ``update``) computes u and v (or p = g + e) and their finiteness,
+selects the coordinates and masks them, on kernels/dgc.cu where a kernel backend serves the
+tensor's device and in PyTorch otherwise: the same message bytes and the same state, bit
+for bit.  State is double-buffered per name: the new u / v / residual go into a spare
+buffer that becomes live only if finite, so u and v take twice their size in memory and no
+step allocates gradient-sized tensors.  The clipping norm is summed in float64 in a fixed
+order by the kernels, in torch's by the reference: the two agree to float64 rounding, so
+the float32 factor T / ||g|| is the same except in the rare case of a float64 sum
+straddling a float32 rounding boundary.
 
 Wire (hvdcomp.wire.Message; header ``bits`` = value width 32 or 16, bucket size 0, level
 version 0; the index and value encodings are hvdcomp.codecs.sparse's):
@@ -54,7 +51,8 @@ version 0; the index and value encodings are hvdcomp.codecs.sparse's):
                 payload  ~ m * (bits + log2(n / m) + 1.5) / 8 bytes, plus 5 (or 9) bytes
     randk:      section 0  values only: k float32/float16 in the order of the indices
                 (ascending), or EMPTY when all k values are zero.  No indices: every
-                receiver regenerates them from the sender's key (:func:`random_indices`).
+                receiver regenerates them from the sender's key
+                (hvdcomp.ops.sparsify.random_indices).
                 payload = k * bits / 8 bytes (or 0)
     NONFINITE:  no sections.
 
@@ -71,98 +69,25 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ..backends import k_dgc, kernel_backend
-from .protocols import MomentumCorrection
 from ..codecs.sparse import decode_indices, decode_values, encode_indices, encode_values
 from ..errors import WireFormatError
-from ..random import random_words
-from ..wire import CODECS, FLAG_NONFINITE, Message, dtype_code
+from ..ops import sparsify
+from ..wire import CODECS, FLAG_NONFINITE, Message
+from . import settings
 from .base import Compressor, TensorKey, register
-from .state import finite as _finite, load_tensors as _load_tensors
+from .protocols import MomentumCorrection
+from .state import load_tensors
 
-__all__ = ["TopK", "RandK", "DGC", "num_selected", "topk_indices", "random_indices",
-           "sample_positions", "warmup_density"]
+__all__ = ["TopK", "RandK", "DGC", "num_selected", "warmup_density"]
 
 _VALUE_BITS = {"fp32": 32, "fp16": 16}
 
-
-# --- pure functions (the specification; the tests reimplement them independently) ----------
 
 def num_selected(density: float, n: int) -> int:
     """``k = max(1, ceil(round(density * n, 6)))`` capped at ``n``; 0 for ``n = 0``."""
     if n <= 0:
         return 0
     return int(min(n, max(1, math.ceil(round(float(density) * n, 6)))))
-
-
-def topk_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
-    """Exact top-k of a flat non-negative float tensor among its NONZERO entries, ties broken
-    by the lower index.  Returns the selected indices, int64, ascending, on mag's device
-    (min(k, number of nonzeros) of them)."""
-    n = mag.numel()
-    if k <= 0 or n == 0:
-        return torch.zeros(0, dtype=torch.int64, device=mag.device)
-    if k >= n:
-        return torch.nonzero(mag > 0).reshape(-1)
-    t = torch.topk(mag, k, sorted=False).values.min()        # the k-th largest magnitude
-    if not bool(t > 0):                                       # fewer than k nonzeros
-        return torch.nonzero(mag > 0).reshape(-1)
-    above = torch.nonzero(mag > t).reshape(-1)
-    at = torch.nonzero(mag == t).reshape(-1)[:k - above.numel()]   # ties: lowest indices
-    return torch.sort(torch.cat([above, at])).values
-
-
-def _u63(n_draws: int, key: TensorKey, offset: int, device) -> torch.Tensor:
-    """``n_draws`` non-negative 63-bit integers from Philox words ``offset + 2j, 2j + 1``."""
-    w = random_words(2 * n_draws, seed=key.seed, step=key.step, rank=key.rank,
-                     tensor_id=key.tensor_id, offset=offset, device=device).view(-1, 2)
-    return ((w[:, 0] >> 1) << 32) | w[:, 1]
-
-
-def sample_positions(s: int, n: int, key: TensorKey, device=None) -> torch.Tensor:
-    """DGC's random sample: ``s`` positions in [0, n) (with replacement), position j being
-    ``u63_j mod n`` with u63_j built from the Philox words 2j and 2j+1 of the key
-    (``((w_2j >> 1) << 32) | w_2j+1``).  The modulo bias is below n / 2**63."""
-    if s <= 0 or n <= 0:
-        return torch.zeros(0, dtype=torch.int64, device=device)
-    return _u63(s, key, 0, device) % n
-
-
-def random_indices(n: int, k: int, key: TensorKey, device=None) -> torch.Tensor:
-    """Random-k: ``k`` distinct indices in [0, n), int64 ascending, a function of the
-    TensorKey (seed, rank, tensor id, step) alone, so every receiver regenerates the sender's.
-
-    * ``k >= n``: all indices.
-    * ``4 k <= n``: the first k DISTINCT values of the stream ``u63_j mod n`` (j = 0, 1, ...;
-      u63 as in :func:`sample_positions`): a uniformly random k-subset.  Drawn in batches;
-      the result does not depend on the batch size.
-    * otherwise: the k indices with the smallest Philox word (word i for index i), ties by
-      the lower index: also a uniformly random k-subset (up to the ties' negligible bias),
-      at the cost of n words instead of about k.
-    """
-    if k >= n:
-        return torch.arange(max(n, 0), dtype=torch.int64, device=device)
-    if k <= 0:
-        return torch.zeros(0, dtype=torch.int64, device=device)
-    if 4 * k > n:
-        w = random_words(n, seed=key.seed, step=key.step, rank=key.rank,
-                         tensor_id=key.tensor_id, device=device)
-        order = torch.sort(w, stable=True).indices           # stable: ties by lower index
-        return torch.sort(order[:k]).values
-    draws = torch.zeros(0, dtype=torch.int64, device=device)
-    batch = k + k // 4 + 32
-    while True:
-        more = _u63(batch, key, 2 * draws.numel(), device) % n
-        draws = torch.cat([draws, more])
-        uniq, inv = torch.unique(draws, return_inverse=True)
-        if uniq.numel() >= k:
-            first = torch.full((uniq.numel(),), draws.numel(), dtype=torch.int64,
-                               device=device)
-            first.scatter_reduce_(0, inv, torch.arange(draws.numel(), device=device),
-                                  reduce="amin")
-            pick = torch.sort(first).indices[:k]             # earliest first occurrences
-            return torch.sort(uniq[pick]).values
-        batch = 2 * (k - uniq.numel()) + 32
 
 
 def warmup_density(step: int, density: float, warmup_epochs: int, steps_per_epoch: int,
@@ -182,119 +107,98 @@ def warmup_density(step: int, density: float, warmup_epochs: int, steps_per_epoc
     return max(density, coeff ** (stage + 1))
 
 
-# --- validation helpers ------------------------------------------------------------------------
-
-def _check_density(name: str, v) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < float(v) <= 1:
-        raise ValueError(f"{name} must be a number in (0, 1], got {v!r}")
-    return float(v)
+def _key4(key: TensorKey) -> Tuple[int, int, int, int]:
+    return key.seed, key.rank, key.tensor_id, key.step
 
 
-def _check_values(v) -> str:
-    if v not in _VALUE_BITS:
-        raise ValueError(f"values must be 'fp32' or 'fp16', got {v!r}")
-    return v
-
-
-def _check_bool(name: str, v) -> bool:
-    if not isinstance(v, (bool, np.bool_)):
-        raise ValueError(f"{name} must be a bool, got {v!r}")
-    return bool(v)
-
-
-def _check_int(name: str, v, lo: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-    return int(v)
-
-
-def _check_float(name: str, v, lo: float, hi: float, lo_open=False, hi_open=False) -> float:
-    ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-          and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi))
-    if not ok:
-        raise ValueError(f"{name} must be a finite number in {'(' if lo_open else '['}{lo}, "
-                         f"{hi}{')' if hi_open else ']'}, got {v!r}")
-    return float(v)
-
-
-def _flat_f32(grad: torch.Tensor, what: str) -> torch.Tensor:
+def _flat(grad: torch.Tensor, what: str) -> torch.Tensor:
+    """grad as flat contiguous float32, without a copy when it already is one (read only).
+    TypeError for non-floating tensors."""
     if not grad.is_floating_point():
         raise TypeError(f"{what} sparsifies floating-point gradients only, got {grad.dtype}")
-    return grad.detach().reshape(-1).to(torch.float32, copy=True)
-
-
-def _check_state(owner: str, kind: str, t: Optional[torch.Tensor], grad: torch.Tensor,
-                 name: str) -> None:
-    if t is not None and (tuple(t.shape) != tuple(grad.shape) or t.dtype != torch.float32):
-        raise ValueError(f"{owner}: the {kind} stored for {name!r} has shape "
-                         f"{tuple(t.shape)} and dtype {t.dtype}, but its gradient has shape "
-                         f"{tuple(grad.shape)} (the state is float32 of the gradient's "
-                         f"shape; was a checkpoint of another model loaded?)")
-
-
-# --- the kernel path (kernels/dgc.cu, hvdcomp/backends/k_dgc.py) ------------------------------
-#
-# Same bytes and state as the reference code of each compressor (which stays the
-# specification and runs where kernel_backend() gives None).  The state is double-buffered
-# per name: the kernels write the new u / v (or residual) into a spare buffer and the two
-# swap only once the new values are known to be finite (the NaN policy leaves the state
-# unchanged), so no step allocates (or page-faults) a tensor of the gradient's size.
-
-_INTERNAL_SAMPLE = 0.01      # sample ratio for the thresholds of EXACT top-k selections
-
-
-def _kernel_grad(grad: torch.Tensor):
-    """The kernel backend for ``grad``, or None (reference path): floating, non-empty."""
-    if not grad.is_floating_point() or grad.numel() == 0:
-        return None
-    return kernel_backend(grad.device)
-
-
-def _flat_view(grad: torch.Tensor) -> torch.Tensor:
-    """grad as flat contiguous float32, without a copy when it already is one (read only)."""
     g = grad.detach().reshape(-1)
     if g.dtype != torch.float32:
         g = g.to(torch.float32)
     return g.contiguous()
 
 
-def _flat_state(t: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
-    if t is None:
-        return None
-    return t.detach().reshape(-1).to(device).contiguous()
+class _State:
+    """One kind of per-name float32 state (residuals, momentum u, accumulation v),
+    double-buffered: an encode writes the next value into the name's spare buffer, which
+    becomes live only once the encode succeeded (the NaN policy leaves the state unchanged),
+    and the previous live tensor becomes the spare.  No step allocates gradient-sized
+    tensors after a name's first."""
+
+    def __init__(self, owner: str, kind: str):
+        self.owner, self.kind = owner, kind
+        self.live: Dict[str, torch.Tensor] = {}
+        self._spare: Dict[str, torch.Tensor] = {}
+
+    def old(self, name: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """The live tensor of ``name``, flat and contiguous on grad's device, or None.
+        ValueError if it is not float32 of grad's shape."""
+        t = self.live.get(name)
+        if t is None:
+            return None
+        if tuple(t.shape) != tuple(grad.shape) or t.dtype != torch.float32:
+            raise ValueError(f"{self.owner}: the {self.kind} stored for {name!r} has shape "
+                             f"{tuple(t.shape)} and dtype {t.dtype}, but its gradient has "
+                             f"shape {tuple(grad.shape)} (the state is float32 of the "
+                             f"gradient's shape; was a checkpoint of another model loaded?)")
+        return t.detach().reshape(-1).to(grad.device).contiguous()
+
+    def spare(self, name: str, n: int, device) -> torch.Tensor:
+        """The spare float32 buffer (n,) of ``name``, allocated if missing or unfit."""
+        b = self._spare.get(name)
+        if (b is None or b.numel() != n or b.device != torch.device(device)
+                or b.dtype != torch.float32 or not b.is_contiguous()):
+            b = self._spare[name] = torch.empty(n, dtype=torch.float32, device=device)
+        return b.view(-1)
+
+    def commit(self, name: str, new: torch.Tensor, shape) -> None:
+        """``new`` (the spare, just written) becomes the live state of ``name``; the previous
+        live tensor becomes the spare.  At a name's first step a zeroed spare is made now
+        (its pages are mapped in this step rather than in the next)."""
+        old = self.live.get(name)
+        self.live[name] = new.view(shape)
+        if old is not None and old.data_ptr() != new.data_ptr() and old.is_contiguous():
+            self._spare[name] = old.detach().reshape(-1)
+        else:
+            self._spare[name] = torch.zeros_like(new)
+
+    def drop(self, name: str) -> None:
+        self.live.pop(name, None)
+
+    def copy(self, name: str) -> Optional[torch.Tensor]:
+        """A copy of the live tensor of ``name`` (its gradient's shape), or None."""
+        t = self.live.get(name)
+        return None if t is None else t.detach().clone()
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {k: t.detach().cpu().clone() for k, t in self.live.items()}
+
+    def validated(self, tensors: Any) -> Dict[str, torch.Tensor]:
+        """``tensors`` checked against the live state (hvdcomp.compressors.state)."""
+        return load_tensors(self.owner, self.kind, tensors, self.live)
+
+    def replace(self, tensors: Dict[str, torch.Tensor]) -> None:
+        self.live, self._spare = tensors, {}
 
 
-def _spare(store: Dict[str, torch.Tensor], name: str, n: int, device) -> torch.Tensor:
-    """The spare float32 buffer of ``name`` (n,), allocated if missing or unfit."""
-    b = store.get(name)
-    if (b is None or b.numel() != n or b.device != device or b.dtype != torch.float32
-            or not b.is_contiguous()):
-        b = torch.empty(n, dtype=torch.float32, device=device)
-        store[name] = b
-    return b.view(-1)
-
-
-def _retire(store: Dict[str, torch.Tensor], name: str, old: Optional[torch.Tensor],
-            new: torch.Tensor) -> None:
-    """After ``new`` became the live state of ``name``: the previous live tensor becomes
-    the spare; at a name's first step a zeroed spare is made now (its pages are mapped in
-    this step rather than in the next)."""
-    if old is not None and old.data_ptr() != new.data_ptr():
-        store[name] = old.detach().reshape(-1) if old.is_contiguous() else \
-            torch.empty_like(new).zero_()
-    else:
-        store[name] = torch.zeros_like(new)
-
-
-def _sample_size(ratio: float, n: int) -> int:
-    return min(n, max(1, math.ceil(ratio * n)))
+def _check_state_keys(owner: str, state: Any, keys) -> None:
+    if not isinstance(state, dict):
+        raise ValueError(f"{owner}: state must be a dict, got {type(state).__name__}")
+    extra = sorted(set(state) - set(keys))
+    if extra:
+        raise ValueError(f"{owner}: unknown state keys {extra}; expected "
+                         f"{' and '.join(repr(k) for k in keys)}")
 
 
 # --- the compressors --------------------------------------------------------------------------
 
 class _Sparse(Compressor):
-    """Shared wire handling of top-k and DGC (indices + values) and of random-k."""
-    values: str = "fp32"
+    """What top-k, random-k and DGC share: the value width, the header, the messages of
+    indices and values, the receiver."""
 
     @property
     def value_bits(self) -> int:
@@ -303,26 +207,24 @@ class _Sparse(Compressor):
     def _header_fields(self) -> Dict[str, int]:
         return {"bits": self.value_bits, "bucket_size": 0, "level_version": 0}
 
-    def _message(self, grad, key, sections) -> Message:
-        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=tuple(sections), tensor_id=key.tensor_id, rank=key.rank,
-                       seed=key.seed, step=key.step, **self._header_fields())
+    def encode(self, grad, key):
+        # The finiteness check is part of the state update (ops.sparsify: one pass over g,
+        # the state and their sum), so the base class's separate pass over g is skipped.
+        return self._encode(grad, key)
 
-    def _send(self, grad, key, x: torch.Tensor, idx: torch.Tensor
+    def _send(self, grad, key, n: int, idx: torch.Tensor, vals: torch.Tensor
               ) -> Tuple[Message, torch.Tensor]:
-        """Message for x[idx] (indices + values); returns it with the decoded values."""
-        vsec, dec = encode_values(x[idx], self.value_bits)
-        isec = encode_indices(idx.cpu().numpy(), x.numel())
-        return self._message(grad, key, (isec, vsec)), dec
+        """The message of indices ``idx`` and values ``vals`` of an n-element gradient, and
+        the values the receivers will decode."""
+        vsec, dec = encode_values(vals, self.value_bits)
+        isec = encode_indices(idx.cpu(), n)
+        return self._new_message(grad, key, (isec, vsec)), dec
 
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
         if msg.flags & ~FLAG_NONFINITE:
             raise WireFormatError(f"{self.name}: unexpected flags 0x{msg.flags:02x}")
-        msg.expect(nsections=2)
-        idx = decode_indices(msg.sections[0], msg.numel)
-        vals = decode_values(msg.sections[1], idx.size, self.value_bits)
-        if idx.size:
-            _scatter_add(out, torch.from_numpy(idx), vals, 1.0)
+        idx, vals = self.decode_sparse(msg)
+        _scatter_add(out, torch.from_numpy(idx), vals, 1.0)
 
     def decode_sparse(self, msg: Message) -> Tuple[np.ndarray, torch.Tensor]:
         """(indices int64, float32 values) of a validated top-k / DGC message."""
@@ -332,90 +234,51 @@ class _Sparse(Compressor):
 
 
 def _scatter_add(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, s: float) -> None:
-    """out[idx] += vals * s (s = 1: += vals) for one message's distinct indices: the
-    hvd_dgc_scatter_add kernel where a backend runs (flat contiguous float32 out), else
-    index_add_; the same float32 result either way."""
-    dev = out.device
-    # On a CPU, index_add_ costs about 1 us for a message's indices, a kernel launch from
-    # Python about 10: the kernel serves GPUs (no atomics), the CPU keeps index_add_.
-    be = kernel_backend(dev) if dev.type != "cpu" else None
-    if (be is not None and out.dtype == torch.float32 and out.dim() == 1
-            and out.is_contiguous() and not out.requires_grad):
-        k_dgc.scatter_add(be.backend, idx.to(dev), vals.to(dev), out, s)
-        return
-    if s != 1.0:
-        vals = vals * torch.tensor(s, dtype=torch.float32)
-    out.index_add_(0, idx.to(dev), vals.to(dev))
+    """out[idx] += vals * s for one message's distinct indices (ops.sparsify.scatter_add)."""
+    if idx.numel():
+        sparsify.scatter_add(idx.to(out.device), vals.to(out.device), out, s)
 
 
 class _Residuals(_Sparse):
     """Per-name error-feedback residuals (top-k, random-k)."""
 
     def _init_state(self):
-        self._residuals: Dict[str, torch.Tensor] = {}
-        self._spares: Dict[str, torch.Tensor] = {}      # kernel path: the next residual
+        self._residuals = _State(self.name, "residual")
 
-    def encode(self, grad, key):
-        # kernel path: the non-finite check is part of the kernels' one pass over g
-        be = _kernel_grad(grad)
-        if be is None:
-            return super().encode(grad, key)
-        return self._encode_kernels(be.backend, grad, key)
-
-    def _p_kernels(self, be, grad, key, t1=math.inf, t2=math.inf):
-        """(g, e, p_out or None, counts): p = g + e written into the spare (error
-        feedback), else p is g itself; counts as k_dgc.accumulate's."""
-        g = _flat_view(grad)
-        e = self._residuals.get(key.name) if self.error_feedback else None
-        _check_state(self.name, "residual", e, grad, key.name)
-        p_out = _spare(self._spares, key.name, g.numel(), g.device) \
-            if self.error_feedback else None
-        return g, _flat_state(e, g.device), p_out
-
-    def _keep_kernels(self, be, grad, key, p_out, idx, dec, masked: bool) -> None:
-        """The reference's _keep on the kernel path: p[idx] -= dec (unless done), then p
-        becomes the residual."""
+    def _p(self, grad, key):
+        """(g, e, p_out): the gradient as flat float32, the residual (None without error
+        feedback or before the first step) and the buffer that receives p = g + e (None
+        without error feedback: p is g itself)."""
+        g = _flat(grad, self.name)
         if not self.error_feedback:
+            return g, None, None
+        return (g, self._residuals.old(key.name, grad),
+                self._residuals.spare(key.name, g.numel(), g.device))
+
+    def _keep(self, grad, key, p_out, idx, dec, masked: bool) -> None:
+        """``e <- p - decoded``: p[idx] -= dec (unless ``masked``: already done), then p
+        becomes the residual."""
+        if p_out is None:
             return
         if not masked:
-            k_dgc.mask(be, idx, v=p_out, dec=dec)
-        old = self._residuals.get(key.name)
-        self._residuals[key.name] = p_out.view(grad.shape)
-        _retire(self._spares, key.name, old, p_out)
-
-    def _p(self, grad, key) -> torch.Tensor:
-        g = _flat_f32(grad, self.name)
-        e = self._residuals.get(key.name) if self.error_feedback else None
-        _check_state(self.name, "residual", e, grad, key.name)
-        return g if e is None else g + e.to(g.device).reshape(-1)
-
-    def _keep(self, grad, key, p: torch.Tensor, idx: torch.Tensor, dec: torch.Tensor):
-        if self.error_feedback:
-            p[idx] = p[idx] - dec            # p is this call's own tensor
-            self._residuals[key.name] = p.view(grad.shape)
+            sparsify.mask(idx, v=p_out, dec=dec)
+        self._residuals.commit(key.name, p_out, grad.shape)
 
     def residual(self, name: str) -> Optional[torch.Tensor]:
         """A copy of the residual of parameter ``name`` (float32, its gradient's shape), or
         None before its first finite encode (or without error feedback)."""
-        e = self._residuals.get(name)
-        return None if e is None else e.detach().clone()
+        return self._residuals.copy(name)
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"residuals": {name: float32 CPU tensor}}`` (copies)."""
-        return {"residuals": {k: v.detach().cpu().clone() for k, v in self._residuals.items()}}
+        return {"residuals": self._residuals.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Replace all residuals with those of ``state`` (as ``state_dict`` makes them).
         Raises ValueError, changing nothing, for unknown keys, non-float32 or non-finite
         tensors, or a shape that differs from the residual held for that name."""
-        if not isinstance(state, dict):
-            raise ValueError(f"{self.name}: state must be a dict, got {type(state).__name__}")
-        extra = sorted(set(state) - {"residuals"})
-        if extra:
-            raise ValueError(f"{self.name}: unknown state keys {extra}; expected 'residuals'")
-        self._residuals = _load_tensors(self.name, "residual", state.get("residuals", {}),
-                                        self._residuals)
-        self._spares = {}
+        _check_state_keys(self.name, state, ("residuals",))
+        self._residuals.replace(self._residuals.validated(state.get("residuals", {})))
 
 
 @register("topk")
@@ -448,36 +311,21 @@ class TopK(_Residuals):
 
     def __init__(self, density: float = 0.001, values: str = "fp32",
                  error_feedback: bool = True):
-        self.density = _check_density("density", density)
-        self.values = _check_values(values)
-        self.error_feedback = _check_bool("error_feedback", error_feedback)
+        self.density = settings.real("density", density, 0.0, 1.0, lo_open=True)
+        self.values = settings.choice("values", values, _VALUE_BITS)
+        self.error_feedback = settings.boolean("error_feedback", error_feedback)
         self._init_state()
 
     def _encode(self, grad, key):
-        p = self._p(grad, key)
-        if not _finite(p):
-            return self._nonfinite(grad, key)                  # residual unchanged
-        idx = topk_indices(p.abs(), num_selected(self.density, p.numel()))
-        msg, dec = self._send(grad, key, p, idx)
-        self._keep(grad, key, p, idx, dec)
-        return msg
-
-    def _encode_kernels(self, be, grad, key):
-        """_encode on kernels/dgc.cu: p = g + e, finiteness and the candidates' counts in
-        one pass; exact top-k (the sample only places the threshold)."""
-        g, e, p_out = self._p_kernels(be, grad, key)
+        g, e, p_out = self._p(grad, key)
         n = g.numel()
         fp32 = self.value_bits == 32
-        res = k_dgc.sparsify(be, g, num_selected(self.density, n), v_old=e, v_out=p_out,
-                             sample_size=_sample_size(_INTERNAL_SAMPLE, n),
-                             key4=(key.seed, key.rank, key.tensor_id, key.step), exact=True,
-                             mask_x=fp32 and p_out is not None)
-        if res.nonfinite:
+        sel = sparsify.select(g, num_selected(self.density, n), v_old=e, v_out=p_out,
+                              key4=_key4(key), mask_x=fp32 and p_out is not None)
+        if sel.nonfinite:
             return self._nonfinite(grad, key)                  # residual unchanged
-        vsec, dec = encode_values(res.vals, self.value_bits)
-        isec = encode_indices(res.idx.cpu().numpy(), n)
-        msg = self._message(grad, key, (isec, vsec))
-        self._keep_kernels(be, grad, key, p_out, res.idx, dec, res.masked)
+        msg, dec = self._send(grad, key, n, sel.idx, sel.vals)
+        self._keep(grad, key, p_out, sel.idx, dec, masked=fp32)
         return msg
 
 
@@ -485,7 +333,7 @@ class TopK(_Residuals):
 class RandK(_Residuals):
     """Random-k sparsification with error feedback (Stich et al., NeurIPS 2018,
     Algorithm 1 with rand_k).  The k indices come from Philox keyed by the TensorKey
-    (:func:`random_indices`), so only the values travel: every receiver regenerates the
+    (hvdcomp.ops.sparsify.random_indices), so only the values travel: every receiver regenerates the
     sender's indices from the message header's seed, rank, tensor id and step.
 
     Per tensor: ``p = g + e``; ``idx = random_indices(n, k, key)``; send p[idx];
@@ -508,10 +356,10 @@ class RandK(_Residuals):
 
     def __init__(self, density: float = 0.01, values: str = "fp32",
                  error_feedback: bool = True, unbiased: bool = False):
-        self.density = _check_density("density", density)
-        self.values = _check_values(values)
-        self.error_feedback = _check_bool("error_feedback", error_feedback)
-        self.unbiased = _check_bool("unbiased", unbiased)
+        self.density = settings.real("density", density, 0.0, 1.0, lo_open=True)
+        self.values = settings.choice("values", values, _VALUE_BITS)
+        self.error_feedback = settings.boolean("error_feedback", error_feedback)
+        self.unbiased = settings.boolean("unbiased", unbiased)
         self._init_state()
 
     def scale(self, n: int) -> float:
@@ -520,38 +368,21 @@ class RandK(_Residuals):
         return float(np.float32(n / k)) if self.unbiased and k else 1.0
 
     def _encode(self, grad, key):
-        p = self._p(grad, key)
-        if not _finite(p):
-            return self._nonfinite(grad, key)
-        n = p.numel()
-        idx = random_indices(n, num_selected(self.density, n), key, device=p.device)
-        vsec, dec = encode_values(p[idx], self.value_bits)
-        if not bool((dec != 0).any()):
-            vsec = np.zeros(0, dtype=np.uint8)                # all zero: header-only message
-        s = self.scale(n)
-        if s != 1.0:
-            dec = dec * torch.tensor(s, dtype=torch.float32, device=dec.device)
-        self._keep(grad, key, p, idx, dec)
-        return self._message(grad, key, (vsec,))
-
-    def _encode_kernels(self, be, grad, key):
-        """_encode on kernels/dgc.cu: p = g + e and its finiteness in one pass; the
-        indices from random_indices (the reference's, a function of the key)."""
-        g, e, p_out = self._p_kernels(be, grad, key)
-        n = g.numel()
-        counts = k_dgc.accumulate(be, g, v_old=e, v_out=p_out)
-        if int(counts[2].sum()):
+        g, e, p_out = self._p(grad, key)
+        if not sparsify.update(g, v_old=e, v_out=p_out):
             return self._nonfinite(grad, key)                  # residual unchanged
-        p = p_out if p_out is not None else g
-        idx = random_indices(n, num_selected(self.density, n), key, device=p.device)
+        p = g if p_out is None else p_out
+        n = p.numel()
+        idx = sparsify.random_indices(n, num_selected(self.density, n), _key4(key),
+                                      device=p.device)
         vsec, dec = encode_values(p[idx], self.value_bits)
         if not bool((dec != 0).any()):
             vsec = np.zeros(0, dtype=np.uint8)                # all zero: header-only message
         s = self.scale(n)
         if s != 1.0:
             dec = dec * torch.tensor(s, dtype=torch.float32, device=dec.device)
-        msg = self._message(grad, key, (vsec,))
-        self._keep_kernels(be, grad, key, p_out, idx, dec, False)
+        msg = self._new_message(grad, key, (vsec,))
+        self._keep(grad, key, p_out, idx, dec, masked=False)
         return msg
 
     def _decode(self, msg, key, out):
@@ -563,8 +394,7 @@ class RandK(_Residuals):
         if len(msg.sections[0]) == 0:
             return                                             # all k values were zero
         vals = decode_values(msg.sections[0], k, self.value_bits)
-        idx = random_indices(n, k, key)
-        _scatter_add(out, idx, vals, self.scale(n))
+        _scatter_add(out, sparsify.random_indices(n, k, _key4(key)), vals, self.scale(n))
 
 
 @register("dgc")
@@ -586,7 +416,7 @@ class DGC(MomentumCorrection, _Sparse):
          if more than k pass, exact top-k among them (hierarchical re-selection).  With
          ``exact_k`` (default), too few passing lowers t to the sample's 2 k_s-th,
          4 k_s-th ... value, then falls back to an exact top-k: the selection is then
-         exactly :func:`topk_indices` (|v|, k), sampling only makes it cheap;
+         exactly hvdcomp.ops.sparsify.topk_indices (|v|, k), sampling only makes it cheap;
       4. send v[idx]; ``v[idx] <- v[idx] - decoded`` (0 for fp32 values);  momentum factor
          masking (Sec. 3.3), if on: ``u[idx] <- 0``.
     Warm-up (Sec. 3.3): :func:`warmup_density`.
@@ -630,27 +460,27 @@ class DGC(MomentumCorrection, _Sparse):
                                                    "warmup_epochs=4,steps_per_epoch=390")
     """
     codec = CODECS["dgc"]
-    handles_momentum = True
 
     def __init__(self, density: float = 0.001, values: str = "fp32",
                  sample_ratio: float = 0.01, exact_k: bool = True, accumulate: bool = True,
                  momentum_correction: bool = True, masking: bool = True,
                  momentum: float = 0.0, clip_norm: float = 0.0, warmup_epochs: int = 0,
                  steps_per_epoch: int = 0, warmup_steps: int = 0, warmup_coeff: float = 0.25):
-        self.density = _check_density("density", density)
-        self.values = _check_values(values)
-        self.sample_ratio = _check_float("sample_ratio", sample_ratio, 0.0, 1.0)
-        self.exact_k = _check_bool("exact_k", exact_k)
-        self.accumulate = _check_bool("accumulate", accumulate)
-        self.momentum_correction = _check_bool("momentum_correction", momentum_correction)
-        self.masking = _check_bool("masking", masking)
-        self.momentum = _check_float("momentum", momentum, 0.0, 1.0, hi_open=True)
-        self.clip_norm = _check_float("clip_norm", clip_norm, 0.0, math.inf, hi_open=True)
-        self.warmup_epochs = _check_int("warmup_epochs", warmup_epochs)
-        self.steps_per_epoch = _check_int("steps_per_epoch", steps_per_epoch)
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps)
-        self.warmup_coeff = _check_float("warmup_coeff", warmup_coeff, 0.0, 1.0,
-                                         lo_open=True, hi_open=True)
+        self.density = settings.real("density", density, 0.0, 1.0, lo_open=True)
+        self.values = settings.choice("values", values, _VALUE_BITS)
+        self.sample_ratio = settings.real("sample_ratio", sample_ratio, 0.0, 1.0)
+        self.exact_k = settings.boolean("exact_k", exact_k)
+        self.accumulate = settings.boolean("accumulate", accumulate)
+        self.momentum_correction = settings.boolean("momentum_correction",
+                                                    momentum_correction)
+        self.masking = settings.boolean("masking", masking)
+        self.momentum = settings.real("momentum", momentum, 0.0, 1.0, hi_open=True)
+        self.clip_norm = settings.real("clip_norm", clip_norm, 0.0)
+        self.warmup_epochs = settings.integer("warmup_epochs", warmup_epochs, 0)
+        self.steps_per_epoch = settings.integer("steps_per_epoch", steps_per_epoch, 0)
+        self.warmup_steps = settings.integer("warmup_steps", warmup_steps, 0)
+        self.warmup_coeff = settings.real("warmup_coeff", warmup_coeff, 0.0, 1.0,
+                                          lo_open=True, hi_open=True)
         if self.steps_per_epoch and self.warmup_steps:
             raise ValueError("give the warm-up by epoch (steps_per_epoch) or by step "
                              "(warmup_steps), not both")
@@ -660,10 +490,8 @@ class DGC(MomentumCorrection, _Sparse):
         # the drop-in optimizer reads this: momentum stays with it if correction is off
         self.handles_momentum = self.momentum_correction
         self._factors: Dict[str, float] = {}
-        self._u: Dict[str, torch.Tensor] = {}
-        self._v: Dict[str, torch.Tensor] = {}
-        self._spare_u: Dict[str, torch.Tensor] = {}     # kernel path: the next u / v
-        self._spare_v: Dict[str, torch.Tensor] = {}
+        self._u = _State("dgc", "momentum u")
+        self._v = _State("dgc", "accumulation v")
 
     # --- schedule and momentum --------------------------------------------------------
     def density_at(self, step: int) -> float:
@@ -674,177 +502,93 @@ class DGC(MomentumCorrection, _Sparse):
     def set_momentum(self, factors: Dict[str, float]) -> None:
         """Momentum factors by parameter name (the drop-in optimizer's SGD momentum of each
         compressed tensor).  Raises ValueError for factors outside [0, 1)."""
-        for name, m in factors.items():
-            _check_float(f"momentum of {name!r}", m, 0.0, 1.0, hi_open=True)
-        self._factors.update({n: float(m) for n, m in factors.items()})
+        checked = {n: settings.real(f"momentum of {n!r}", m, 0.0, 1.0, hi_open=True)
+                   for n, m in factors.items()}
+        self._factors.update(checked)
 
     def momentum_of(self, name: str) -> float:
         """The momentum factor applied to parameter ``name``."""
         return self._factors.get(name, self.momentum)
 
     # --- selection --------------------------------------------------------------------
+    def sample_size(self, n: int) -> int:
+        """Coordinates sampled for the threshold of an n-element tensor:
+        ``min(n, max(1, ceil(sample_ratio n)))``, 0 when sample_ratio is 0 (exact top-k)."""
+        if self.sample_ratio == 0.0:
+            return 0
+        return min(n, max(1, math.ceil(self.sample_ratio * n)))
+
     def select(self, mag: torch.Tensor, k: int, key: TensorKey) -> torch.Tensor:
         """Indices (int64, ascending) that DGC sends for magnitudes ``mag`` (flat, >= 0):
-        sampled threshold, hierarchical re-selection (class docstring, step 3)."""
-        n = mag.numel()
-        if k >= n or self.sample_ratio == 0.0:
-            return topk_indices(mag, k)
-        s = min(n, max(1, math.ceil(self.sample_ratio * n)))
-        smp = torch.sort(mag[sample_positions(s, n, key, mag.device)], descending=True).values
-        ks = max(1, math.ceil(s * k / n))
-        r = min(s, ks)
-        while True:
-            t = smp[r - 1]
-            cand = torch.nonzero(mag >= t if bool(t > 0) else mag > 0).reshape(-1)
-            if cand.numel() >= k:
-                return cand[topk_indices(mag[cand], k)]
-            if not bool(t > 0) or not self.exact_k:
-                return cand                      # every nonzero, or the paper's one pass
-            if r == s:
-                return topk_indices(mag, k)      # the sample is used up: exact
-            r = min(s, 2 * r)
+        sampled threshold, hierarchical re-selection (class docstring, step 3;
+        hvdcomp.ops.sparsify.threshold_select)."""
+        return sparsify.threshold_select(mag, k, self.sample_size(mag.numel()), _key4(key),
+                                         self.exact_k)
+
+    def clip_scale(self, g: torch.Tensor, world_size: int) -> Optional[float]:
+        """Local gradient clipping (Sec. 3.2) of flat float32 ``g``: the float32 factor
+        ``T / ||g||_2`` when ``||g||_2 > T = clip_norm / sqrt(N)``, else None (also when
+        clipping is off)."""
+        if self.clip_norm <= 0:
+            return None
+        norm = math.sqrt(sparsify.sumsq(g))
+        thr = self.clip_norm / math.sqrt(world_size)
+        return float(np.float32(thr / norm)) if norm > thr else None
 
     # --- the compressor ---------------------------------------------------------------
     def _encode(self, grad, key):
         name = key.name
-        g = _flat_f32(grad, "dgc")
-        u_old, v_old = self._u.get(name), self._v.get(name)
-        _check_state("dgc", "momentum u", u_old, grad, name)
-        _check_state("dgc", "accumulation v", v_old, grad, name)
-        if self.clip_norm > 0:
-            norm = float(g.double().pow(2).sum().sqrt())
-            thr = self.clip_norm / math.sqrt(key.world_size)
-            if norm > thr:
-                g = g * torch.tensor(thr / norm, dtype=torch.float32, device=g.device)
-        m = self.momentum_of(name) if self.momentum_correction else 0.0
-        if m > 0:
-            u = g if u_old is None else u_old.reshape(-1).to(g.device) * \
-                torch.tensor(m, dtype=torch.float32, device=g.device) + g
-        else:
-            u = None
-        add = g if u is None else u
-        v = add if (v_old is None or not self.accumulate) else v_old.reshape(-1).to(g.device) + add
-        # a non-finite u makes v = v + u (or v = u) non-finite too: checking v suffices
-        if not _finite(v):
-            return self._nonfinite(grad, key)                  # state unchanged
-        n = v.numel()
-        idx = self.select(v.abs(), num_selected(self.density_at(key.step), n), key)
-        msg, dec = self._send(grad, key, v, idx)
-        # State.  g is this call's own copy and u, v are new tensors, except that v IS u
-        # when v was just started (or is not accumulated): update v first, from a copy then.
-        if self.accumulate:
-            if v is u:
-                v = v.clone()
-            v[idx] = v[idx] - dec
-            self._v[name] = v.view(grad.shape)
-        if u is not None:
-            if self.masking:
-                u[idx] = 0.0
-            self._u[name] = u.view(grad.shape)
-        else:
-            self._u.pop(name, None)
-        return msg
-
-    def encode(self, grad, key):
-        # kernel path: the non-finite check is part of the kernels' one pass over g
-        be = _kernel_grad(grad)
-        if be is not None:
-            m = self.momentum_of(key.name) if self.momentum_correction else 0.0
-            if not (m > 0 and float(np.float32(m)) == 0.0):      # else: reference
-                return self._encode_kernels(be.backend, grad, key, m)
-        return super().encode(grad, key)
-
-    def _encode_kernels(self, be, grad, key, m):
-        """_encode on kernels/dgc.cu (k_dgc.sparsify): clipping norm (one read pass, if
-        on), then u, v, their finiteness and the candidates' counts in one pass, the
-        selection in another; the same message and state as _encode."""
-        name = key.name
-        g = _flat_view(grad)
+        g = _flat(grad, "dgc")
         n, dev = g.numel(), g.device
-        u_old, v_old = self._u.get(name), self._v.get(name)
-        _check_state("dgc", "momentum u", u_old, grad, name)
-        _check_state("dgc", "accumulation v", v_old, grad, name)
-        scale = None
-        if self.clip_norm > 0:
-            norm = math.sqrt(k_dgc.sumsq(be, g))
-            thr = self.clip_norm / math.sqrt(key.world_size)
-            if norm > thr:
-                scale = float(np.float32(thr / norm))
+        u_old, v_old = self._u.old(name, grad), self._v.old(name, grad)
+        m = self.momentum_of(name) if self.momentum_correction else 0.0
         mom = m > 0
-        u_out = _spare(self._spare_u, name, n, dev) if mom else None
-        if self.accumulate:
-            v_out = _spare(self._spare_v, name, n, dev)
-        elif not mom and scale is not None:
-            v_out = torch.empty(n, dtype=torch.float32, device=dev)   # g * scale, not kept
-        else:
-            v_out = None                                 # v is u (or g itself)
+        u_out = self._u.spare(name, n, dev) if mom else None
+        v_out = self._v.spare(name, n, dev) if self.accumulate else None
         fp32 = self.value_bits == 32
-        k = num_selected(self.density_at(key.step), n)
-        if self.sample_ratio > 0:
-            s, exact = _sample_size(self.sample_ratio, n), self.exact_k
-        else:
-            s, exact = _sample_size(_INTERNAL_SAMPLE, n), True   # exact top-k either way
-        res = k_dgc.sparsify(be, g, k, u_old=_flat_state(u_old if mom else None, dev),
-                             v_old=_flat_state(v_old if self.accumulate else None, dev),
-                             u_out=u_out, v_out=v_out, scale=scale,
-                             momentum=float(np.float32(m)) if mom else 0.0,
-                             sample_size=s, key4=(key.seed, key.rank, key.tensor_id, key.step),
-                             exact=exact, mask_x=fp32 and self.accumulate,
-                             mask_u=mom and self.masking)
-        if res.nonfinite:
+        sel = sparsify.select(g, num_selected(self.density_at(key.step), n),
+                              u_old=u_old if mom else None,
+                              v_old=v_old if self.accumulate else None,
+                              u_out=u_out, v_out=v_out, scale=self.clip_scale(g, key.world_size),
+                              momentum=m, sample_size=self.sample_size(n), key4=_key4(key),
+                              exact=self.exact_k, mask_x=fp32 and self.accumulate,
+                              mask_u=mom and self.masking)
+        if sel.nonfinite:
             return self._nonfinite(grad, key)                  # state unchanged
-        vsec, dec = encode_values(res.vals, self.value_bits)
-        isec = encode_indices(res.idx.cpu().numpy(), n)
-        msg = self._message(grad, key, (isec, vsec))
-        # state: v[idx] -= dec, u[idx] = 0 (unless sparsify did it), then swap buffers
-        need_v = self.accumulate and not (fp32 and res.masked)
-        need_u = mom and self.masking and not res.masked
-        if need_v or need_u:
-            if not self.accumulate:                      # x is u: masking u only
-                k_dgc.mask(be, res.idx, u=u_out)
-            else:
-                k_dgc.mask(be, res.idx, v=v_out if need_v else None,
-                           u=u_out if need_u else None, dec=dec)
-        if self.accumulate:
-            self._v[name] = v_out.view(grad.shape)
-            _retire(self._spare_v, name, v_old, v_out)
+        msg, dec = self._send(grad, key, n, sel.idx, sel.vals)
+        if self.accumulate:                                    # v[idx] -= decoded
+            if not fp32:
+                sparsify.mask(sel.idx, v=v_out, dec=dec)
+            self._v.commit(name, v_out, grad.shape)
         if mom:
-            self._u[name] = u_out.view(grad.shape)
-            _retire(self._spare_u, name, u_old, u_out)
+            self._u.commit(name, u_out, grad.shape)
         else:
-            self._u.pop(name, None)
+            self._u.drop(name)
         return msg
 
     # --- state --------------------------------------------------------------------------
     def momentum_buffer(self, name: str) -> Optional[torch.Tensor]:
         """A copy of u for ``name`` (float32, its gradient's shape), or None."""
-        t = self._u.get(name)
-        return None if t is None else t.detach().clone()
+        return self._u.copy(name)
 
     def accumulation(self, name: str) -> Optional[torch.Tensor]:
         """A copy of v for ``name`` (float32, its gradient's shape), or None."""
-        t = self._v.get(name)
-        return None if t is None else t.detach().clone()
+        return self._v.copy(name)
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"u": {name: float32 CPU tensor}, "v": {...}}`` (copies)."""
-        return {"u": {k: t.detach().cpu().clone() for k, t in self._u.items()},
-                "v": {k: t.detach().cpu().clone() for k, t in self._v.items()}}
+        return {"u": self._u.state_dict(), "v": self._v.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Replace u and v with those of ``state``.  Raises ValueError, changing nothing,
         for unknown keys, non-float32 or non-finite tensors, or shapes that differ from
         the state held (or between u and v of one name)."""
-        if not isinstance(state, dict):
-            raise ValueError(f"dgc: state must be a dict, got {type(state).__name__}")
-        extra = sorted(set(state) - {"u", "v"})
-        if extra:
-            raise ValueError(f"dgc: unknown state keys {extra}; expected 'u' and 'v'")
-        u = _load_tensors("dgc", "momentum u", state.get("u", {}), self._u)
-        v = _load_tensors("dgc", "accumulation v", state.get("v", {}), self._v)
+        _check_state_keys("dgc", state, ("u", "v"))
+        u = self._u.validated(state.get("u", {}))
+        v = self._v.validated(state.get("v", {}))
         for name in set(u) & set(v):
             if u[name].shape != v[name].shape:
                 raise ValueError(f"dgc: u and v of {name!r} differ in shape: "
                                  f"{tuple(u[name].shape)} vs {tuple(v[name].shape)}")
-        self._u, self._v = u, v
-        self._spare_u, self._spare_v = {}, {}
+        self._u.replace(u)
+        self._v.replace(v)

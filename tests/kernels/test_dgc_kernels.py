@@ -1,9 +1,9 @@
-"""kernels/dgc.cu (hvdcomp/backends/k_dgc.py) against the PyTorch reference of the
-sparsifiers (hvdcomp/compressors/sparse.py), bit for bit.
+"""kernels/dgc.cu (hvdcomp/ops/sparsify.py's kernel implementations and launchers) against
+the PyTorch reference of the sparsifiers (hvdcomp/ops/sparsify.py), bit for bit.
 
 Low level: each kernel against the reference's own expression for the same quantity.
 End to end: DGC, top-k and random-k encode on the kernel path vs the reference path
-(``kernel_backend`` patched to None in the compressor module): identical message bytes,
+(``HVDCOMP_BACKEND=reference``): identical message bytes,
 identical state (u, v / residuals) after every step, identical decoded sums; many settings
 (momentum, clipping, fp16 values, exact_k off, accumulation off, masking off, sample_ratio 0,
 warm-up) and inputs (sizes 1, 7, chunk boundaries, zeros, all-equal values, ties at the
@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import hvdcomp
-import hvdcomp.compressors.sparse as sp
-from hvdcomp.backends import k_dgc
+from hvdcomp import backends
 from hvdcomp.compressors import TensorKey
-from hvdcomp.compressors.sparse import num_selected, sample_positions, topk_indices
+from hvdcomp.compressors.sparse import num_selected
+from hvdcomp.ops import sparsify
+from hvdcomp.ops.sparsify import sample_positions, topk_indices
 from hvdcomp.wire import Message
 
 KEY4 = (11, 2, 3, 7)
@@ -75,16 +76,17 @@ def test_accumulate_and_sample_equal_reference(host, fs):
         mag = rv.abs()
         # sample: mag at the reference's positions
         s = max(1, n // 10)
-        smp = k_dgc.sample(be, g, s, KEY4, u_old=uo, v_old=vo, scale=scale, momentum=m)
-        pos = sample_positions(s, n, TensorKey("x", KEY4[2], KEY4[3], KEY4[1], 4, KEY4[0]))
+        smp = sparsify.launch_sample(be, g, s, KEY4, u_old=uo, v_old=vo, scale=scale, momentum=m)
+        pos = sample_positions(s, n, KEY4)
         _bits_equal(smp, mag[pos])
         # accumulate: u, v and the per-chunk counts of two thresholds
         t1, t2 = float(mag.max()) / 3, float(mag.median())
         for chunk in (1, 5, 32, 4096):
             u_out = torch.full((n,), 7.0) if m > 0 else None
             v_out = torch.full((n,), 7.0)
-            cnt = k_dgc.accumulate(be, g, u_old=uo, v_old=vo, scale=scale, momentum=m,
-                                   u_out=u_out, v_out=v_out, t1=t1, t2=t2, chunk=chunk)
+            cnt = sparsify.launch_accumulate(be, g, u_old=uo, v_old=vo, scale=scale,
+                                             momentum=m, u_out=u_out, v_out=v_out, t1=t1,
+                                             t2=t2, chunk=chunk)
             _bits_equal(v_out, rv)
             if m > 0:
                 _bits_equal(u_out, ru)
@@ -107,12 +109,13 @@ def test_select_equals_nonzero(host, n):
         mag = x.abs()
         ref = torch.nonzero(mag >= t if t > 0 else mag > 0).reshape(-1)
         for chunk in (1, 7, 64, 4096):
-            cnt = k_dgc.accumulate(be, x, t1=t, t2=t, chunk=chunk)
+            cnt = sparsify.launch_accumulate(be, x, t1=t, t2=t, chunk=chunk)
             ends = torch.cumsum(cnt, 1)
             assert int(ends[0, -1]) == ref.numel()
             xx, u = x.clone(), torch.randn(n)
             u_ref = u.clone()
-            idx, vals = k_dgc.select(be, xx, t, chunk, ends[0], ref.numel(), mask_x=True, u=u)
+            idx, vals = sparsify.launch_select(be, xx, t, chunk, ends[0], ref.numel(),
+                                               mask_x=True, u=u)
             assert torch.equal(idx, ref)
             _bits_equal(vals, x[ref])
             x_ref = x.clone()
@@ -128,11 +131,11 @@ def test_nonfinite_counts(host):
         for bad in (float("nan"), float("inf"), -float("inf")):
             g = torch.randn(n)
             g[n // 2] = bad
-            cnt = k_dgc.accumulate(be, g, chunk=64)
+            cnt = sparsify.launch_accumulate(be, g, chunk=64)
             assert int(cnt[2].sum()) == 1
     # overflow of v = v_old + g with finite inputs
     g = torch.full((10,), 3e38)
-    cnt = k_dgc.accumulate(be, g, v_old=g.clone(), v_out=torch.empty(10))
+    cnt = sparsify.launch_accumulate(be, g, v_old=g.clone(), v_out=torch.empty(10))
     assert int(cnt[2].sum()) == 10
 
 
@@ -145,29 +148,29 @@ def test_mask_and_scatter_add(host):
     v_ref, u_ref = v.clone(), u.clone()
     v_ref[idx] = v_ref[idx] - dec
     u_ref[idx] = 0.0
-    k_dgc.mask(be, idx, v=v, u=u, dec=dec)
+    sparsify.mask.kernels(be, idx, v=v, u=u, dec=dec)
     _bits_equal(v, v_ref)
     _bits_equal(u, u_ref)
     out = torch.randn(n)
     for s in (1.0, float(np.float32(1000 / 3))):
         ref = out.clone().index_add_(0, idx, dec * torch.tensor(s, dtype=torch.float32))
-        got = k_dgc.scatter_add(be, idx, dec, out.clone(), s)
+        got = sparsify.launch_scatter_add(be, idx, dec, out.clone(), s)
         _bits_equal(got, ref)
     with pytest.raises(RuntimeError, match="out of range"):
-        k_dgc.scatter_add(be, torch.tensor([n]), dec[:1], out)
+        sparsify.launch_scatter_add(be, torch.tensor([n]), dec[:1], out)
     with pytest.raises(TypeError):
-        k_dgc.scatter_add(be, idx.int(), dec, out)
+        sparsify.launch_scatter_add(be, idx.int(), dec, out)
     with pytest.raises(ValueError):
-        k_dgc.mask(be, idx, v=v, u=v, dec=dec)
+        sparsify.mask.kernels(be, idx, v=v, u=v, dec=dec)
 
 
 def test_sumsq_close_to_torch(host):
     for n in (1, 7, 65535, 65536, 65537, 300_001):
         x = torch.randn(n) * 3
         ref = float(x.double().pow(2).sum())
-        got = k_dgc.sumsq(host.backend, x)
+        got = sparsify.sumsq.kernels(host.backend, x)
         assert abs(got - ref) <= 1e-13 * ref
-    assert k_dgc.sumsq(host.backend, torch.zeros(0)) == 0.0
+    assert sparsify.sumsq.kernels(host.backend, torch.zeros(0)) == 0.0
 
 
 def test_exact_topk_is_topk_indices():
@@ -178,7 +181,7 @@ def test_exact_topk_is_topk_indices():
         idx = torch.sort(torch.randperm(10 * c, generator=g)[:c]).values
         for k in (1, 2, 5, c):
             ri = topk_indices(vals.abs(), k)
-            gi, gv = k_dgc.exact_topk(idx, vals, k)
+            gi, gv = sparsify.exact_topk(idx, vals, k)
             assert torch.equal(gi, idx[ri])
             _bits_equal(gv, vals[ri])
 
@@ -186,17 +189,17 @@ def test_exact_topk_is_topk_indices():
 def test_argument_checks(host):
     be = host.backend
     with pytest.raises(TypeError):
-        k_dgc.accumulate(be, torch.zeros(4, dtype=torch.float64))
+        sparsify.launch_accumulate(be, torch.zeros(4, dtype=torch.float64))
     with pytest.raises(ValueError):
-        k_dgc.accumulate(be, torch.zeros(4), v_old=torch.zeros(5))
+        sparsify.launch_accumulate(be, torch.zeros(4), v_old=torch.zeros(5))
     with pytest.raises(ValueError):
-        k_dgc.accumulate(be, torch.zeros(4), momentum=0.5)            # no u_out
+        sparsify.launch_accumulate(be, torch.zeros(4), momentum=0.5)            # no u_out
     with pytest.raises(ValueError):
-        k_dgc.accumulate(be, torch.zeros(4), chunk=0)
+        sparsify.launch_accumulate(be, torch.zeros(4), chunk=0)
     with pytest.raises(ValueError):
-        k_dgc.sparsify(be, torch.zeros(0), 1)
+        sparsify.select.kernels(be, torch.zeros(0), 1)
     with pytest.raises(ValueError):
-        k_dgc.sparsify(be, torch.zeros(4), 1, mask_x=True)           # x would be g
+        sparsify.select.kernels(be, torch.zeros(4), 1, mask_x=True)           # x would be g
 
 
 # ---- end to end ------------------------------------------------------------------------------
@@ -204,8 +207,7 @@ def test_argument_checks(host):
 @contextlib.contextmanager
 def _reference():
     """Context: the compressors' reference path (no kernel backend)."""
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(sp, "kernel_backend", lambda device: None)
+    with backends.use("reference"):
         yield
 
 
@@ -337,7 +339,7 @@ def test_dtypes_and_layouts(host, dtype):
 
 
 def test_sparsify_threshold_walk_equals_select(host):
-    """k_dgc.sparsify's indices = DGC.select(|v|, k, key) for the reference's sample, for
+    """sparsify.select's indices = DGC.select(|v|, k, key) for the reference's sample, for
     exact_k on and off, over inputs whose first threshold lets too few through."""
     be = host.backend
     g = torch.Generator().manual_seed(9)
@@ -350,8 +352,9 @@ def test_sparsify_threshold_walk_equals_select(host):
                 key = TensorKey("w", trial, 1, 0, 4, 5)
                 ref = c.select(x.abs(), k, key)
                 s = min(n, max(1, math.ceil(0.01 * n)))
-                res = k_dgc.sparsify(be, x, k, sample_size=s, exact=exact,
-                                     key4=(key.seed, key.rank, key.tensor_id, key.step))
+                res = sparsify.select.kernels(be, x, k, sample_size=s, exact=exact,
+                                              key4=(key.seed, key.rank, key.tensor_id,
+                                                    key.step))
                 assert torch.equal(res.idx, ref)
                 _bits_equal(res.vals, x[ref])
 
@@ -388,17 +391,18 @@ def test_gpu_kernels_equal_host(cuda_backend, host):
         ru, rv = _ref_v(g, uo, vo, 0.37, 0.5)
         gc, uc, vc = g.cuda(), uo.cuda(), vo.cuda()
         u_out, v_out = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
-        cnt = k_dgc.accumulate(be, gc, u_old=uc, v_old=vc, scale=0.37, momentum=0.5,
-                               u_out=u_out, v_out=v_out, t1=1e-3, t2=0.0)
+        cnt = sparsify.launch_accumulate(be, gc, u_old=uc, v_old=vc, scale=0.37,
+                                         momentum=0.5, u_out=u_out, v_out=v_out, t1=1e-3,
+                                         t2=0.0)
         _bits_equal(u_out.cpu(), ru)
         _bits_equal(v_out.cpu(), rv)
         assert int(cnt[0].sum()) == int(((rv.abs() >= 1e-3) & (rv != 0)).sum())
-        smp = k_dgc.sample(be, gc, max(1, n // 10), KEY4, u_old=uc, v_old=vc, scale=0.37,
-                           momentum=0.5)
-        smp_h = k_dgc.sample(host.backend, g, max(1, n // 10), KEY4, u_old=uo, v_old=vo,
-                             scale=0.37, momentum=0.5)
+        smp = sparsify.launch_sample(be, gc, max(1, n // 10), KEY4, u_old=uc, v_old=vc,
+                                     scale=0.37, momentum=0.5)
+        smp_h = sparsify.launch_sample(host.backend, g, max(1, n // 10), KEY4, u_old=uo,
+                                       v_old=vo, scale=0.37, momentum=0.5)
         _bits_equal(smp.cpu(), smp_h)
-        assert k_dgc.sumsq(be, gc) == k_dgc.sumsq(host.backend, g)
+        assert sparsify.sumsq.kernels(be, gc) == sparsify.sumsq.kernels(host.backend, g)
 
 
 def test_sparsify_walks_past_both_thresholds(host, monkeypatch):
@@ -416,8 +420,8 @@ def test_sparsify_walks_past_both_thresholds(host, monkeypatch):
     for seed in range(400):
         key = TensorKey("w", 1, 2, 0, 4, seed)
         calls.clear()
-        res = k_dgc.sparsify(be, x, k, sample_size=s, exact=True,
-                             key4=(key.seed, key.rank, key.tensor_id, key.step))
+        res = sparsify.select.kernels(be, x, k, sample_size=s, exact=True,
+                                      key4=(key.seed, key.rank, key.tensor_id, key.step))
         walked += calls.count("hvd_dgc_accumulate") > 1
         ref = c.select(x.abs(), k, key)
         assert torch.equal(res.idx, ref), seed

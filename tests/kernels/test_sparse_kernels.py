@@ -1,5 +1,5 @@
-"""kernels/sparse.cu (hvdcomp/backends/k_sparse.py) against the NumPy specification
-hvdcomp.codecs.sparse.encode_indices_reference / decode_indices_reference: sections identical
+"""kernels/sparse.cu (hvdcomp/ops/rice.py's kernel implementations) against the NumPy
+specification hvdcomp.ops.rice.encode.reference / decode.reference: sections identical
 byte for byte, indices identical, invalid inputs and malformed sections rejected with the
 same errors; the public encode_indices / decode_indices against HVDCOMP_BACKEND=reference.
 GPU tests (requires_cuda) repeat the comparisons with the CUDA backend.
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from hvdcomp.backends import k_sparse
 from hvdcomp.codecs import sparse as S
+from hvdcomp.ops import rice
 from hvdcomp.errors import WireFormatError
 
 
@@ -32,11 +32,11 @@ def test_encode_decode_match_reference(host, m, numel):
     idx = _indices(m, numel, seed=m + numel % 1000)
     ks = [-1, 62] + ([0, 1, 5, 17] if numel < 2**21 else [])
     for k in ks:
-        want = S.encode_indices_reference(idx, numel, k)
-        got = k_sparse.encode(host.backend, torch.from_numpy(idx), numel, k).numpy()
+        want = rice.encode.reference(idx, numel, k).numpy()
+        got = rice.encode.kernels(host.backend, torch.from_numpy(idx), numel, k).numpy()
         assert got.tobytes() == want.tobytes(), (m, numel, k)
-        dec = k_sparse.decode(host.backend, want, numel)
-        assert np.array_equal(dec.numpy(), S.decode_indices_reference(want, numel))
+        dec = rice.decode.kernels(host.backend, want, numel)
+        assert np.array_equal(dec.numpy(), rice.decode.reference(want, numel).numpy())
         assert np.array_equal(dec.numpy(), idx)
 
 
@@ -44,10 +44,10 @@ def test_extreme_values(host):
     for idx, numel in (([2**62, 2**63 - 2], 2**63 - 1), ([0, 2**63 - 2], 2**63 - 1),
                        ([2**63 - 2], 2**63 - 1), ([0, 1, 2, 2**53 + 1, 2**62], 2**63 - 1)):
         a = np.array(idx, dtype=np.int64)
-        want = S.encode_indices_reference(a, numel)
-        assert k_sparse.encode(host.backend, torch.from_numpy(a), numel).numpy().tobytes() \
+        want = rice.encode.reference(a, numel).numpy()
+        assert rice.encode.kernels(host.backend, torch.from_numpy(a), numel).numpy().tobytes() \
             == want.tobytes()
-        assert k_sparse.decode(host.backend, want, numel).tolist() == idx
+        assert rice.decode.kernels(host.backend, want, numel).tolist() == idx
 
 
 def test_gap_sum_beyond_2_53_uses_numpys_float_sum(host):
@@ -57,8 +57,8 @@ def test_gap_sum_beyond_2_53_uses_numpys_float_sum(host):
         gaps = rng.integers(2**52, 2**54, 400, dtype=np.int64)
         idx = np.cumsum(gaps + 1) - 1
         numel = int(idx[-1]) + 1 + seed
-        want = S.encode_indices_reference(idx, numel)
-        got = k_sparse.encode(host.backend, torch.from_numpy(idx), numel).numpy()
+        want = rice.encode.reference(idx, numel).numpy()
+        got = rice.encode.kernels(host.backend, torch.from_numpy(idx), numel).numpy()
         assert got.tobytes() == want.tobytes()
 
 
@@ -67,15 +67,15 @@ def test_invalid_indices_same_errors(host):
            ([0, 1, 2, 2, 5], 10), ([1, 2], -1), ([1], 2**63)]
     for idx, numel in bad:
         with pytest.raises(ValueError) as ref:
-            S.encode_indices_reference(np.array(idx, dtype=np.int64), numel)
+            rice.encode.reference(np.array(idx, dtype=np.int64), numel)
         with pytest.raises(ValueError) as got:
-            k_sparse.encode(host.backend, torch.tensor(idx, dtype=torch.int64), numel)
+            rice.encode.kernels(host.backend, torch.tensor(idx, dtype=torch.int64), numel)
         assert str(got.value) == str(ref.value)
     for k in (63, 100):
         with pytest.raises(ValueError) as ref:
-            S.encode_indices_reference([1, 5], 10, k=k)
+            rice.encode.reference([1, 5], 10, k=k)
         with pytest.raises(ValueError) as got:
-            k_sparse.encode(host.backend, torch.tensor([1, 5]), 10, k=k)
+            rice.encode.kernels(host.backend, torch.tensor([1, 5]), 10, k=k)
         assert str(got.value) == str(ref.value)
 
 
@@ -87,15 +87,15 @@ def _outcome(fn):
 
 
 def _both(host, sec, numel):
-    ref = _outcome(lambda: S.decode_indices_reference(sec, numel))
-    got = _outcome(lambda: k_sparse.decode(host.backend, sec, numel).numpy())
+    ref = _outcome(lambda: rice.decode.reference(sec, numel).numpy())
+    got = _outcome(lambda: rice.decode.kernels(host.backend, sec, numel).numpy())
     assert got == ref
     return ref
 
 
 def test_malformed_sections_same_errors(host):
     idx = _indices(300, 100_000, seed=1)
-    base = S.encode_indices_reference(idx, 100_000)
+    base = rice.encode.reference(idx, 100_000).numpy()
     for cut in range(len(base) + 1):
         _both(host, base[:cut], 100_000)
     rng = np.random.default_rng(3)
@@ -112,10 +112,10 @@ def test_malformed_sections_same_errors(host):
     # hand-made: too few terminators, wrong numel, quotient too large, overflow
     _both(host, np.frombuffer(b"\x00\x02\x00\x00\x00" + bytes([0b100010]), np.uint8), 8)
     _both(host, np.frombuffer(b"\x00\x02\x00\x00\x00\x02\x00", np.uint8), 8)
-    sec = S.encode_indices_reference([1, 4, 5, 13], 16)
+    sec = rice.encode.reference([1, 4, 5, 13], 16).numpy()
     for numel in (16, 14, 13, 2):
         _both(host, sec, numel)
-    big = S.encode_indices_reference([2**62, 2**63 - 2], 2**63 - 1)
+    big = rice.encode.reference([2**62, 2**63 - 2], 2**63 - 1).numpy()
     _both(host, big, 2**62 + 1)
     assert len(seen) >= 4
 
@@ -123,12 +123,12 @@ def test_malformed_sections_same_errors(host):
 def test_public_api_equals_reference(host, monkeypatch):
     from hvdcomp import backends
     idx = _indices(25_000, 25_000_000, seed=2)
-    want = S.encode_indices_reference(idx, 25_000_000)
+    want = rice.encode.reference(idx, 25_000_000).numpy()
     t = torch.from_numpy(idx)
     wide = torch.stack([t, t]).t()[:, 0]             # non-contiguous
     for inp in (idx, list(idx[:50]), t, t.to(torch.int32), wide):
         n_in = 50 if isinstance(inp, list) else idx.size
-        ref = want if n_in == idx.size else S.encode_indices_reference(idx[:50], 25_000_000)
+        ref = want if n_in == idx.size else rice.encode.reference(idx[:50], 25_000_000).numpy()
         assert S.encode_indices(inp, 25_000_000).tobytes() == ref.tobytes()
     assert np.array_equal(S.decode_indices(want, 25_000_000), idx)
     assert np.array_equal(S.decode_indices(torch.from_numpy(want), 25_000_000), idx)
@@ -172,20 +172,20 @@ def test_gpu_matches_reference(cuda_backend):
     for m, numel in CASES:
         idx = _indices(m, numel, seed=m)
         for k in [-1, 62] + ([0, 5] if numel < 2**21 else []):
-            want = S.encode_indices_reference(idx, numel, k)
-            got = k_sparse.encode(be, torch.from_numpy(idx).cuda(), numel, k)
+            want = rice.encode.reference(idx, numel, k).numpy()
+            got = rice.encode.kernels(be, torch.from_numpy(idx).cuda(), numel, k)
             assert got.is_cuda and got.cpu().numpy().tobytes() == want.tobytes()
-            dec = k_sparse.decode(be, want, numel, device="cuda")
+            dec = rice.decode.kernels(be, want, numel, device="cuda")
             assert dec.is_cuda and np.array_equal(dec.cpu().numpy(), idx)
-    base = S.encode_indices_reference(_indices(300, 100_000, 1), 100_000)
+    base = rice.encode.reference(_indices(300, 100_000, 1), 100_000).numpy()
     rng = np.random.default_rng(3)
     for trial in range(100):
         sec = bytearray(base.tobytes())
         sec[int(rng.integers(0, len(sec)))] ^= 1 << int(rng.integers(0, 8))
         b = np.frombuffer(bytes(sec), np.uint8)
-        ref = _outcome(lambda: S.decode_indices_reference(b, 100_000))
-        got = _outcome(lambda: k_sparse.decode(be, b, 100_000, device="cuda").cpu().numpy())
+        ref = _outcome(lambda: rice.decode.reference(b, 100_000).numpy())
+        got = _outcome(lambda: rice.decode.kernels(be, b, 100_000, device="cuda").cpu().numpy())
         assert got == ref
     t = torch.from_numpy(_indices(25_000, 25_000_000, 2)).cuda()
     assert S.encode_indices(t, 25_000_000).tobytes() == \
-        S.encode_indices_reference(t.cpu().numpy(), 25_000_000).tobytes()
+        rice.encode.reference(t.cpu().numpy(), 25_000_000).numpy().tobytes()

@@ -6,8 +6,8 @@
 rANS: n 3-bit ALQ codes (NUQSGD's initial table, bucket 8192) of a Gaussian gradient, packed
 by the quantize kernel; kernel = encode_codes / decode_codes (packed in, packed out),
 reference = unpack_bits + encode_symbols.reference / decode_symbols.reference + pack_bits.
-Sparse: m sorted random indices out of numel; kernel = k_sparse.encode / decode (numpy bytes
-out / in), reference = encode_indices_reference / decode_indices_reference.
+Sparse: m sorted random indices out of numel; kernel = rice.encode.kernels / decode.kernels
+(numpy bytes out / in), reference = rice.encode.reference / decode.reference.
 Bytes are checked identical.  Times: best of --repeats, wall clock (GPU: synchronized).
 """
 import argparse
@@ -24,9 +24,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from hvdcomp import levels as L  # noqa: E402
-from hvdcomp.backends import for_device, k_sparse  # noqa: E402
-from hvdcomp.codecs import pack_bits, sparse as S, unpack_bits  # noqa: E402
-from hvdcomp.ops import rans  # noqa: E402
+from hvdcomp.backends import for_device  # noqa: E402
+from hvdcomp.codecs import pack_bits, unpack_bits  # noqa: E402
+from hvdcomp.ops import rans, rice  # noqa: E402
 
 
 def best(fn, repeats, sync):
@@ -78,12 +78,13 @@ def main():
     numel = n
     idx = np.sort(rng.choice(numel, a.m, replace=False)).astype(np.int64)
     it = torch.from_numpy(idx).to(dev)
-    k_sparse.encode(be, it, numel)
+    rice.encode.kernels(be, it, numel)
     r = max(a.repeats, 20)
-    te, sec = best(lambda: k_sparse.encode(be, it, numel).cpu().numpy(), r, sync)
-    tre, ref = best(lambda: S.encode_indices_reference(idx, numel), r, sync)
-    td, dec = best(lambda: k_sparse.decode(be, sec, numel, device=dev).cpu().numpy(), r, sync)
-    trd, dref = best(lambda: S.decode_indices_reference(ref, numel), r, sync)
+    te, sec = best(lambda: rice.encode.kernels(be, it, numel).cpu().numpy(), r, sync)
+    tre, ref = best(lambda: rice.encode.reference(idx, numel).numpy(), r, sync)
+    td, dec = best(lambda: rice.decode.kernels(be, sec, numel, device=dev).cpu().numpy(), r,
+                   sync)
+    trd, dref = best(lambda: rice.decode.reference(ref, numel).numpy(), r, sync)
     print(f"sparse {a.m} of {numel} indices: section {sec.size} bytes, identical: "
           f"{sec.tobytes() == ref.tobytes()} / decode identical: "
           f"{np.array_equal(dec, idx) and np.array_equal(dref, idx)}")

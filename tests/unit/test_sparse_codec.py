@@ -22,9 +22,8 @@ import torch
 
 import hvdcomp
 from hvdcomp import WireFormatError
-from hvdcomp.codecs.sparse import (count_width, decode_indices, decode_values, encode_indices,
-                                   encode_values, kiely_parameter, pack_uint, rice_parameter,
-                                   unpack_uint)
+from hvdcomp.codecs.sparse import decode_indices, decode_values, encode_indices, encode_values
+from hvdcomp.ops.rice import count_width, kiely_parameter, pack_uint, rice_parameter, unpack_uint
 from hvdcomp.wire import Message
 
 TOPK = 22                        # hvdcomp.wire.CODECS["topk"], fixed by the wire format
@@ -167,8 +166,8 @@ def test_round_trip_sizes_and_densities(numel, density, rng):
 
 @pytest.mark.parametrize("k", list(range(0, 63)))
 def test_every_rice_parameter(k, rng):
-    # forced k: exercises the bitpack path (k <= 8), the 64-bit word path (9..56) and the
-    # bit-array path (57..62); numel large enough that gaps of about 2**k occur
+    # forced k: exercises pack_uint's 64-bit word path (k <= 56) and its bit-array path
+    # (57..62); numel large enough that gaps of about 2**k occur
     numel = 2**62 if k >= 40 else max(64, 1 << (k + 4))
     idx = np.unique(rng.integers(0, numel, size=40, dtype=np.int64))
     sec = encode_indices(idx, numel, k=k)
