@@ -40,7 +40,7 @@ import torch
 
 from .errors import WireFormatError
 
-__all__ = ["Message", "MAGIC", "VERSION", "CODECS", "DTYPES", "FLAG_NONFINITE", "FLAG_ENTROPY",
+__all__ = ["Message", "MAGIC", "VERSION", "CODECS", "USER_CODECS", "register_codec", "DTYPES", "FLAG_NONFINITE", "FLAG_ENTROPY",
            "dtype_code", "code_dtype", "HEADER_SIZE", "MAX_NDIM", "MAX_SECTIONS"]
 
 MAGIC = b"HVDC"
@@ -78,6 +78,28 @@ CODECS = {
     "laq": 24,
 }
 _CODEC_NAMES = {v: k for k, v in CODECS.items()}
+
+# Ids 128..255 are for compressors defined outside hvdcomp (a user's or a test's own module),
+# registered at import with register_codec (or hvdcomp.register(name, codec=ID)).
+USER_CODECS = range(128, 256)
+
+
+def register_codec(name: str, codec: int) -> int:
+    """Give the compressor ``name`` the wire id ``codec`` (an int in 128..255, USER_CODECS)
+    and return it.  Registering the same (name, id) again is a no-op (a module imported
+    twice); an id or a name already taken otherwise raises ValueError."""
+    if isinstance(codec, bool) or not isinstance(codec, int) or codec not in USER_CODECS:
+        raise ValueError(f"codec id of {name!r} must be an int in 128..255 (ids below 128 "
+                         f"are hvdcomp's own), got {codec!r}")
+    if CODECS.get(name) == codec:
+        return codec
+    if name in CODECS or codec in _CODEC_NAMES:
+        raise ValueError(f"cannot register codec {name!r} as {codec}: "
+                         f"{name!r} has id {CODECS.get(name)}, id {codec} is "
+                         f"{_CODEC_NAMES.get(codec)!r}")
+    CODECS[name] = codec
+    _CODEC_NAMES[codec] = name
+    return codec
 
 DTYPES = {
     torch.float32: 1,

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, WireFormatError
-from ..wire import FLAG_NONFINITE, Message, dtype_code
+from ..wire import FLAG_NONFINITE, Message, dtype_code, register_codec
 from . import settings
 from .state import finite
 
@@ -28,11 +28,19 @@ __all__ = ["Compressor", "TensorKey", "register", "get", "parse_spec", "availabl
 REGISTRY: Dict[str, type] = {}
 
 
-def register(name: str):
-    """Class decorator: make a compressor available as ``hvdcomp.get(name)``."""
+def register(name: str, codec: Optional[int] = None):
+    """Class decorator: make a compressor available as ``hvdcomp.get(name)``.
+
+    codec: the wire id of a compressor defined outside hvdcomp (128..255,
+    hvdcomp.wire.USER_CODECS), set as the class's ``codec``; hvdcomp's own compressors set
+    ``codec = CODECS[name]`` themselves.  Raises ValueError for a name registered twice or
+    an id taken.
+    """
     def deco(cls):
         if name in REGISTRY:
             raise ValueError(f"compressor name {name!r} registered twice")
+        if codec is not None:
+            cls.codec = register_codec(name, codec)
         cls.name = name
         REGISTRY[name] = cls
         return cls
