@@ -326,6 +326,20 @@ def _(be, indices, numel: int, k: int = -1) -> torch.Tensor:
     return out
 
 
+def _layout(b: np.ndarray, numel: int):
+    """(k, m, off, ubytes) of a section: Rice parameter, index count, offset and length of
+    the unary stream, checked against the section's size (WireFormatError); an empty
+    section (m = 0) is checked whole here."""
+    k, m = section_header(b, numel)
+    off = 1 + count_width(numel)
+    if m == 0:
+        _check_empty(b, k, off)
+        return k, 0, off, 0
+    ubytes = b.size - off - (m * k + 7) // 8
+    _check_unary_size(b.size, m, k, ubytes)
+    return k, m, off, ubytes
+
+
 # --- decode --------------------------------------------------------------------------------------
 
 @op
@@ -344,14 +358,9 @@ def decode(section, numel: int, device=None) -> torch.Tensor:
         section.device if isinstance(section, torch.Tensor) else torch.device("cpu"))
     b = section_bytes(section)
     numel = int(numel)
-    k, m = section_header(b, numel)
-    off = 1 + count_width(numel)
+    k, m, off, ubytes = _layout(b, numel)
     if m == 0:
-        _check_empty(b, k, off)
         return torch.zeros(0, dtype=torch.int64, device=dev)
-    rbytes = (m * k + 7) // 8
-    ubytes = b.size - off - rbytes
-    _check_unary_size(b.size, m, k, ubytes)
     unary = np.unpackbits(b[off:off + ubytes], bitorder="little")
     zeros = np.flatnonzero(unary == 0)
     if zeros.size < m:
@@ -384,14 +393,10 @@ def _(be, section, numel: int, device=None) -> torch.Tensor:
     dev = torch.device(device) if device is not None else (
         sec_t.device if sec_t is not None else torch.device(be.device_type))
     numel = int(numel)
-    k, m = section_header(b, numel)
-    off = 1 + count_width(numel)
+    k, m, off, ubytes = _layout(b, numel)
     if m == 0:
-        _check_empty(b, k, off)
         return torch.zeros(0, dtype=torch.int64, device=dev)
     rbytes = (m * k + 7) // 8
-    ubytes = b.size - off - rbytes
-    _check_unary_size(b.size, m, k, ubytes)
     if sec_t is None or sec_t.device != dev:
         sec_t = torch.from_numpy(b if b.flags.writeable else b.copy()).to(dev)
     sec_t = check_tensor(be, sec_t, "section", torch.uint8, b.size)
