@@ -54,13 +54,15 @@ import numpy as np
 import torch
 
 from ..backends import k_ternary, kernel_backend
-from ..codecs import packed_size
+from ..codecs import pack_bits, packed_size, unpack_bits
+from ..codecs.sections import read_codes
 from ..errors import WireFormatError
 from ..random import uniform
 from ..wire import CODECS, FLAG_ENTROPY, Message
 from .base import TensorKey, register
 from .bucketing import TensorBuckets
-from .quantizers import BucketQuantizer, dequantize_reference, quantize_reference
+from ..ops.quantize import dequantize_reference, quantize_reference
+from .quantizers import BucketQuantizer
 from .state import finite
 
 __all__ = ["TernGrad", "clip_threshold", "clip_gradient"]
@@ -164,7 +166,7 @@ class TernGrad(TensorBuckets, BucketQuantizer):
         u = uniform(n, seed=key.seed, step=key.step, rank=key.rank, tensor_id=key.tensor_id,
                     device=c.device)
         norms, codes = quantize_reference(c, self.levels.to(c.device), self._bs(n), "linf", u)
-        return self._message(grad, key, norms, codes)       # packed, or rANS with entropy
+        return self._message(grad, key, norms, pack_bits(codes, _BITS))   # or rANS
 
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
         n = msg.numel
@@ -184,7 +186,7 @@ class TernGrad(TensorBuckets, BucketQuantizer):
             k_ternary.terngrad_decode_add(be.backend, packed, n, norms.to(dev), self._bs(n),
                                           out)
             return
-        codes = self._codes(msg, n)                         # unpacked or entropy-decoded
+        codes = unpack_bits(read_codes(msg, 1, n, _BITS), n, _BITS)   # or rANS-decoded
         v = dequantize_reference(norms, codes, self.levels, self._bs(n), _BITS - 1)
         out.add_(v.to(out.device))
 
@@ -209,7 +211,7 @@ class TernGrad(TensorBuckets, BucketQuantizer):
         scales = maxima if math.isinf(t) else maxima.clamp(max=t)
         packed = k_ternary.terngrad_pack(be, x, scales, bs, t, seed=key.seed, rank=key.rank,
                                          tensor_id=key.tensor_id, step=key.step)
-        return self._message(grad, key, scales, None, packed)   # packed, or rANS
+        return self._message(grad, key, scales, packed)   # packed, or rANS
 
     # --- statistics -----------------------------------------------------------------------
     def variance(self, grad: torch.Tensor) -> float:

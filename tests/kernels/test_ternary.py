@@ -23,7 +23,7 @@ from hvdcomp import backends
 from hvdcomp.backends import k_ternary as K
 from hvdcomp.codecs import pack_bits, unpack_bits
 from hvdcomp.compressors.base import TensorKey
-from hvdcomp.compressors.quantizers import dequantize_reference, quantize_reference
+from hvdcomp.ops.quantize import dequantize_reference, quantize_reference
 from hvdcomp.compressors.signef import SignEF
 from hvdcomp.compressors.terngrad import clip_gradient, clip_threshold
 from hvdcomp.random import uniform
