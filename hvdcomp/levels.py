@@ -12,15 +12,17 @@ Variance (Faghri et al., NeurIPS 2020, Eq. 2 and Sec. 3): stochastic rounding of
 magnitude r in [l_j, l_{j+1}] has variance (l_{j+1} - r)(r - l_j); a bucket's error variance
 is its norm squared times the sum of that over its coordinates.
 
-The distribution of normalized magnitudes comes from cheap statistics of the gradients.
-``model="normal"`` is the paper's: the signed normalized coordinates v_i / ||v|| are
-N(mu, sigma^2) (magnitudes: a folded normal truncated to [0, 1]), from three sums weighted by
-the bucket norm squared.  ``model="hist"`` (default) keeps, per bin of a fixed 256-bin
-log-spaced histogram of magnitudes, the same three weighted sums; real gradients have heavy
-tails that the normal model misses (measured in bench/results/quantizers.md), and the binned
-sums make the expected variance of a level table exact up to within-bin spread.  ALQ
-minimizes the model's expected variance by
-coordinate descent: given its neighbours a < b, the optimal interior level x solves
+The distribution of normalized magnitudes comes from cheap statistics of the gradients,
+computed by the ops of hvdcomp.ops.stats (``bucket_stats``, ``histogram_stats``) and summed
+across tensors and ranks; the fits here take those sums.  ``model="normal"`` is the
+paper's: the signed normalized coordinates v_i / ||v|| are N(mu, sigma^2) (magnitudes: a
+folded normal truncated to [0, 1]), from three sums weighted by the bucket norm squared.
+``model="hist"`` (default) keeps, per bin of a fixed 256-bin log-spaced histogram of
+magnitudes, the same three weighted sums; real gradients have heavy tails that the normal
+model misses (measured in bench/results/quantizers.md), and the binned sums make the
+expected variance of a level table exact up to within-bin spread.  ALQ minimizes the
+model's expected variance by coordinate descent: given its neighbours a < b, the optimal
+interior level x solves
     F(x) = (b F(b) - a F(a) - (M1(b) - M1(a))) / (b - a)
 (F: model CDF, M1: partial first moment), i.e. it is a quantile of the model; this is the
 closed-form coordinate update of ALQ (Sec. 3.1).  AMQ restricts the table to
@@ -36,7 +38,7 @@ import numpy as np
 
 __all__ = ["uniform_levels", "exponential_levels", "num_levels", "expected_variance",
            "empirical_variance", "FoldedNormal", "HistogramModel", "fit_alq", "fit_amq",
-           "bucket_stats", "histogram_stats", "model_from_stats", "HIST_EDGES"]
+           "model_from_stats"]
 
 
 def num_levels(bits: int) -> int:
@@ -68,33 +70,6 @@ def empirical_variance(r: np.ndarray, weights: np.ndarray, levels: np.ndarray) -
     j = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, len(levels) - 2)
     lo, hi = levels[j], levels[j + 1]
     return float(np.sum(np.asarray(weights, dtype=np.float64) * (hi - r) * (r - lo)))
-
-
-def bucket_stats(x, bucket_size: int, norm: str = "l2") -> np.ndarray:
-    """Sufficient statistics of ALQ for one flat float tensor: [sum w, sum w v, sum w v^2]
-    of the signed normalized coordinates v = x_i / ||bucket||, each weighted by
-    w = ||bucket||^2.  Summing these across tensors and ranks is exact."""
-    import torch
-    x = x.detach().reshape(-1).to(torch.float64)
-    n = x.numel()
-    if n == 0:
-        return np.zeros(3)
-    nb = (n + bucket_size - 1) // bucket_size
-    pad = torch.zeros(nb * bucket_size - n, dtype=torch.float64, device=x.device)
-    b = torch.cat([x, pad]).view(nb, bucket_size)
-    if norm == "l2":
-        nrm = b.norm(dim=1)
-    else:
-        nrm = b.abs().amax(dim=1)
-    w = nrm * nrm
-    safe = torch.where(nrm > 0, nrm, torch.ones_like(nrm))
-    v = b / safe.unsqueeze(1)
-    counts = torch.full((nb,), float(bucket_size), dtype=torch.float64, device=x.device)
-    counts[-1] = n - (nb - 1) * bucket_size
-    s0 = (w * counts).sum()
-    s1 = (w * v.sum(dim=1)).sum()
-    s2 = (w * (v * v).sum(dim=1)).sum()
-    return np.array([float(s0), float(s1), float(s2)])
 
 
 _SQRT2 = math.sqrt(2.0)
@@ -198,42 +173,10 @@ def _strictly_increasing(levels: np.ndarray) -> np.ndarray:
     return lv
 
 
-# 256 bins of normalized magnitude: [0, 1e-8), then log-spaced up to 1 (ratio 1.075).
-HIST_EDGES = np.concatenate([[0.0], np.logspace(-8, 0, 256)])
-
-
-def histogram_stats(x, bucket_size: int, norm: str = "l2") -> np.ndarray:
-    """Sufficient statistics of the variance objective, binned: for each of the 256 bins of
-    :data:`HIST_EDGES`, [sum w, sum w r, sum w r^2] of the normalized magnitudes
-    r = |x_i| / ||bucket|| that fall in it, each weighted by w = ||bucket||^2.
-
-    Returns a flat float64 array of 768 values (bin-major); sums across tensors and ranks
-    are exact.  With every bin's mass placed at its mean, the expected variance of any level
-    table is an exact function of these numbers (HistogramModel).
-    """
-    import torch
-    x = x.detach().reshape(-1).to(torch.float64)
-    B = len(HIST_EDGES) - 1
-    n = x.numel()
-    if n == 0:
-        return np.zeros(3 * B)
-    nb = (n + bucket_size - 1) // bucket_size
-    b = torch.cat([x, torch.zeros(nb * bucket_size - n, dtype=torch.float64,
-                                  device=x.device)]).view(nb, -1)
-    nrm = b.norm(dim=1) if norm == "l2" else b.abs().amax(dim=1)
-    w = (nrm * nrm).unsqueeze(1).expand_as(b).reshape(-1)[:n]
-    safe = torch.where(nrm > 0, nrm, torch.ones_like(nrm))
-    r = (b.abs() / safe.unsqueeze(1)).reshape(-1)[:n].clamp(0.0, 1.0)
-    edges = torch.from_numpy(HIST_EDGES).to(x.device)
-    k = (torch.searchsorted(edges, r, right=True) - 1).clamp(0, B - 1)
-    out = torch.stack([torch.bincount(k, weights=w * r ** p, minlength=B) for p in (0, 1, 2)],
-                      dim=1)
-    return out.reshape(-1).cpu().numpy()
-
-
 class HistogramModel:
     """The distribution of normalized magnitudes as point masses at the bin means of
-    :func:`histogram_stats` (no parametric assumption: heavy tails are kept)."""
+    :func:`hvdcomp.ops.stats.histogram_stats` (no parametric assumption: heavy tails are
+    kept)."""
 
     def __init__(self, stats):
         st = np.asarray(stats, dtype=np.float64).reshape(-1, 3)
@@ -282,8 +225,8 @@ def model_from_stats(stats):
 
 
 def fit_alq(stats, bits: int, sweeps: int = 30) -> np.ndarray:
-    """ALQ levels for the model of ``stats`` (:func:`bucket_stats`: the paper's truncated
-    normal; :func:`histogram_stats`: binned, no parametric assumption).
+    """ALQ levels for the model of ``stats`` (hvdcomp.ops.stats: ``bucket_stats``, the
+    paper's truncated normal; ``histogram_stats``, binned, no parametric assumption).
 
     Coordinate descent from three starts (model quantiles, uniform, exponential), keeping the
     table of lowest model variance.  Deterministic given ``stats``.

@@ -1,31 +1,25 @@
-"""Kernel backends: the CUDA kernels of every compressor (kernels/*.cu), on a GPU or the CPU.
+"""Kernel backends: where the CUDA kernels of ``kernels/*.cu`` run, on a GPU or the CPU.
 
-The bucketed quantizers' operations are the ``Ops`` of _common.py (below); the other
-families' launchers are in ``k_<family>.py`` (k_ternary, k_stats, k_psq, k_dithered, k_laq,
-k_dgc, k_rans, k_sparse), functions that take the launch object ``backend`` of ``host`` or
-``cuda`` first.  For the quantizers, three implementations of one contract:
-
-* the specification: PyTorch ops in hvdcomp/compressors/quantizers.py
-  (``quantize_reference``, ``dequantize_reference``, ``bucket_norms``), with
-  hvdcomp/random.py and hvdcomp/codecs/bitpack.py;
-* ``hvdcomp.backends.host``: the CUDA sources in ``kernels/`` built with g++ and run on the
-  CPU (ctypes), for CPU tensors;
+* ``hvdcomp.backends.host``: the sources built with g++ against ``kernels/host_shim.h`` and
+  run on the CPU (ctypes, OpenMP), for CPU tensors;
 * ``hvdcomp.backends.cuda``: the same sources through CuPy (NVRTC), for CUDA tensors, on
   PyTorch's current stream.
 
-Both kernel backends expose the same functions (``bucket_norms``, ``quantize_pack``,
-``quantize``, ``dequantize_add``, ``random_words``, ``uniform``) and give the same bytes:
-codes and decoded values are bit-identical to the specification given the same norms;
-L1/L-inf norms bit-identical, L2 norms bit-identical between host and GPU (one fixed
-float64 summation order) and within 1 float32 ulp of ``torch.sum``'s order.
+Each exposes ``backend``, a launch object (``name``, ``device_type``, ``launch(kernel, grid,
+block, args)``), and nothing that computes: the operations are the ops of hvdcomp.ops (a
+PyTorch reference, the specification, and a kernel implementation that receives this launch
+object, checks its arguments with hvdcomp.backends._common, allocates and launches).  Both
+backends give the same bytes: the kernels' fixed summation orders depend on the arguments,
+never on the device or the thread count.
 
 ``for_device(device)`` returns the backend module for a device; ``kernel_backend(device)``
-is what the compressors call: the backend, or None to run the PyTorch reference.  Nothing
+is what the op dispatcher calls: the backend, or None to run the PyTorch reference.  Nothing
 here imports CuPy until a CUDA tensor asks for it.
 
 Environment: HVDCOMP_BACKEND = ``auto`` (default: kernels where they can run, else the
 reference with one warning), ``kernels`` (kernels or an error), ``reference`` (never the
-kernels).  The bytes are the same either way (see above); only the speed differs.
+kernels).  The results are those each op's docstring states either way; only the speed
+differs.
 """
 from __future__ import annotations
 
@@ -86,8 +80,8 @@ def kernel_backend(device) -> Optional[object]:
             if mode == "kernels":
                 raise RuntimeError(f"HVDCOMP_BACKEND=kernels but no kernel backend for "
                                    f"{dev.type}: {e}") from e
-            warnings.warn(f"hvdcomp: no kernel backend for {dev.type} ({e}); the quantizers "
-                          f"run the PyTorch reference (same bytes, slower)", RuntimeWarning,
+            warnings.warn(f"hvdcomp: no kernel backend for {dev.type} ({e}); the ops run "
+                          f"the PyTorch reference (same bytes, slower)", RuntimeWarning,
                           stacklevel=2)
             mod = None
         _choice[key] = mod

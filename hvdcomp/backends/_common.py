@@ -1,11 +1,13 @@
-"""What the kernel backends share: where the sources are, the kernels' signatures, launch
-geometry, argument checks, and the operations themselves, written once over a small
-backend interface (``launch``, ``device_type``).
+"""What the kernel backends share: where the kernel sources are and what they declare (the
+kernels' signatures), launch geometry, and the argument checks of the kernel launchers.
 
-Nothing here computes a quantizer: every number comes from a kernel in ``kernels/*.cu``.
-The operations only check their arguments, allocate outputs, choose the geometry and type
-the scalars.  ``hvdcomp/backends/host.py`` (g++, ctypes, CPU tensors) and
-``hvdcomp/backends/cuda.py`` (CuPy, CUDA tensors) bind them to their device.
+The launchers themselves are the kernel implementations of the ops (hvdcomp/ops/*.py): they
+receive a backend's launch object (``backend`` of ``hvdcomp/backends/host.py``, g++ and
+ctypes for CPU tensors, or of ``hvdcomp/backends/cuda.py``, CuPy for CUDA tensors), which
+provides ``name``, ``device_type`` ("cpu" or "cuda") and ``launch(kernel, grid, block,
+args)``, where ``args`` follow ``SIGNATURES[kernel]``: contiguous tensors for ``P``, Python
+ints or floats for the scalars, range-checked by the launcher; the backend types them
+exactly (ctypes or NumPy scalars).
 """
 from __future__ import annotations
 
@@ -13,13 +15,13 @@ import hashlib
 import operator
 import os
 import re
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 
 __all__ = ["kernel_dir", "source_hash", "discover", "SIGNATURES", "KERNEL_SOURCE",
-           "DEVICE_SOURCES", "HOST_SOURCES", "check_tensor", "check_int", "u32", "grid_for", "BLOCK", "MAX_GRID", "reduce_block", "packed_size",
-           "Ops"]
+           "DEVICE_SOURCES", "HOST_SOURCES", "check_tensor", "check_int", "u32", "grid_for",
+           "BLOCK", "MAX_GRID", "reduce_block", "packed_size"]
 
 # ---- sources ------------------------------------------------------------------------------
 #
@@ -143,6 +145,8 @@ def grid_for(items: int, block: int = BLOCK) -> int:
 # ---- argument checks -----------------------------------------------------------------------
 
 def check_int(v, name: str, lo: int, hi: int) -> int:
+    """An integer argument in lo..hi.  Raises TypeError (bool, not an integer) or ValueError
+    (out of range) naming it."""
     if isinstance(v, bool):
         raise TypeError(f"{name} must be an integer, got bool")
     try:
@@ -157,14 +161,6 @@ def check_int(v, name: str, lo: int, hi: int) -> int:
 def u32(v, name: str) -> int:
     """A key/counter word: any integer, taken modulo 2**32 as hvdcomp.random does."""
     return check_int(v, name, -2**63, 2**63 - 1) & 0xFFFFFFFF
-
-
-def _bits(bits) -> int:
-    return check_int(bits, "bits", 2, 8)
-
-
-def _bucket(bucket_size) -> int:
-    return check_int(bucket_size, "bucket_size", 1, 2**62)
 
 
 def check_tensor(be, t, name: str, dtype: torch.dtype, numel: Optional[int] = None, *,
@@ -193,159 +189,3 @@ def check_tensor(be, t, name: str, dtype: torch.dtype, numel: Optional[int] = No
             raise ValueError(f"{name} (written by the kernel) must not require grad")
         return t
     return t.detach().contiguous()    # kernels read storage order
-
-
-class Ops:
-    """The kernel operations of one backend.
-
-    ``backend`` provides ``device_type`` ("cpu" or "cuda") and
-    ``launch(kernel, grid, block, args)``, where ``args`` follow ``SIGNATURES[kernel]``:
-    contiguous tensors for ``P``, Python ints or floats for the scalars, already range-checked
-    here; the backend types them exactly (ctypes or NumPy scalars).
-    """
-
-    def __init__(self, backend):
-        self.be = backend
-
-    # -- checks --
-    def _tensor(self, t, name: str, dtype: torch.dtype, numel: Optional[int] = None,
-                *, output: bool = False, device: Optional[torch.device] = None) -> torch.Tensor:
-        return check_tensor(self.be, t, name, dtype, numel, output=output, device=device)
-
-    def _levels(self, levels, bits: int, device) -> torch.Tensor:
-        return self._tensor(levels, "levels", torch.float32, 1 << (bits - 1), device=device)
-
-    # -- operations --
-    def bucket_norms(self, x: torch.Tensor, bucket_size: int, norm: str,
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Per-bucket norms of flat float32 ``x`` (n,): float32 (ceil(n / bucket_size),).
-
-        norm "l2": sqrt of the float64 sum of squares, rounded once to float32, summed in the
-        kernel's fixed order (see reduce_block); "linf": max |x|.  NaN propagates.
-        Matches quantizers.bucket_norms: linf bit for bit, l2 to within 1 float32 ulp
-        (bit for bit unless the two float64 sums straddle a float32 rounding boundary).
-        """
-        x = self._tensor(x, "x", torch.float32)
-        bs = _bucket(bucket_size)
-        if norm not in ("l2", "linf"):
-            raise ValueError(f"norm must be 'l2' or 'linf', got {norm!r}")
-        n = x.numel()
-        nb = (n + bs - 1) // bs
-        if out is None:
-            out = torch.empty(nb, dtype=torch.float32, device=x.device)
-        out = self._tensor(out, "out", torch.float32, nb, output=True, device=x.device)
-        if nb:
-            self.be.launch("hvd_bucket_norms_" + norm, min(nb, MAX_GRID), reduce_block(bs),
-                           (x, n, bs, out))
-        return out
-
-    def quantize_pack(self, x: torch.Tensor, norms: torch.Tensor, levels: torch.Tensor,
-                      bits: int, bucket_size: int, *, seed: int, rank: int, tensor_id: int,
-                      step: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Stochastic quantization of ``x`` against the given ``norms``, packed.
-
-        Returns uint8 (ceil(n * bits / 8),) equal to ``pack_bits(codes, bits)`` with
-        ``codes = quantize_reference(x, levels, bucket_size, norm, u)[1]`` where the
-        reference computes these same ``norms`` and
-        ``u = hvdcomp.random.uniform(n, seed=seed, step=step, rank=rank, tensor_id=tensor_id)``.
-        levels: float32 (2**(bits-1),), increasing (not checked here: no device sync).
-        """
-        b = _bits(bits)
-        x = self._tensor(x, "x", torch.float32)
-        bs = _bucket(bucket_size)
-        n = x.numel()
-        nb = (n + bs - 1) // bs
-        norms = self._tensor(norms, "norms", torch.float32, nb, device=x.device)
-        levels = self._levels(levels, b, x.device)
-        nbytes = packed_size(n, b)
-        if out is None:
-            out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-        out = self._tensor(out, "out", torch.uint8, nbytes, output=True, device=x.device)
-        if n:
-            self.be.launch("hvd_quantize_pack", grid_for((n + 7) // 8), BLOCK,
-                           (x, n, norms, bs, levels, b, u32(seed, "seed"),
-                            u32(rank, "rank"), u32(tensor_id, "tensor_id"),
-                            u32(step, "step"), out))
-        return out
-
-    def quantize(self, x: torch.Tensor, levels: torch.Tensor, bits: int, bucket_size: int,
-                 norm: str, *, seed: int, rank: int, tensor_id: int,
-                 step: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(norms, packed codes): bucket_norms then quantize_pack (two launches)."""
-        norms = self.bucket_norms(x, bucket_size, norm)
-        packed = self.quantize_pack(x, norms, levels, bits, bucket_size, seed=seed, rank=rank,
-                                    tensor_id=tensor_id, step=step)
-        return norms, packed
-
-    def dequantize_add(self, packed: torch.Tensor, n: int, norms: torch.Tensor,
-                       levels: torch.Tensor, bits: int, bucket_size: int,
-                       out: torch.Tensor) -> torch.Tensor:
-        """``out += dequantize_reference(norms, unpack_bits(packed, n, bits), levels,
-        bucket_size, bits - 1)``, bit for bit, without materializing the dense values.
-        out: float32 (n,), contiguous, updated in place and returned."""
-        b = _bits(bits)
-        n = check_int(n, "n", 0, 2**62)
-        bs = _bucket(bucket_size)
-        out = self._tensor(out, "out", torch.float32, n, output=True)
-        dev = out.device
-        packed = self._tensor(packed, "packed", torch.uint8, packed_size(n, b), device=dev)
-        norms = self._tensor(norms, "norms", torch.float32, (n + bs - 1) // bs, device=dev)
-        levels = self._levels(levels, b, dev)
-        if n:
-            self.be.launch("hvd_dequantize_add", grid_for((n + 7) // 8), BLOCK,
-                           (packed, n, norms, bs, levels, b, out))
-        return out
-
-    def dequantize_add_many(self, packed: Sequence[torch.Tensor], n: int,
-                            norms: Sequence[torch.Tensor], levels: torch.Tensor, bits: int,
-                            bucket_size: int, out: torch.Tensor) -> torch.Tensor:
-        """``dequantize_add`` of several messages of one tensor (packed[m], norms[m]), added
-        into ``out`` in list order, bit for bit as the sequence of single calls, in one pass
-        over ``out`` (one launch).  All tensors on out's device; same shapes as there."""
-        b = _bits(bits)
-        n = check_int(n, "n", 0, 2**62)
-        bs = _bucket(bucket_size)
-        out = self._tensor(out, "out", torch.float32, n, output=True)
-        dev = out.device
-        if len(packed) != len(norms):
-            raise ValueError(f"{len(packed)} packed streams but {len(norms)} norm vectors")
-        if len(packed) > 2**31 - 1:
-            raise ValueError("too many messages")
-        packed = [self._tensor(p, "packed", torch.uint8, packed_size(n, b), device=dev)
-                  for p in packed]
-        norms = [self._tensor(m, "norms", torch.float32, (n + bs - 1) // bs, device=dev)
-                 for m in norms]
-        levels = self._levels(levels, b, dev)
-        if n and packed:
-            pp = torch.tensor([p.data_ptr() for p in packed], dtype=torch.int64).to(dev)
-            npp = torch.tensor([m.data_ptr() for m in norms], dtype=torch.int64).to(dev)
-            # packed / norms stay referenced (these lists) until the launch has been issued;
-            # on a GPU the launch is ordered on the current stream before any later free
-            self.be.launch("hvd_dequantize_add_many", grid_for((n + 7) // 8), BLOCK,
-                           (pp, npp, len(packed), n, bs, levels, b, out))
-        return out
-
-    def _philox(self, kernel, dtype, n, seed, step, rank, tensor_id, offset, device):
-        n = check_int(n, "n", 0, 2**62)
-        offset = check_int(offset, "offset", 0, 2**62)
-        out = torch.empty(n, dtype=dtype, device=device)
-        if n:
-            self.be.launch(kernel, grid_for(n), BLOCK,
-                           (out, n, offset, u32(seed, "seed"), u32(rank, "rank"),
-                            u32(tensor_id, "tensor_id"), u32(step, "step")))
-        return out
-
-    def random_words(self, n: int, *, seed: int, step: int, rank: int, tensor_id: int,
-                     offset: int = 0, device=None) -> torch.Tensor:
-        """As hvdcomp.random.random_words: int64 (n,) holding uint32 words."""
-        dev = torch.device(device) if device is not None else torch.device(self.be.device_type)
-        w = self._philox("hvd_philox_words", torch.int32, n, seed, step, rank, tensor_id,
-                         offset, dev)
-        return w.to(torch.int64) & 0xFFFFFFFF
-
-    def uniform(self, n: int, *, seed: int, step: int, rank: int, tensor_id: int,
-                offset: int = 0, device=None) -> torch.Tensor:
-        """As hvdcomp.random.uniform: float32 (n,) in [0, 1)."""
-        dev = torch.device(device) if device is not None else torch.device(self.be.device_type)
-        return self._philox("hvd_uniform", torch.float32, n, seed, step, rank, tensor_id,
-                            offset, dev)

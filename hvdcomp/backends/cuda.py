@@ -18,8 +18,8 @@ PyTorch's current CUDA stream.
 
 CuPy is imported lazily: importing this module never fails; ``require()`` and the first
 launch raise ImportError (no CuPy) or RuntimeError (no CUDA device) with the reason.
-The functions and their contracts are those of hvdcomp.backends.host (_common.Ops), for
-CUDA tensors.
+``backend`` is the launch object the ops' kernel implementations receive (hvdcomp.ops), as
+hvdcomp.backends.host's is for CPU tensors.
 """
 from __future__ import annotations
 
@@ -31,10 +31,9 @@ from typing import Dict, Tuple
 import numpy as np
 import torch
 
-from ._common import DEVICE_SOURCES, KERNEL_SOURCE, SIGNATURES, Ops, kernel_dir, source_hash
+from ._common import DEVICE_SOURCES, KERNEL_SOURCE, SIGNATURES, kernel_dir, source_hash
 
-__all__ = ["bucket_norms", "quantize_pack", "quantize", "dequantize_add", "random_words",
-           "uniform", "require", "is_available", "compile_options", "compile_all"]
+__all__ = ["backend", "require", "is_available", "compile_options", "compile_all"]
 
 NVRTC_OPTIONS = ("--fmad=false", "-std=c++17")
 
@@ -171,12 +170,4 @@ class _CudaBackend:
                 fn((grid, 1, 1), (block, 1, 1), typed)
 
 
-backend = _CudaBackend()     # what the kernel families' modules launch through
-_ops = Ops(backend)
-bucket_norms = _ops.bucket_norms
-quantize_pack = _ops.quantize_pack
-quantize = _ops.quantize
-dequantize_add = _ops.dequantize_add
-dequantize_add_many = _ops.dequantize_add_many
-random_words = _ops.random_words
-uniform = _ops.uniform
+backend = _CudaBackend()     # what the ops' kernel implementations launch through

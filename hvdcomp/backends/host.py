@@ -5,27 +5,19 @@ through ``kernels/host_shim.h`` into a shared library that runs each grid on the
 The library is built once per (sources, compiler, flags) hash into
 ``$HVDCOMP_CACHE/kernels`` (default ``~/.cache/hvdcomp/kernels``), under a file lock so that
 ranks started together build it once, and loaded with ctypes.  Python only checks arguments
-and launches (hvdcomp/backends/_common.py); every number comes from the kernels.
+and launches; every number comes from the kernels.
 
-Functions (torch CPU tensors, float32 values; see _common.Ops for the exact contracts):
-
-    bucket_norms(x, bucket_size, norm)                              -> norms
-    quantize_pack(x, norms, levels, bits, bucket_size, *, seed, rank, tensor_id, step)
-                                                                    -> packed uint8
-    quantize(x, levels, bits, bucket_size, norm, *, seed, rank, tensor_id, step)
-                                                                    -> (norms, packed)
-    dequantize_add(packed, n, norms, levels, bits, bucket_size, out) -> out (+= decoded)
-    random_words(n, *, seed, step, rank, tensor_id, offset=0), uniform(...)
-
-Example::
+``backend`` is the launch object the ops' kernel implementations receive (hvdcomp.ops: they
+check their arguments, allocate outputs and call ``backend.launch(kernel, grid, block,
+args)``; see hvdcomp/backends/_common.py).  Example::
 
     import torch
     from hvdcomp.backends import host
-    from hvdcomp import levels as L
+    from hvdcomp.ops import quantize
     x = torch.randn(10_000)
-    lv = torch.tensor(L.uniform_levels(3), dtype=torch.float32)
-    norms, packed = host.quantize(x, lv, 3, 512, "l2", seed=1, rank=0, tensor_id=0, step=0)
-    acc = host.dequantize_add(packed, x.numel(), norms, lv, 3, 512, torch.zeros(10_000))
+    lv = torch.tensor([0.0, 0.25, 0.5, 1.0])
+    norms, packed = quantize.quantize.kernels(host.backend, x, lv, 3, 512, "l2", seed=1,
+                                              rank=0, tensor_id=0, step=0)
 
 Threads: ``set_num_threads(k)``; by default PyTorch's intra-op thread count at each call.
 Environment: HVDCOMP_CACHE (cache root), HVDCOMP_KERNEL_DIR (the sources), CXX (compiler,
@@ -48,10 +40,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._common import HOST_SOURCES, KERNEL_SOURCE, SIGNATURES, Ops, kernel_dir, source_hash
+from ._common import HOST_SOURCES, KERNEL_SOURCE, SIGNATURES, kernel_dir, source_hash
 
-__all__ = ["bucket_norms", "quantize_pack", "quantize", "dequantize_add", "random_words",
-           "uniform", "set_num_threads", "get_num_threads", "library_path", "compile_command",
+__all__ = ["backend", "set_num_threads", "get_num_threads", "library_path", "compile_command",
            "load", "openmp_version", "is_available"]
 
 ABI_VERSION = 1
@@ -270,12 +261,4 @@ class _HostBackend:
             raise RuntimeError(f"{kernel}: {lib.hvd_host_last_error().decode()}")
 
 
-backend = _HostBackend()     # what the kernel families' modules launch through
-_ops = Ops(backend)
-bucket_norms = _ops.bucket_norms
-quantize_pack = _ops.quantize_pack
-quantize = _ops.quantize
-dequantize_add = _ops.dequantize_add
-dequantize_add_many = _ops.dequantize_add_many
-random_words = _ops.random_words
-uniform = _ops.uniform
+backend = _HostBackend()     # what the ops' kernel implementations launch through

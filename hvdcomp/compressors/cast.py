@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..wire import CODECS, Message, dtype_code
+from ..wire import CODECS, code_dtype
 from .base import Compressor, TensorKey, register
 
 __all__ = ["NoneCompressor", "FP16", "BF16"]
@@ -42,12 +42,9 @@ class NoneCompressor(Compressor):
         pass
 
     def _encode(self, grad, key):
-        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=(_raw(grad),), tensor_id=key.tensor_id, rank=key.rank,
-                       seed=key.seed, step=key.step)
+        return self._new_message(grad, key, (_raw(grad),))
 
     def _decode(self, msg, key, out):
-        from ..wire import code_dtype
         dt = code_dtype(msg.dtype)
         msg.expect(nsections=1)
         msg.section_size_check(0, msg.numel * torch.empty(0, dtype=dt).element_size(), "values")
@@ -76,10 +73,7 @@ class _Cast(Compressor):
         s = self._scale(key)
         if s != 1.0:
             x = x.to(torch.float32) / s     # divide before the cast so sums cannot overflow
-        y = x.to(self.wire_dtype)
-        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=(_raw(y),), tensor_id=key.tensor_id, rank=key.rank,
-                       seed=key.seed, step=key.step)
+        return self._new_message(grad, key, (_raw(x.to(self.wire_dtype)),))
 
     def _decode(self, msg, key, out):
         msg.expect(nsections=1)

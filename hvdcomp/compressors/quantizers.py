@@ -4,7 +4,8 @@ Source: Faghri et al., "Adaptive Gradient Quantization for Data-Parallel SGD", N
 (arXiv 2010.12460), Sec. 2 (the family, Eq. 1-2) and Sec. 3 (ALQ, AMQ); QSGD: Alistarh et
 al., NeurIPS 2017; NUQSGD: Ramezani-Kebrya et al., JMLR 2021.
 
-Per bucket of ``bucket_size`` coordinates of the flattened gradient v:
+Per bucket of ``bucket_size`` coordinates of the flattened gradient v (hvdcomp.ops.quantize
+computes it, on the kernels or in PyTorch):
     norm  = ||v||_2 (QSGDinf: ||v||_inf)
     r_i   = |v_i| / norm in [0, 1]
     r_i in [l_j, l_{j+1}] is sent as l_{j+1} with probability (r_i - l_j) / (l_{j+1} - l_j),
@@ -13,29 +14,28 @@ Per bucket of ``bucket_size`` coordinates of the flattened gradient v:
 
 Wire sections (see docs/wire-format.md):
     0: bucket norms, float32, ceil(numel / bucket_size) values
-    1: codes, ``bits`` per coordinate packed LSB-first (hvdcomp.ops.bitpack):
+    1: codes, ``bits`` per coordinate packed LSB-first (hvdcomp.ops.bitpack), or
+       rANS-coded with flag ENTROPY (hvdcomp.codecs.sections):
        code = sign << (bits - 1) | level index; sign = 1 for v_i < 0.
 So a message costs numel * bits / 8 + 4 * ceil(numel / bucket_size) bytes plus its header.
 """
 from __future__ import annotations
 
-from typing import Tuple
-
 import numpy as np
 import torch
 
 from .. import levels as L
-from ..backends import k_stats, kernel_backend
-from .protocols import AdaptiveLevels
-from ..codecs import decode_symbols, encode_symbols, pack_bits, packed_size, unpack_bits
-from ..codecs.rans import decode_codes, encode_codes
+from ..codecs import packed_size
+from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
-from ..random import uniform
-from ..wire import CODECS, FLAG_ENTROPY, Message, dtype_code
+from ..ops import quantize, stats
+from ..wire import CODECS, Message
+from . import settings
 from .base import Compressor, register
+from .protocols import AdaptiveLevels
+from .state import finite
 
-__all__ = ["BucketQuantizer", "QSGD", "QSGDInf", "NUQSGD", "ALQ", "AMQ",
-           "quantize_reference", "dequantize_reference"]
+__all__ = ["BucketQuantizer", "QSGD", "QSGDInf", "NUQSGD", "ALQ", "AMQ"]
 
 
 def _check_float(grad: torch.Tensor, name: str) -> None:
@@ -43,73 +43,30 @@ def _check_float(grad: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} quantizes floating-point gradients only, got {grad.dtype}")
 
 
-def bucket_norms(x: torch.Tensor, bucket_size: int, norm: str) -> torch.Tensor:
-    """x: flat float32 padded to a multiple of bucket_size.  Returns float32 norms per bucket.
-
-    The L2 norm is accumulated in float64 and rounded once to float32, so the result does not
-    depend on the summation order to within float32 precision (CPU and GPU agree)."""
-    b = x.view(-1, bucket_size)
-    if norm == "l2":
-        return b.to(torch.float64).pow(2).sum(dim=1).sqrt().to(torch.float32)
-    return b.abs().amax(dim=1)
-
-
-def quantize_reference(x: torch.Tensor, levels: torch.Tensor, bucket_size: int, norm: str,
-                       u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The specification of the quantizer (PyTorch ops only).
-
-    x: flat float32 (n,); levels: float32 (s+1,) increasing from 0 to 1; u: float32 (n,)
-    uniform in [0, 1).  Returns (norms float32 (nb,), codes int64 (n,)) with
-    code = sign << bits-1 | level index.
-    """
-    n = x.numel()
-    nb = (n + bucket_size - 1) // bucket_size
-    xp = torch.zeros(nb * bucket_size, dtype=torch.float32, device=x.device)
-    xp[:n] = x
-    norms = bucket_norms(xp, bucket_size, norm)
-    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-    r = (xp.view(nb, bucket_size).abs() / safe.unsqueeze(1)).reshape(-1)[:n]
-    r = r.clamp_(max=1.0)            # |v_i| / ||v|| can round to just above 1
-    s = levels.numel() - 1
-    j = (torch.searchsorted(levels, r, right=True) - 1).clamp_(0, s - 1)
-    lo, hi = levels[j], levels[j + 1]
-    p = (r - lo) / (hi - lo)
-    idx = j + (u < p).to(torch.int64)
-    sign = (x < 0).to(torch.int64)
-    bits_idx = max(int(s).bit_length(), 1)
-    return norms, (sign << bits_idx) | idx
-
-
-def dequantize_reference(norms: torch.Tensor, codes: torch.Tensor, levels: torch.Tensor,
-                         bucket_size: int, index_bits: int) -> torch.Tensor:
-    """Inverse map: float32 (n,) values sign * norm * levels[index]."""
-    n = codes.numel()
-    idx = codes & ((1 << index_bits) - 1)
-    neg = (codes >> index_bits) != 0
-    scale = norms.repeat_interleave(bucket_size)[:n] if n else norms[:0]
-    v = levels[idx] * scale
-    return torch.where(neg, -v, v)
-
-
 class BucketQuantizer(Compressor):
     """Shared machinery of the family; subclasses choose the norm and the level table.
 
     Args:
-      bits: bits per coordinate on the wire, sign included (2..8): 2**(bits-1) levels.
-      bucket_size: coordinates per bucket (each bucket sends one float32 norm).
+      bits: bits per coordinate on the wire, sign included (int, 2..8): 2**(bits-1) levels.
+      bucket_size: coordinates per bucket (int, 1..2**31; each bucket sends one float32 norm).
       entropy: rANS-code the codes with a model carried in the message (flag ENTROPY;
         hvdcomp.codecs.rans) instead of packing them at ``bits`` each.
-    Raises ValueError for bits outside 2..8 or bucket_size < 1.
+    Raises ValueError for values out of range, TypeError for bits or bucket_size that are
+    not ints (a spec string's values are converted by hvdcomp.get).
+
+    encode(grad, key): grad of any shape and layout, floating dtype (quantized from its
+      float32 values); TypeError for other dtypes.  A gradient holding NaN/Inf, or whose L2
+      norm overflows float32, is sent as a NONFINITE message.
+    decode / combine: add ``sign * norm * levels[index]`` (float32) into ``out``, every
+      rank's message in rank order; WireFormatError for a wrong header, wrong section sizes
+      or norms that are negative or not finite.
     """
     norm = "l2"
 
     def __init__(self, bits: int = 3, bucket_size: int = 8192, entropy: bool = False):
-        L.num_levels(bits)
-        self.entropy = bool(entropy)
-        if not isinstance(bucket_size, int) or bucket_size < 1 or bucket_size > 2**31:
-            raise ValueError(f"bucket_size must be an integer in 1..2**31, got {bucket_size}")
-        self.bits = int(bits)
-        self.bucket_size = int(bucket_size)
+        self.bits = settings.integer("bits", bits, 2, 8)
+        self.bucket_size = settings.integer("bucket_size", bucket_size, 1, 2**31)
+        self.entropy = settings.boolean("entropy", entropy)
         self.levels = torch.tensor(self.initial_levels(), dtype=torch.float32)
         self.level_version = 0
 
@@ -128,118 +85,67 @@ class BucketQuantizer(Compressor):
     def _encode(self, grad, key):
         _check_float(grad, self.name)
         x = grad.detach().reshape(-1).to(torch.float32)
-        n = x.numel()
-        lv = self.levels.to(x.device)
-        be = kernel_backend(x.device)
-        if be is not None:      # kernels/quantize.cu: the same bytes as the reference below
-            norms, packed = be.quantize(x, lv, self.bits, self.bucket_size, self.norm,
-                                        seed=key.seed, rank=key.rank, tensor_id=key.tensor_id,
-                                        step=key.step)
-            codes = None
-        else:
-            u = uniform(n, seed=key.seed, step=key.step, rank=key.rank,
-                        tensor_id=key.tensor_id, device=x.device)
-            norms, codes = quantize_reference(x, lv, self.bucket_size, self.norm, u)
-            packed = None
-        if not bool(torch.isfinite(norms).all()):
+        norms, packed = quantize.quantize(x, self.levels.to(x.device), self.bits,
+                                          self.bucket_size, self.norm, seed=key.seed,
+                                          rank=key.rank, tensor_id=key.tensor_id, step=key.step)
+        if not finite(norms):
             # finite values whose L2 norm overflows float32: the NaN policy, not an Inf norm
             return self._nonfinite(grad, key)
-        return self._message(grad, key, norms, codes, packed)
+        return self._message(grad, key, norms, packed)
 
-    def _message(self, grad, key, norms, codes, packed=None) -> Message:
-        """codes (int64) or packed (uint8, pack_bits of the codes): either may be None."""
-        if self.entropy:
-            # kernels/rans.cu straight from the packed codes (no int64 round trip); the
-            # reference's int64 codes: encode_symbols (kernels too where a backend runs)
-            sec = (encode_codes(packed, grad.numel(), self.bits) if packed is not None
-                   else encode_symbols(codes, 1 << self.bits))
-        else:
-            sec = (packed if packed is not None else pack_bits(codes, self.bits)).cpu().numpy()
-        return Message(codec=self.codec, dtype=dtype_code(grad.dtype), shape=tuple(grad.shape),
-                       sections=(norms.cpu().numpy().view(np.uint8), sec),
-                       flags=FLAG_ENTROPY if self.entropy else 0,
-                       tensor_id=key.tensor_id, rank=key.rank, seed=key.seed, step=key.step,
-                       **self._header_fields())
+    def _message(self, grad, key, norms: torch.Tensor, packed: torch.Tensor) -> Message:
+        """The message of the float32 bucket ``norms`` and the codes ``packed`` at ``bits``
+        each (uint8), on any device."""
+        codes, flags = write_codes(packed, grad.numel(), self.bits, self.entropy)
+        return self._new_message(grad, key, (norms.cpu().numpy().view(np.uint8), codes), flags)
 
-    def _codes(self, msg: Message, n: int) -> torch.Tensor:
-        """The codes of a validated message: unpacked, or entropy-decoded (flag ENTROPY)."""
-        if msg.flags & FLAG_ENTROPY:
-            return torch.from_numpy(decode_symbols(msg.sections[1], n, 1 << self.bits))
-        msg.section_size_check(1, packed_size(n, self.bits), "codes")
-        return unpack_bits(torch.from_numpy(np.array(msg.sections[1])), n, self.bits)
-
-    def _norms(self, msg: Message, n: int) -> torch.Tensor:
+    def _read(self, msg: Message, device):
+        """(norms, packed codes) of a message whose header is validated, on ``device``."""
+        n = msg.numel
         nb = (n + self.bucket_size - 1) // self.bucket_size
         msg.expect(nsections=2)
         msg.section_size_check(0, 4 * nb, "norms")
         norms = torch.from_numpy(np.array(msg.sections[0]).view(np.float32))
-        if not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
+        if not finite(norms) or bool((norms < 0).any()):
             raise WireFormatError(f"{self.name}: bucket norms must be finite and >= 0")
-        return norms
-
-    @staticmethod
-    def _kernel_out(be, out: torch.Tensor) -> bool:
-        return (be is not None and out.dtype == torch.float32 and out.dim() == 1
-                and out.is_contiguous())
-
-    def _packed_on(self, msg: Message, n: int, dev) -> torch.Tensor:
-        """The message's packed codes on ``dev`` (entropy sections decoded there by
-        kernels/rans.cu)."""
-        if msg.flags & FLAG_ENTROPY:
-            return decode_codes(msg.sections[1], n, self.bits, device=dev)
-        msg.section_size_check(1, packed_size(n, self.bits), "codes")
-        return torch.from_numpy(np.array(msg.sections[1], dtype=np.uint8)).to(dev)
+        return norms.to(device), read_codes(msg, 1, n, self.bits, device=device)
 
     def _decode(self, msg, key, out):
-        n = msg.numel
-        norms = self._norms(msg, n)
-        be = kernel_backend(out.device)
-        if self._kernel_out(be, out):
-            # kernels/quantize.cu: out += the decoded values, bit for bit as below
-            dev = out.device
-            be.dequantize_add(self._packed_on(msg, n, dev), n, norms.to(dev),
-                              self.levels.to(dev), self.bits, self.bucket_size, out)
-            return
-        codes = self._codes(msg, n)
-        v = dequantize_reference(norms, codes, self.levels, self.bucket_size, self.bits - 1)
-        out.add_(v.to(out.device))
+        norms, packed = self._read(msg, out.device)
+        quantize.dequantize_add(packed, msg.numel, norms, self.levels.to(out.device), self.bits,
+                                self.bucket_size, out)
 
     def combine(self, msgs, keys, out):
-        """Every rank's message added in rank order, as the base class does, but in one
-        kernel pass over ``out`` (hvd_dequantize_add_many) where the kernels run: the same
-        additions in the same order, so the same bits."""
-        be = kernel_backend(out.device)
-        if (not self._kernel_out(be, out) or len(msgs) < 2
-                or type(self)._decode is not BucketQuantizer._decode):   # a subclass decodes
-            return super().combine(msgs, keys, out)                     # its own way
-        finite, packed, norms = True, [], []
-        dev = out.device
+        """Every rank's message added in rank order, as the base class does, in one pass
+        over ``out`` (quantize.dequantize_add_many): the same additions in the same order,
+        so the same bits.  A subclass that decodes its own way keeps the base class's
+        message-by-message combine."""
+        if type(self)._decode is not BucketQuantizer._decode:
+            return super().combine(msgs, keys, out)
+        all_finite, norms, packed = True, [], []
         for msg, key in zip(msgs, keys):
             self._require_message(msg, key)
-            if not self._check_header(msg, key, out):
-                finite = False
-                continue
-            n = msg.numel
-            norms.append(self._norms(msg, n).to(dev))
-            packed.append(self._packed_on(msg, n, dev))
-        if packed:
-            be.dequantize_add_many(packed, out.numel(), norms, self.levels.to(dev), self.bits,
-                                   self.bucket_size, out)
-        return finite
+            if self._check_header(msg, key, out):
+                nm, pk = self._read(msg, out.device)
+                norms.append(nm)
+                packed.append(pk)
+            else:
+                all_finite = False
+        quantize.dequantize_add_many(packed, out.numel(), norms, self.levels.to(out.device),
+                                     self.bits, self.bucket_size, out)
+        return all_finite
 
     def variance(self, grad: torch.Tensor) -> float:
-        """The exact variance sum_i E|Q(v_i) - v_i|^2 of quantizing ``grad`` (Eq. 2)."""
-        x = grad.detach().reshape(-1).to(torch.float32)
+        """The exact variance sum_i E|Q(v_i) - v_i|^2 of quantizing ``grad`` (Eq. 2), given
+        the bucket norms encode computes."""
+        x = grad.detach().reshape(-1).to(torch.float32).cpu()
         n = x.numel()
         if n == 0:
             return 0.0
-        nb = (n + self.bucket_size - 1) // self.bucket_size
-        xp = torch.zeros(nb * self.bucket_size)
-        xp[:n] = x
-        norms = bucket_norms(xp, self.bucket_size, self.norm).double()
-        r = (xp.view(nb, -1).abs().double() / torch.where(norms > 0, norms, 1).unsqueeze(1))
-        w = (norms ** 2).unsqueeze(1).expand_as(r)
-        return L.empirical_variance(r.reshape(-1)[:n].numpy(), w.reshape(-1)[:n].numpy(),
+        norms = quantize.bucket_norms(x, self.bucket_size, self.norm).double()
+        per_coord = norms.repeat_interleave(self.bucket_size)[:n]
+        r = x.abs().double() / torch.where(per_coord > 0, per_coord, 1)
+        return L.empirical_variance(r.numpy(), (per_coord ** 2).numpy(),
                                     self.levels.double().numpy())
 
     def state_dict(self):
@@ -285,51 +191,40 @@ class NUQSGD(BucketQuantizer):
 class _Adaptive(AdaptiveLevels, BucketQuantizer):
     """Levels fitted during training from the gradients themselves (ALQ / AMQ).
 
-    refit_steps, refit_every: the table is refitted before the listed steps and before every
-    multiple of ``refit_every`` (the authors' schedule: 100 and 2000, then every 10000).
+    refit_steps, refit_every: the table is refitted before the listed steps (ints >= 1) and
+    before every multiple of ``refit_every`` (int >= 0, 0: never; the authors' schedule: 100
+    and 2000, then every 10000).
     model: "hist" (binned statistics, default) or "normal" (the paper's truncated normal);
     see hvdcomp.levels.  norm: "l2" (the paper's setting) or "linf" (bucket max, as QSGDinf:
     with few bits it makes the top level usable).
     The statistics are those of the step just before; each rank computes them from its own
-    gradients while encoding, the optimizer sums them across ranks, rank 0 fits, and the new
-    table is broadcast, so every rank holds an identical table with a new version number.
+    gradients while encoding (hvdcomp.ops.stats), the optimizer sums them across ranks, rank
+    0 fits, and the new table is broadcast, so every rank holds an identical table with a new
+    version number.
     """
 
     def __init__(self, bits: int = 3, bucket_size: int = 8192, entropy: bool = False,
                  refit_steps: tuple = (100, 2000), refit_every: int = 10000,
                  model: str = "hist", norm: str = "l2"):
         super().__init__(bits, bucket_size, entropy)
-        if norm not in ("l2", "linf"):
-            raise ValueError(f"norm must be 'l2' or 'linf', got {norm!r}")
-        self.norm = norm
-        if refit_every < 0 or any(int(s) < 1 for s in refit_steps):
-            raise ValueError("refit_steps must be >= 1 and refit_every >= 0 (0: never)")
-        if model not in ("hist", "normal"):
-            raise ValueError(f"model must be 'hist' or 'normal', got {model!r}")
-        self.refit_steps = tuple(int(s) for s in refit_steps)
-        self.refit_every = int(refit_every)
-        self.model = model
+        self.refit_steps = settings.int_tuple("refit_steps", refit_steps, 1)
+        self.refit_every = settings.integer("refit_every", refit_every, 0)
+        self.model = settings.choice("model", model, ("hist", "normal"))
+        self.norm = settings.choice("norm", norm, ("l2", "linf"))
         self._stats = self.empty_stats()
         self._observed = False
 
     def empty_stats(self) -> np.ndarray:
         """Zero statistics of the right size (3 for the normal model, 768 binned)."""
-        return np.zeros(3 if self.model == "normal" else 3 * (len(L.HIST_EDGES) - 1))
+        return np.zeros(3 if self.model == "normal" else 3 * stats.HIST_BINS)
 
     def statistics(self, grad: torch.Tensor) -> np.ndarray:
         """This gradient's contribution to the fit (summable across tensors and ranks):
-        float64 NumPy (3,) for model "normal" (levels.bucket_stats), (768,) for "hist"
-        (levels.histogram_stats).  With a kernel backend for the gradient's device
-        (hvdcomp.backends.k_stats) the per-element terms are the reference's and the sums are
-        in the kernels' fixed order (equal to a few float64 ulps; deterministic)."""
+        float64 NumPy (3,) for model "normal" (hvdcomp.ops.stats.bucket_stats), (768,) for
+        "hist" (hvdcomp.ops.stats.histogram_stats)."""
         x = grad.detach().reshape(-1).float()
-        be = kernel_backend(x.device)
-        if be is not None:      # kernels/stats.cu: the same statistics, sums in a fixed order
-            fn = k_stats.bucket_stats if self.model == "normal" else k_stats.histogram_stats
-            return fn(be.backend, x, self.bucket_size, self.norm).cpu().numpy()
-        if self.model == "normal":
-            return L.bucket_stats(x, self.bucket_size, self.norm)
-        return L.histogram_stats(x, self.bucket_size, self.norm)
+        fn = stats.bucket_stats if self.model == "normal" else stats.histogram_stats
+        return fn(x, self.bucket_size, self.norm).cpu().numpy()
 
     def initial_levels(self):
         return L.exponential_levels(self.bits, 0.5)
@@ -364,7 +259,8 @@ class _Adaptive(AdaptiveLevels, BucketQuantizer):
         self.levels = lv
         self.level_version += 1
 
-    def fit(self, stats) -> np.ndarray:
+    def fit(self, summed_stats) -> np.ndarray:
+        """The level table (float64) fitted to the rank-summed statistics."""
         raise NotImplementedError
 
 
@@ -374,8 +270,8 @@ class ALQ(_Adaptive):
     NeurIPS 2020, Sec. 3.1).  Starts from NUQSGD's table until the first refit."""
     codec = CODECS["alq"]
 
-    def fit(self, stats):
-        return L.fit_alq(stats, self.bits)
+    def fit(self, summed_stats):
+        return L.fit_alq(summed_stats, self.bits)
 
 
 @register("amq")
@@ -384,5 +280,5 @@ class AMQ(_Adaptive):
     (Faghri et al., NeurIPS 2020, Sec. 3.2).  Starts from p = 0.5."""
     codec = CODECS["amq"]
 
-    def fit(self, stats):
-        return L.fit_amq(stats, self.bits)
+    def fit(self, summed_stats):
+        return L.fit_amq(summed_stats, self.bits)

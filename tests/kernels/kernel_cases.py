@@ -10,7 +10,7 @@ import torch
 
 from hvdcomp import levels as L
 from hvdcomp.codecs import pack_bits
-from hvdcomp.compressors.quantizers import bucket_norms, dequantize_reference, quantize_reference
+from hvdcomp.ops import quantize as Q
 from hvdcomp.random import uniform
 
 SIZES = (1, 7, 8, 9, 1000, 8193)          # odd, < 8, == 8, not multiples of 8 or of buckets
@@ -71,7 +71,7 @@ def reference(x, levels, bits, bucket_size, norm, key=KEY):
     """(norms, codes, packed) of the PyTorch specification."""
     u = uniform(x.numel(), seed=key["seed"], step=key["step"], rank=key["rank"],
                 tensor_id=key["tensor_id"], device=x.device)
-    norms, codes = quantize_reference(x, levels, bucket_size, norm, u)
+    norms, codes = Q.quantize_reference(x, levels, bucket_size, norm, u)
     assert int(max(int(levels.numel() - 1).bit_length(), 1)) == bits - 1
     return norms, codes, pack_bits(codes, bits)
 
@@ -81,11 +81,11 @@ def ref_norms(x, bucket_size, norm):
     nb = (n + bucket_size - 1) // bucket_size
     xp = torch.zeros(nb * bucket_size, dtype=torch.float32, device=x.device)
     xp[:n] = x
-    return bucket_norms(xp, bucket_size, norm)
+    return Q.bucket_norms.reference(xp, bucket_size, norm)
 
 
 def ref_decode_add(out, norms, codes, levels, bits, bucket_size):
-    return out + dequantize_reference(norms, codes, levels, bucket_size, bits - 1)
+    return out + Q.dequantize_reference(norms, codes, levels, bucket_size, bits - 1)
 
 
 def same_bits(a, b):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hvdcomp.backends import _common
+from hvdcomp.ops import quantize, random
 
 
 def test_import_without_cupy(monkeypatch):
@@ -109,14 +110,15 @@ def test_loader_and_launch_with_stand_in_cupy(monkeypatch, api):
 
     class Backend(cuda._CudaBackend):                   # CPU tensors stand in for CUDA ones
         device_type = "cpu"
-    ops = _common.Ops(Backend())
+    be = Backend()
     lv = torch.tensor([0.0, 0.25, 0.5, 1.0])
     x = torch.randn(1000)
-    norms = ops.bucket_norms(x, 100, "l2")
-    ops.quantize_pack(x, norms, lv, 3, 100, seed=-1, rank=2, tensor_id=3, step=2**32 + 4)
-    ops.dequantize_add(torch.zeros(375, dtype=torch.uint8), 1000, norms, lv, 3, 100,
-                       torch.zeros(1000))
-    ops.uniform(10, seed=1, step=2, rank=3, tensor_id=4)
+    norms = quantize.bucket_norms.kernels(be, x, 100, "l2")
+    quantize.quantize_pack.kernels(be, x, norms, lv, 3, 100, seed=-1, rank=2, tensor_id=3,
+                                   step=2**32 + 4)
+    quantize.dequantize_add.kernels(be, torch.zeros(375, dtype=torch.uint8), 1000, norms, lv,
+                                    3, 100, torch.zeros(1000))
+    random.uniform.kernels(be, 10, seed=1, step=2, rank=3, tensor_id=4)
 
     # one module per source file, each built once, with the options that keep it exact
     # (the modules of the two files these launches need, each with all its kernels)

@@ -4,7 +4,8 @@ What is bit-exact, and what is not:
 * Philox words and uniforms: bit-identical to hvdcomp.random.
 * Packed codes: byte-identical to pack_bits(quantize_reference(...) codes) GIVEN THE SAME
   NORMS (the kernel is run with the reference's norms).
-* Decode: out + dequantize_reference(...), bit for bit, accumulated in place.
+* Decode: out + dequantize_reference(...), bit for bit, accumulated in place
+  (hvdcomp.ops.quantize: the references of the ops whose kernels are tested here).
 * L-inf norms: bit-identical (max is exact).
 * L2 norms: the kernel sums the float64 squares in its own fixed order (set by bucket_size
   alone, identical on CPU and GPU); torch.sum uses another, which depends on PyTorch's
@@ -22,7 +23,9 @@ import torch
 
 from hvdcomp import levels as L
 from hvdcomp.codecs import pack_bits, unpack_bits
-from hvdcomp.compressors.quantizers import quantize_reference
+from hvdcomp.ops import quantize as Q
+from hvdcomp.ops import random as R
+from hvdcomp.ops.stats import bucket_stats
 from hvdcomp.random import random_words, uniform
 
 from kernel_cases import (BITS, BUCKETS, KEY, NORMS, SIZES, gradient, on_levels, ref_decode_add,
@@ -36,8 +39,8 @@ def test_philox_words_and_uniforms_match_reference(host, offset):
     # offsets past 4 * 2**32 exercise the high counter word
     kw = dict(seed=0x1234_5678_9, step=2**32 + 5, rank=-1, tensor_id=77, offset=offset)
     for n in (1, 5, 1003):
-        assert torch.equal(host.random_words(n, **kw), random_words(n, **kw))
-        assert torch.equal(host.uniform(n, **kw), uniform(n, **kw))
+        assert torch.equal(R.random_words.kernels(host.backend, n, **kw), random_words(n, **kw))
+        assert torch.equal(R.uniform.kernels(host.backend, n, **kw), uniform(n, **kw))
 
 
 # ---- norms -----------------------------------------------------------------------------------
@@ -48,7 +51,7 @@ def test_bucket_norms(host, norm):
     for n in SIZES + (25_000,):
         for bs in BUCKETS:
             x = gradient(n, bs, seed=n * 31 + bs)
-            got = host.bucket_norms(x, bs, norm)
+            got = Q.bucket_norms.kernels(host.backend, x, bs, norm)
             want = ref_norms(x, bs, norm)
             if norm == "linf":
                 assert same_bits(got, want), (n, bs)
@@ -64,16 +67,18 @@ def test_bucket_norms(host, norm):
 
 def test_norms_special_values(host):
     big = torch.full((10,), 3e38)                       # L2 overflows float32: +inf
-    assert torch.equal(host.bucket_norms(big, 4, "l2"), ref_norms(big, 4, "l2"))
+    assert torch.equal(Q.bucket_norms.kernels(host.backend, big, 4, "l2"), ref_norms(big, 4, "l2"))
     tiny = torch.full((10,), 1e-45)                     # denormal squares are fine in float64
-    assert torch.equal(host.bucket_norms(tiny, 4, "l2"), ref_norms(tiny, 4, "l2"))
+    assert torch.equal(Q.bucket_norms.kernels(host.backend, tiny, 4, "l2"),
+                       ref_norms(tiny, 4, "l2"))
     z = torch.zeros(9)
-    assert torch.equal(host.bucket_norms(z, 4, "l2"), torch.zeros(3))
+    assert torch.equal(Q.bucket_norms.kernels(host.backend, z, 4, "l2"), torch.zeros(3))
     for norm in NORMS:                                  # NaN propagates as in torch
         x = torch.randn(20)
         x[13] = float("nan")
         x[2] = float("inf")
-        assert same_bits(host.bucket_norms(x, 8, norm), ref_norms(x, 8, norm)), norm
+        assert same_bits(Q.bucket_norms.kernels(host.backend, x, 8, norm),
+                         ref_norms(x, 8, norm)), norm
 
 
 def test_norm_order_is_fixed_by_bucket_size_alone(host):
@@ -81,9 +86,9 @@ def test_norm_order_is_fixed_by_bucket_size_alone(host):
     x = gradient(100_003, 8192, seed=5)
     host.set_num_threads(1)
     try:
-        a = host.bucket_norms(x, 8192, "l2")
+        a = Q.bucket_norms.kernels(host.backend, x, 8192, "l2")
         host.set_num_threads(2)
-        b = host.bucket_norms(x, 8192, "l2")
+        b = Q.bucket_norms.kernels(host.backend, x, 8192, "l2")
     finally:
         host.set_num_threads(None)
     assert torch.equal(a, b)
@@ -99,7 +104,7 @@ def test_quantize_pack_matches_reference_given_norms(host, bits, norm):
             for bs in BUCKETS:
                 x = gradient(n, bs, seed=bits * 1000 + n + bs)
                 norms, codes, packed = reference(x, lv, bits, bs, norm)
-                got = host.quantize_pack(x, norms, lv, bits, bs, **KEY)
+                got = Q.quantize_pack.kernels(host.backend, x, norms, lv, bits, bs, **KEY)
                 assert got.dtype == torch.uint8 and got.numel() == (n * bits + 7) // 8
                 assert torch.equal(got, packed), (tname, n, bs)
 
@@ -111,8 +116,8 @@ def test_values_exactly_on_levels(host, bits):
         for bs in (8, 100, 4096):
             x = on_levels(lv, 4099, seed=bits)
             norms, codes, packed = reference(x, lv, bits, bs, "linf")
-            assert torch.equal(host.quantize_pack(x, norms, lv, bits, bs, **KEY), packed), \
-                (tname, bs)
+            got = Q.quantize_pack.kernels(host.backend, x, norms, lv, bits, bs, **KEY)
+            assert torch.equal(got, packed), (tname, bs)
 
 
 def test_key_words_are_taken_modulo_2_32(host):
@@ -120,8 +125,9 @@ def test_key_words_are_taken_modulo_2_32(host):
     x = gradient(1000, 100, seed=1)
     key = dict(seed=-5, rank=2**32 + 1, tensor_id=-(2**40), step=2**33 + 9)
     u = uniform(1000, **key)
-    norms, codes = quantize_reference(x, lv, 100, "l2", u)
-    assert torch.equal(host.quantize_pack(x, norms, lv, 3, 100, **key), pack_bits(codes, 3))
+    norms, codes = Q.quantize_reference(x, lv, 100, "l2", u)
+    assert torch.equal(Q.quantize_pack.kernels(host.backend, x, norms, lv, 3, 100, **key),
+                       pack_bits(codes, 3))
 
 
 def test_nonfinite_inputs_follow_torch(host):
@@ -134,7 +140,8 @@ def test_nonfinite_inputs_follow_torch(host):
     x[333] = -float("inf")
     for norm in NORMS:
         norms, codes, packed = reference(x, lv, 4, 100, norm)
-        assert torch.equal(host.quantize_pack(x, norms, lv, 4, 100, **KEY), packed), norm
+        got = Q.quantize_pack.kernels(host.backend, x, norms, lv, 4, 100, **KEY)
+        assert torch.equal(got, packed), norm
 
 
 def assert_same_codes_where_norms_agree(norms, packed, rn, codes, bits, bs):
@@ -149,13 +156,13 @@ def assert_same_codes_where_norms_agree(norms, packed, rn, codes, bits, bs):
 
 
 def test_end_to_end_with_own_norms(host):
-    # host.quantize computes its own norms (the kernel's fixed float64 order)
+    # the quantize kernel computes its own norms (the kernel's fixed float64 order)
     for bits in (2, 3, 8):
         lv = tables(bits)["exp0.5"]
         for norm in NORMS:
             for n, bs in ((8193, 512), (100_001, 8192)):
                 x = gradient(n, bs, seed=n + bits)
-                norms, packed = host.quantize(x, lv, bits, bs, norm, **KEY)
+                norms, packed = Q.quantize.kernels(host.backend, x, lv, bits, bs, norm, **KEY)
                 rn, codes, rp = reference(x, lv, bits, bs, norm)
                 assert_same_codes_where_norms_agree(norms, packed, rn, codes, bits, bs)
                 if torch.equal(norms, rn):          # (true for all of these inputs)
@@ -169,7 +176,7 @@ def test_thread_count_does_not_change_bytes(host):
     try:
         for t in (1, 2, 3):
             host.set_num_threads(t)
-            outs.append(host.quantize(x, lv, 3, 8192, "l2", **KEY))
+            outs.append(Q.quantize.kernels(host.backend, x, lv, 3, 8192, "l2", **KEY))
     finally:
         host.set_num_threads(None)
     for norms, packed in outs[1:]:
@@ -188,7 +195,7 @@ def test_dequantize_add_matches_reference(host, bits, norm):
                 norms, codes, packed = reference(x, lv, bits, bs, norm)
                 out = torch.randn(n)
                 want = ref_decode_add(out, norms, codes, lv, bits, bs)
-                got = host.dequantize_add(packed, n, norms, lv, bits, bs, out)
+                got = Q.dequantize_add.kernels(host.backend, packed, n, norms, lv, bits, bs, out)
                 assert got is out
                 assert same_bits(out, want), (tname, n, bs)
 
@@ -202,8 +209,8 @@ def test_decode_all_ranks_accumulates_in_rank_order(host):
     for rank in range(4):
         key = dict(KEY, rank=rank)
         x = gradient(n, bs, seed=rank)
-        norms, packed = host.quantize(x, lv, bits, bs, "l2", **key)
-        host.dequantize_add(packed, n, norms, lv, bits, bs, acc)
+        norms, packed = Q.quantize.kernels(host.backend, x, lv, bits, bs, "l2", **key)
+        Q.dequantize_add.kernels(host.backend, packed, n, norms, lv, bits, bs, acc)
         codes = unpack_bits(packed, n, bits)
         want = ref_decode_add(want, norms, codes, lv, bits, bs)
     assert same_bits(acc, want)
@@ -219,18 +226,18 @@ def test_decode_many_equals_one_by_one(host, bits, n, bs):
     packed, norms = [], []
     for rank in range(5):
         x = gradient(n, bs, seed=rank + 10 * bits)
-        nm, pk = host.quantize(x, lv, bits, bs, "l2", **dict(KEY, rank=rank))
+        nm, pk = Q.quantize.kernels(host.backend, x, lv, bits, bs, "l2", **dict(KEY, rank=rank))
         packed.append(pk)
         norms.append(nm)
         want = ref_decode_add(want, nm, unpack_bits(pk, n, bits), lv, bits, bs)
-    host.dequantize_add_many(packed, n, norms, lv, bits, bs, acc)
+    Q.dequantize_add_many.kernels(host.backend, packed, n, norms, lv, bits, bs, acc)
     assert same_bits(acc, want)
     # no messages: nothing changes; mismatched lists are refused
     before = acc.clone()
-    host.dequantize_add_many([], n, [], lv, bits, bs, acc)
+    Q.dequantize_add_many.kernels(host.backend, [], n, [], lv, bits, bs, acc)
     assert same_bits(acc, before)
     with pytest.raises(ValueError):
-        host.dequantize_add_many(packed, n, norms[:-1], lv, bits, bs, acc)
+        Q.dequantize_add_many.kernels(host.backend, packed, n, norms[:-1], lv, bits, bs, acc)
 
 
 def test_matches_the_compressors_messages(host):
@@ -243,9 +250,9 @@ def test_matches_the_compressors_messages(host):
                  "amq:bits=5,bucket_size=777", "alq:bits=3,bucket_size=1000,norm=linf"):
         c = hvdcomp.get(spec)
         msg = c.encode(grad, key)
-        norms, packed = host.quantize(grad.reshape(-1), c.levels, c.bits, c.bucket_size,
-                                      c.norm, seed=key.seed, rank=key.rank,
-                                      tensor_id=key.tensor_id, step=key.step)
+        norms, packed = Q.quantize.kernels(host.backend, grad.reshape(-1), c.levels, c.bits,
+                                           c.bucket_size, c.norm, seed=key.seed, rank=key.rank,
+                                           tensor_id=key.tensor_id, step=key.step)
         mnorms = torch.from_numpy(np.array(msg.sections[0]).view(np.float32))
         mpacked = torch.from_numpy(np.array(msg.sections[1]))
         if torch.equal(norms, mnorms):              # (true here; 1 ulp apart at worst)
@@ -257,8 +264,8 @@ def test_matches_the_compressors_messages(host):
         # decoding the compressor's own message: bit for bit what decode adds
         out = torch.zeros(grad.numel())
         c.decode(msg, key, out)
-        acc = host.dequantize_add(mpacked, grad.numel(), mnorms, c.levels, c.bits,
-                                  c.bucket_size, torch.zeros(grad.numel()))
+        acc = Q.dequantize_add.kernels(host.backend, mpacked, grad.numel(), mnorms, c.levels,
+                                       c.bits, c.bucket_size, torch.zeros(grad.numel()))
         assert same_bits(acc, out), spec
 
 
@@ -267,10 +274,10 @@ def test_matches_the_compressors_messages(host):
 def test_empty_tensor(host):
     lv = tables(3)["uniform"]
     x = torch.zeros(0)
-    norms, packed = host.quantize(x, lv, 3, 8, "l2", **KEY)
+    norms, packed = Q.quantize.kernels(host.backend, x, lv, 3, 8, "l2", **KEY)
     assert norms.numel() == 0 and packed.numel() == 0
     out = torch.zeros(0)
-    assert host.dequantize_add(packed, 0, norms, lv, 3, 8, out).numel() == 0
+    assert Q.dequantize_add.kernels(host.backend, packed, 0, norms, lv, 3, 8, out).numel() == 0
 
 
 def test_noncontiguous_and_grad_inputs_are_read_in_logical_order(host):
@@ -278,46 +285,54 @@ def test_noncontiguous_and_grad_inputs_are_read_in_logical_order(host):
     base = gradient(2 * 1001, 100, seed=4)
     x = base[::2]                                      # a strided view
     xr = x.clone().requires_grad_(True)
-    ref = host.quantize(x.contiguous(), lv, 3, 100, "l2", **KEY)
+    ref = Q.quantize.kernels(host.backend, x.contiguous(), lv, 3, 100, "l2", **KEY)
     for inp in (x, xr):
-        got = host.quantize(inp, lv, 3, 100, "l2", **KEY)
+        got = Q.quantize.kernels(host.backend, inp, lv, 3, 100, "l2", **KEY)
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
 def test_argument_checks(host):
     lv = tables(3)["uniform"]
     x = torch.randn(100)
-    norms = host.bucket_norms(x, 10, "l2")
-    packed = host.quantize_pack(x, norms, lv, 3, 10, **KEY)
+    norms = Q.bucket_norms.kernels(host.backend, x, 10, "l2")
+    packed = Q.quantize_pack.kernels(host.backend, x, norms, lv, 3, 10, **KEY)
     with pytest.raises(TypeError, match="float32"):
-        host.bucket_norms(x.double(), 10, "l2")
+        Q.bucket_norms.kernels(host.backend, x.double(), 10, "l2")
     with pytest.raises(ValueError, match="1-D"):
-        host.bucket_norms(x.reshape(10, 10), 10, "l2")
+        Q.bucket_norms.kernels(host.backend, x.reshape(10, 10), 10, "l2")
     with pytest.raises(ValueError, match="norm"):
-        host.bucket_norms(x, 10, "l1")
+        Q.bucket_norms.kernels(host.backend, x, 10, "l1")
     with pytest.raises(ValueError, match="bucket_size"):
-        host.bucket_norms(x, 0, "l2")
+        Q.bucket_norms.kernels(host.backend, x, 0, "l2")
     with pytest.raises(TypeError, match="integer"):
-        host.bucket_norms(x, 10.0, "l2")
+        Q.bucket_norms.kernels(host.backend, x, 10.0, "l2")
     with pytest.raises(ValueError, match="bits"):
-        host.quantize_pack(x, norms, lv, 9, 10, **KEY)
+        Q.quantize_pack.kernels(host.backend, x, norms, lv, 9, 10, **KEY)
     with pytest.raises(TypeError, match="bool"):
-        host.quantize_pack(x, norms, lv, True, 10, **KEY)
+        Q.quantize_pack.kernels(host.backend, x, norms, lv, True, 10, **KEY)
     with pytest.raises(ValueError, match="levels must have 8 elements"):
-        host.quantize_pack(x, norms, lv, 4, 10, **KEY)
+        Q.quantize_pack.kernels(host.backend, x, norms, lv, 4, 10, **KEY)
     with pytest.raises(ValueError, match="norms must have 10"):
-        host.quantize_pack(x, norms[:-1], lv, 3, 10, **KEY)
+        Q.quantize_pack.kernels(host.backend, x, norms[:-1], lv, 3, 10, **KEY)
     with pytest.raises(ValueError, match="packed must have"):
-        host.dequantize_add(packed[:-1], 100, norms, lv, 3, 10, torch.zeros(100))
-    with pytest.raises(ValueError, match="contiguous"):
-        host.dequantize_add(packed, 100, norms, lv, 3, 10, torch.zeros(200)[::2])
+        Q.dequantize_add.kernels(host.backend, packed[:-1], 100, norms, lv, 3, 10,
+                                 torch.zeros(100))
     with pytest.raises(ValueError, match="grad"):
-        host.dequantize_add(packed, 100, norms, lv, 3, 10, torch.zeros(100,
-                                                                        requires_grad=True))
+        Q.dequantize_add.kernels(host.backend, packed, 100, norms, lv, 3, 10,
+                                 torch.zeros(100, requires_grad=True))
     with pytest.raises(TypeError, match="uint8"):
-        host.dequantize_add(packed.to(torch.int8), 100, norms, lv, 3, 10, torch.zeros(100))
+        Q.dequantize_add.kernels(host.backend, packed.to(torch.int8), 100, norms, lv, 3, 10,
+                                 torch.zeros(100))
+    # an accumulator the kernel cannot write in place (strided, float64): the reference's
+    for out in (torch.zeros(200)[::2], torch.zeros(100, dtype=torch.float64)):
+        assert Q.dequantize_add.kernels(host.backend, packed, 100, norms, lv, 3, 10,
+                                        out) is NotImplemented
+        assert Q.dequantize_add_many.kernels(host.backend, [packed], 100, [norms], lv, 3, 10,
+                                             out) is NotImplemented
+        want = Q.dequantize_add.reference(packed, 100, norms, lv, 3, 10, out.clone())
+        assert torch.equal(Q.dequantize_add(packed, 100, norms, lv, 3, 10, out), want)
     with pytest.raises(ValueError, match="offset"):
-        host.uniform(4, seed=0, step=0, rank=0, tensor_id=0, offset=-1)
+        R.uniform.kernels(host.backend, 4, seed=0, step=0, rank=0, tensor_id=0, offset=-1)
 
 
 def test_bad_geometry_is_reported_not_silent(host):
@@ -336,16 +351,16 @@ def test_bad_geometry_is_reported_not_silent(host):
 def test_cuda_tensors_are_refused(host):
     x = torch.randn(10, device="meta")
     with pytest.raises(ValueError, match="cpu"):
-        host.bucket_norms(x, 4, "l2")
+        Q.bucket_norms.kernels(host.backend, x, 4, "l2")
 
 
 def test_levels_from_fitting_are_accepted(host):
     # ALQ's fitted tables come from float64 NumPy: the float32 cast the compressor keeps
-    stats = L.bucket_stats(gradient(20_000, 1000, seed=8), 1000, "l2")
+    stats = bucket_stats.reference(gradient(20_000, 1000, seed=8), 1000, "l2").numpy()
     lv = torch.from_numpy(L.fit_alq(stats, 3).astype(np.float32))
     x = gradient(5000, 1000, seed=10)
     norms, codes, packed = reference(x, lv, 3, 1000, "l2")
-    assert torch.equal(host.quantize_pack(x, norms, lv, 3, 1000, **KEY), packed)
+    assert torch.equal(Q.quantize_pack.kernels(host.backend, x, norms, lv, 3, 1000, **KEY), packed)
 
 
 # ---- backend selection (what the compressors call) -------------------------------------------
@@ -386,13 +401,13 @@ def test_concurrent_launches_from_threads(host):
     import threading
     lv = tables(3)["fitted"]
     xs = [gradient(300_001 + k, 512, seed=k) for k in range(4)]
-    want = [host.quantize(x, lv, 3, 512, "l2", **KEY) for x in xs]
+    want = [Q.quantize.kernels(host.backend, x, lv, 3, 512, "l2", **KEY) for x in xs]
     got, errors = [None] * 4, []
 
     def work(k):
         try:
             for _ in range(3):
-                got[k] = host.quantize(xs[k], lv, 3, 512, "l2", **KEY)
+                got[k] = Q.quantize.kernels(host.backend, xs[k], lv, 3, 512, "l2", **KEY)
             if k == 0:   # a failing launch on one thread does not fail the others
                 with pytest.raises(RuntimeError, match="blockDim"):
                     host.backend.launch("hvd_bucket_norms_l2", 1, 100,

@@ -1,5 +1,6 @@
-"""ALQ / AMQ statistics on the kernels (kernels/stats.cu, hvdcomp.backends.k_stats) against the
-PyTorch specification (hvdcomp/levels.py: histogram_stats, bucket_stats).
+"""ALQ / AMQ statistics on the kernels (kernels/stats.cu) against the PyTorch specification: the
+ops of hvdcomp.ops.stats (histogram_stats, bucket_stats, bucket_norms64, hist_bins), each
+kernel implementation against its reference.
 
 What is exact and what is asserted to a tolerance, and why:
 * The bin of a normalized magnitude (hvd_stats_hist_bins): exactly torch.searchsorted's.
@@ -29,13 +30,22 @@ import torch
 
 import hvdcomp
 from hvdcomp import backends
-from hvdcomp import levels as L
-from hvdcomp.backends import k_stats
+from hvdcomp.ops import stats as S
 
 from kernel_cases import BUCKETS, NORMS, gradient
 
 SIZES = (1, 7, 8, 9, 1000, 8193, 20_001)
 RTOL = 1e-12
+
+
+def ref_histogram_stats(x, bucket_size, norm):
+    """The reference of histogram_stats (the specification), as NumPy."""
+    return S.histogram_stats.reference(x, bucket_size, norm).cpu().numpy()
+
+
+def ref_bucket_stats(x, bucket_size, norm):
+    """The reference of bucket_stats (the specification), as NumPy."""
+    return S.bucket_stats.reference(x, bucket_size, norm).cpu().numpy()
 
 
 def close_hist(got, want):
@@ -56,7 +66,7 @@ def close_normal(got, want, scale):
 # ---- bins -------------------------------------------------------------------------------------
 
 def test_bins_equal_searchsorted_exactly(host):
-    e = torch.from_numpy(L.HIST_EDGES)
+    e = torch.from_numpy(S.HIST_EDGES)
     inf = torch.tensor(math.inf, dtype=torch.float64)
     around = torch.cat([e, torch.nextafter(e, inf), torch.nextafter(e, -inf).clamp(min=0.0)])
     g = torch.Generator().manual_seed(0)
@@ -65,7 +75,7 @@ def test_bins_equal_searchsorted_exactly(host):
                            dtype=torch.float64)
     r = torch.cat([around, logu, special, torch.rand(1000, generator=g, dtype=torch.float64)])
     want = (torch.searchsorted(e, r, right=True) - 1).clamp(0, 255)
-    got = k_stats.hist_bins(host.backend, r)
+    got = S.hist_bins.kernels(host.backend, r)
     assert torch.equal(got.long(), want)
 
 
@@ -76,17 +86,17 @@ def test_histogram_stats_match_reference(host, norm):
     for n in SIZES:
         for bs in BUCKETS:
             x = gradient(n, bs, seed=n * 7 + bs)
-            close_hist(k_stats.histogram_stats(host.backend, x, bs, norm).numpy(),
-                       L.histogram_stats(x, bs, norm))
+            close_hist(S.histogram_stats.kernels(host.backend, x, bs, norm).numpy(),
+                       ref_histogram_stats(x, bs, norm))
 
 
 def test_histogram_stats_many_chunks(host):
     # several partial histograms (chunks of HIST_CHUNK) and two reduction levels
-    n = k_stats.HIST_CHUNK * k_stats.REDUCE_GROUP + 12_345
+    n = S.HIST_CHUNK * S.REDUCE_GROUP + 12_345
     x = gradient(n, 8192, seed=3)
     for norm in NORMS:
-        close_hist(k_stats.histogram_stats(host.backend, x, 8192, norm).numpy(),
-                   L.histogram_stats(x, 8192, norm))
+        close_hist(S.histogram_stats.kernels(host.backend, x, 8192, norm).numpy(),
+                   ref_histogram_stats(x, 8192, norm))
 
 
 def test_linf_norms_bit_identical_l2_within_ulps(host):
@@ -94,9 +104,9 @@ def test_linf_norms_bit_identical_l2_within_ulps(host):
         x = gradient(n, bs, seed=n)
         nb = (n + bs - 1) // bs
         b = torch.cat([x.double(), torch.zeros(nb * bs - n, dtype=torch.float64)]).view(nb, bs)
-        assert torch.equal(k_stats.bucket_norms64(host.backend, x, bs, "linf"),
+        assert torch.equal(S.bucket_norms64.kernels(host.backend, x, bs, "linf"),
                            b.abs().amax(dim=1))
-        got = k_stats.bucket_norms64(host.backend, x, bs, "l2")
+        got = S.bucket_norms64.kernels(host.backend, x, bs, "l2")
         want = b.norm(dim=1)
         assert torch.all((got - want).abs() <= 4 * 2.0**-52 * want)
 
@@ -106,10 +116,10 @@ def test_special_values(host):
     for x in (torch.zeros(100), torch.full((50,), 1e-45), torch.tensor([0.0, -3.5, 0.0]),
               torch.full((10,), 3e38)):
         for norm in NORMS:
-            close_hist(k_stats.histogram_stats(host.backend, x, 4, norm).numpy(),
-                       L.histogram_stats(x, 4, norm))
-            want = L.bucket_stats(x, 4, norm)
-            close_normal(k_stats.bucket_stats(host.backend, x, 4, norm).numpy(), want,
+            close_hist(S.histogram_stats.kernels(host.backend, x, 4, norm).numpy(),
+                       ref_histogram_stats(x, 4, norm))
+            want = ref_bucket_stats(x, 4, norm)
+            close_normal(S.bucket_stats.kernels(host.backend, x, 4, norm).numpy(), want,
                          np.abs(want))
 
 
@@ -119,14 +129,14 @@ def test_nonfinite_follow_the_reference(host):
         x = torch.randn(300)
         x[17] = bad
         for norm in NORMS:
-            got = k_stats.histogram_stats(host.backend, x, 100, norm).numpy()
-            want = L.histogram_stats(x, 100, norm)
+            got = S.histogram_stats.kernels(host.backend, x, 100, norm).numpy()
+            want = ref_histogram_stats(x, 100, norm)
             assert np.array_equal(np.isnan(got), np.isnan(want))
             fin = np.isfinite(want)
             assert np.array_equal(np.isfinite(got), fin)
             close_hist(got[fin], want[fin])
-            got = k_stats.bucket_stats(host.backend, x, 100, norm).numpy()
-            want = L.bucket_stats(x, 100, norm)
+            got = S.bucket_stats.kernels(host.backend, x, 100, norm).numpy()
+            want = ref_bucket_stats(x, 100, norm)
             assert np.array_equal(np.isnan(got), np.isnan(want))
 
 
@@ -137,19 +147,19 @@ def test_bucket_stats_match_reference(host, norm):
     for n in SIZES:
         for bs in BUCKETS:
             x = gradient(n, bs, seed=n * 5 + bs)
-            want = L.bucket_stats(x, bs, norm)
-            scale = L.bucket_stats(x.abs(), bs, norm)      # sums of |terms| (same norms)
-            close_normal(k_stats.bucket_stats(host.backend, x, bs, norm).numpy(), want, scale)
+            want = ref_bucket_stats(x, bs, norm)
+            scale = ref_bucket_stats(x.abs(), bs, norm)      # sums of |terms| (same norms)
+            close_normal(S.bucket_stats.kernels(host.backend, x, bs, norm).numpy(), want, scale)
 
 
 def test_bucket_stats_many_buckets(host):
     # bucket_size 1: one row per coordinate, three levels of row-group reduction
-    n = k_stats.REDUCE_GROUP ** 2 + 777
+    n = S.REDUCE_GROUP ** 2 + 777
     x = gradient(n, 1, seed=8)
     for norm in NORMS:
-        want = L.bucket_stats(x, 1, norm)
-        close_normal(k_stats.bucket_stats(host.backend, x, 1, norm).numpy(), want,
-                     L.bucket_stats(x.abs(), 1, norm))
+        want = ref_bucket_stats(x, 1, norm)
+        close_normal(S.bucket_stats.kernels(host.backend, x, 1, norm).numpy(), want,
+                     ref_bucket_stats(x.abs(), 1, norm))
 
 
 # ---- determinism ------------------------------------------------------------------------------
@@ -160,8 +170,8 @@ def test_thread_count_does_not_change_bits(host):
     for th in (1, 2, 3):
         host.set_num_threads(th)
         try:
-            res.append((k_stats.histogram_stats(host.backend, x, 8192, "l2"),
-                        k_stats.bucket_stats(host.backend, x, 512, "l2")))
+            res.append((S.histogram_stats.kernels(host.backend, x, 8192, "l2"),
+                        S.bucket_stats.kernels(host.backend, x, 512, "l2")))
         finally:
             host.set_num_threads(None)
     for h, s in res[1:]:
@@ -169,18 +179,18 @@ def test_thread_count_does_not_change_bits(host):
 
 
 def test_empty_and_argument_checks(host):
-    assert torch.equal(k_stats.histogram_stats(host.backend, torch.zeros(0), 8, "l2"),
+    assert torch.equal(S.histogram_stats.kernels(host.backend, torch.zeros(0), 8, "l2"),
                        torch.zeros(768, dtype=torch.float64))
-    assert torch.equal(k_stats.bucket_stats(host.backend, torch.zeros(0), 8, "l2"),
+    assert torch.equal(S.bucket_stats.kernels(host.backend, torch.zeros(0), 8, "l2"),
                        torch.zeros(3, dtype=torch.float64))
     with pytest.raises(TypeError):
-        k_stats.histogram_stats(host.backend, torch.zeros(4, dtype=torch.float64), 8, "l2")
+        S.histogram_stats.kernels(host.backend, torch.zeros(4, dtype=torch.float64), 8, "l2")
     with pytest.raises(ValueError):
-        k_stats.histogram_stats(host.backend, torch.zeros(4), 0, "l2")
+        S.histogram_stats.kernels(host.backend, torch.zeros(4), 0, "l2")
     with pytest.raises(ValueError):
-        k_stats.bucket_stats(host.backend, torch.zeros(4), 8, "l1")
+        S.bucket_stats.kernels(host.backend, torch.zeros(4), 8, "l1")
     with pytest.raises(ValueError):
-        k_stats.bucket_stats(host.backend, torch.zeros(2, 2), 8, "l2")
+        S.bucket_stats.kernels(host.backend, torch.zeros(2, 2), 8, "l2")
     with pytest.raises(RuntimeError, match="blockDim"):
         host.backend.launch("hvd_stats_norms", 1, 100,
                             (torch.zeros(4), 4, 4, 0, torch.zeros(1, dtype=torch.float64)))
@@ -212,7 +222,7 @@ def test_compressor_statistics_and_fit(host, monkeypatch, spec):
     cr, sr = _observe(monkeypatch, "reference", spec, grads)
     assert sk.shape == sr.shape and sk.dtype == sr.dtype == np.float64
     if "normal" in spec:
-        scale = sum(L.bucket_stats(t.reshape(-1).float().abs(), ck.bucket_size, ck.norm)
+        scale = sum(ref_bucket_stats(t.reshape(-1).float().abs(), ck.bucket_size, ck.norm)
                     for t in grads)
         close_normal(sk, sr, scale)
     else:
@@ -227,19 +237,19 @@ def test_compressor_statistics_and_fit(host, monkeypatch, spec):
 @pytest.mark.parametrize("norm", NORMS)
 def test_gpu_equals_host_bitwise_and_reference(cuda_backend, maybe_host, norm):
     for n, bs in ((1, 1), (1000, 100), (20_001, 8192),
-                  (k_stats.HIST_CHUNK * k_stats.REDUCE_GROUP + 5, 8192)):
+                  (S.HIST_CHUNK * S.REDUCE_GROUP + 5, 8192)):
         x = gradient(n, bs, seed=n + bs)
-        gh = k_stats.histogram_stats(cuda_backend.backend, x.cuda(), bs, norm).cpu()
-        gn = k_stats.bucket_stats(cuda_backend.backend, x.cuda(), bs, norm).cpu()
-        close_hist(gh.numpy(), L.histogram_stats(x, bs, norm))
-        close_normal(gn.numpy(), L.bucket_stats(x, bs, norm),
-                     L.bucket_stats(x.abs(), bs, norm))
+        gh = S.histogram_stats.kernels(cuda_backend.backend, x.cuda(), bs, norm).cpu()
+        gn = S.bucket_stats.kernels(cuda_backend.backend, x.cuda(), bs, norm).cpu()
+        close_hist(gh.numpy(), ref_histogram_stats(x, bs, norm))
+        close_normal(gn.numpy(), ref_bucket_stats(x, bs, norm),
+                     ref_bucket_stats(x.abs(), bs, norm))
         if maybe_host is not None:
-            assert torch.equal(gh, k_stats.histogram_stats(maybe_host.backend, x, bs, norm))
-            assert torch.equal(gn, k_stats.bucket_stats(maybe_host.backend, x, bs, norm))
-    e = torch.from_numpy(L.HIST_EDGES)
+            assert torch.equal(gh, S.histogram_stats.kernels(maybe_host.backend, x, bs, norm))
+            assert torch.equal(gn, S.bucket_stats.kernels(maybe_host.backend, x, bs, norm))
+    e = torch.from_numpy(S.HIST_EDGES)
     r = torch.cat([e, torch.rand(10_000, dtype=torch.float64)])
-    assert torch.equal(k_stats.hist_bins(cuda_backend.backend, r.cuda()).cpu().long(),
+    assert torch.equal(S.hist_bins.kernels(cuda_backend.backend, r.cuda()).cpu().long(),
                        (torch.searchsorted(e, r, right=True) - 1).clamp(0, 255))
 
 
@@ -250,6 +260,6 @@ def test_gpu_compressor_statistics(cuda_backend, monkeypatch):
         ck, sk = _observe(monkeypatch, "kernels", spec, [g.cuda()])
         cr, sr = _observe(monkeypatch, "reference", spec, [g])
         if "normal" in spec:
-            close_normal(sk, sr, L.bucket_stats(g.reshape(-1).abs(), 512, "l2"))
+            close_normal(sk, sr, ref_bucket_stats(g.reshape(-1).abs(), 512, "l2"))
         else:
             close_hist(sk, sr)

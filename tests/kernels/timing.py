@@ -5,11 +5,12 @@ same process (not a test: run it directly; launch/gpu-check runs it on a GPU).
     python tests/kernels/timing.py --device cuda --sizes 25000000,1000000 --json t.json
 
 Paths, for one fp32 gradient of n elements (bits, bucket size, norm as given):
-  reference  encode: hvdcomp.random.uniform + quantize_reference + pack_bits
-             decode: unpack_bits + dequantize_reference + out.add_
-             (what BucketQuantizer._encode / _decode run today)
-  kernel     encode: backend.quantize (norm kernel + quantize/pack kernel)
-             decode: backend.dequantize_add (unpack/dequantize/accumulate kernel)
+  reference  encode: quantize.quantize.reference (uniforms + quantize_reference + pack_bits)
+             decode: quantize.dequantize_add.reference (unpack_bits + dequantize_reference
+             + out.add_)
+  kernel     encode: quantize.quantize.kernels (norm kernel + quantize/pack kernel)
+             decode: quantize.dequantize_add.kernels (unpack/dequantize/accumulate kernel)
+  (hvdcomp.ops.quantize; BucketQuantizer's encode / decode call these ops)
   copy       (cuda) a device-to-device copy of the gradient's n*4 bytes: the memory floor
 Each size is also checked: packed codes identical to the reference's given the reference's
 norms, decode of the reference's message bit-identical, the kernel's own L2 norms within 1
@@ -33,9 +34,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from hvdcomp import levels as L  # noqa: E402
-from hvdcomp.codecs import pack_bits, unpack_bits  # noqa: E402
-from hvdcomp.compressors.quantizers import dequantize_reference, quantize_reference  # noqa: E402
-from hvdcomp.random import uniform  # noqa: E402
+from hvdcomp.ops import quantize  # noqa: E402
 
 KEY = dict(seed=11, rank=2, tensor_id=3, step=7)
 
@@ -73,13 +72,13 @@ def measure(device, n, bits, bucket_size, norm, threads, repeats, ref_repeats, b
     lv = torch.tensor(L.exponential_levels(bits, 0.5), dtype=torch.float32, device=device)
     rows = []
 
+    be = backend.backend
+
     def ref_encode():
-        u = uniform(n, device=device, **{k: KEY[k] for k in KEY})
-        norms, codes = quantize_reference(x, lv, bucket_size, norm, u)
-        return norms, pack_bits(codes, bits)
+        return quantize.quantize.reference(x, lv, bits, bucket_size, norm, **KEY)
 
     def kernel_encode():
-        return backend.quantize(x, lv, bits, bucket_size, norm, **KEY)
+        return quantize.quantize.kernels(be, x, lv, bits, bucket_size, norm, **KEY)
 
     rn, rp = ref_encode()
     kn, kp = kernel_encode()
@@ -87,20 +86,19 @@ def measure(device, n, bits, bucket_size, norm, threads, repeats, ref_repeats, b
     norms_equal = bool(torch.equal(rn, kn))
     norms_max_ulp = int((rn.view(torch.int32).long() - kn.view(torch.int32).long())
                         .abs().max()) if rn.numel() else 0
-    kp_given = backend.quantize_pack(x, rn, lv, bits, bucket_size, **KEY)
+    kp_given = quantize.quantize_pack.kernels(be, x, rn, lv, bits, bucket_size, **KEY)
     bytes_equal = bool(torch.equal(rp, kp_given))
     out_r = torch.zeros(n, device=device)
     out_k = torch.zeros(n, device=device)
 
     def ref_decode():
-        codes = unpack_bits(rp, n, bits)
-        out_r.add_(dequantize_reference(rn, codes, lv, bucket_size, bits - 1))
+        quantize.dequantize_add.reference(rp, n, rn, lv, bits, bucket_size, out_r)
 
     def kernel_decode():
-        backend.dequantize_add(kp, n, kn, lv, bits, bucket_size, out_k)
+        quantize.dequantize_add.kernels(be, kp, n, kn, lv, bits, bucket_size, out_k)
 
     ref_decode()
-    backend.dequantize_add(rp, n, rn, lv, bits, bucket_size, out_k)   # the reference's message
+    quantize.dequantize_add.kernels(be, rp, n, rn, lv, bits, bucket_size, out_k)  # ref's message
     decode_equal = bool(torch.equal(out_r, out_k))
     out_r.zero_()
     out_k.zero_()

@@ -1,5 +1,6 @@
-"""hvdcomp.levels: level tables, ALQ / AMQ fitting, the folded-normal model, bucket_stats,
-and the adaptive compressors' table life cycle (state_dict, adopt, level_version).
+"""hvdcomp.levels: level tables, ALQ / AMQ fitting, the folded-normal model, the statistics
+(hvdcomp.ops.stats: bucket_stats, histogram_stats), and the adaptive compressors' table life
+cycle (state_dict, adopt, level_version).
 
 The variance claims are checked on the real MNIST gradient of conftest.real_grad with an exact
 empirical variance computed here in NumPy; the model's closed forms are checked against
@@ -15,9 +16,13 @@ import torch
 import hvdcomp
 from hvdcomp import WireFormatError
 from hvdcomp import levels as L
+from hvdcomp.ops import stats as S
 from hvdcomp.wire import Message
 
 from . import npref as R
+
+# the statistics' references (the specification; tests/kernels/test_stats.py checks the kernels)
+histogram_stats, bucket_stats = S.histogram_stats.reference, S.bucket_stats.reference
 
 BUCKET = 8192
 
@@ -155,7 +160,7 @@ def hist_stats_np(x, bs, norm, edges):
 
 
 def test_hist_edges():
-    e = L.HIST_EDGES
+    e = S.HIST_EDGES
     assert e.size == 257 and e[0] == 0.0 and e[1] == pytest.approx(1e-8) and e[-1] == 1.0
     ratio = e[2:] / e[1:-1]
     np.testing.assert_allclose(ratio, 10 ** (8 / 255), rtol=1e-12)
@@ -165,8 +170,8 @@ def test_hist_edges():
 @pytest.mark.parametrize("bs", [7, 1000, BUCKET])
 def test_histogram_stats_match_numpy(bs, norm, real_grad):
     x = real_grad.reshape(-1)[: 5 * bs + 3]
-    got = L.histogram_stats(x, bs, norm)
-    want = hist_stats_np(x.numpy(), bs, norm, L.HIST_EDGES)
+    got = histogram_stats(x, bs, norm)
+    want = hist_stats_np(x.numpy(), bs, norm, S.HIST_EDGES)
     assert got.shape == (768,)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-300)
 
@@ -174,8 +179,8 @@ def test_histogram_stats_match_numpy(bs, norm, real_grad):
 def test_histogram_stats_additive(real_grad):
     flat = real_grad.reshape(-1)
     a, b = flat[:3 * BUCKET], flat[3 * BUCKET:8 * BUCKET]
-    np.testing.assert_allclose(L.histogram_stats(torch.cat([a, b]), BUCKET),
-                               L.histogram_stats(a, BUCKET) + L.histogram_stats(b, BUCKET),
+    np.testing.assert_allclose(histogram_stats(torch.cat([a, b]), BUCKET),
+                               histogram_stats(a, BUCKET) + histogram_stats(b, BUCKET),
                                rtol=1e-12, atol=1e-300)
 
 
@@ -184,15 +189,15 @@ def test_histogram_model_exact_for_tables_on_bin_edges(ks, real_grad):
     """When every level is a bin edge, no bin straddles a level, so the binned sums give the
     variance exactly: sum over a bin of w (hi - r)(r - lo) = -lo hi S0 + (lo + hi) S1 - S2."""
     x = real_grad.reshape(-1).numpy()
-    levels = np.array([0.0] + [L.HIST_EDGES[k] for k in ks] + [1.0])
-    model = L.HistogramModel(L.histogram_stats(real_grad.reshape(-1), BUCKET))
+    levels = np.array([0.0] + [S.HIST_EDGES[k] for k in ks] + [1.0])
+    model = L.HistogramModel(histogram_stats(real_grad.reshape(-1), BUCKET))
     assert model.expected_variance(levels) == pytest.approx(exact_variance(x, levels),
                                                             rel=1e-9)
 
 
 @pytest.fixture(scope="module")
 def hist_tables(real_grad):
-    st = L.histogram_stats(real_grad.reshape(-1), BUCKET, "l2")
+    st = histogram_stats(real_grad.reshape(-1), BUCKET, "l2")
     return {(m, bits): (L.fit_alq(st, bits) if m == "alq" else L.fit_amq(st, bits))
             for m in ("alq", "amq") for bits in (2, 3, 4)}
 
@@ -400,8 +405,8 @@ def test_bucket_stats_additive(bs, norm, real_grad):
     flat = real_grad.reshape(-1)
     a, b = flat[:3 * bs], flat[3 * bs:8 * bs]
     both = torch.cat([a, b])
-    got = L.bucket_stats(both, bs, norm)
-    np.testing.assert_allclose(got, L.bucket_stats(a, bs, norm) + L.bucket_stats(b, bs, norm),
+    got = bucket_stats(both, bs, norm)
+    np.testing.assert_allclose(got, bucket_stats(a, bs, norm) + bucket_stats(b, bs, norm),
                                rtol=1e-12, atol=0)
     np.testing.assert_allclose(got, stats_np(both.numpy(), bs, norm), rtol=1e-12, atol=0)
 
@@ -410,13 +415,13 @@ def test_bucket_stats_additive(bs, norm, real_grad):
 @pytest.mark.parametrize("bs", [7, 1000, BUCKET])
 def test_bucket_stats_partial_last_bucket(bs, norm, real_grad):
     x = real_grad.reshape(-1)[: 5 * bs + 3]
-    np.testing.assert_allclose(L.bucket_stats(x, bs, norm), stats_np(x.numpy(), bs, norm),
+    np.testing.assert_allclose(bucket_stats(x, bs, norm), stats_np(x.numpy(), bs, norm),
                                rtol=1e-12, atol=0)
 
 
 def test_bucket_stats_zero_and_empty():
-    assert np.array_equal(L.bucket_stats(torch.zeros(0), 8), np.zeros(3))
-    assert np.array_equal(L.bucket_stats(torch.zeros(20), 8), np.zeros(3))
+    assert np.array_equal(bucket_stats(torch.zeros(0), 8), np.zeros(3))
+    assert np.array_equal(bucket_stats(torch.zeros(20), 8), np.zeros(3))
 
 
 # --------------------------------------------------------------------------------------------

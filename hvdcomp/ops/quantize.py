@@ -1,0 +1,278 @@
+"""Bucketed stochastic quantization with a level table: the operations of QSGD, QSGDinf,
+NUQSGD, ALQ and AMQ (kernels/quantize.cu).
+
+Source: Faghri et al., "Adaptive Gradient Quantization for Data-Parallel SGD", NeurIPS 2020
+(arXiv 2010.12460), Sec. 2, Eq. 1-2; QSGD: Alistarh et al., NeurIPS 2017.
+
+Per bucket of ``bucket_size`` coordinates of a flat float32 vector v (the last bucket may be
+short; it is padded with zeros):
+
+    norm  = ||v||_2 ("l2") or ||v||_inf ("linf"), float32
+    r_i   = min(|v_i| / norm, 1)  (norm 0: r_i = 0)
+    p_i   = (r_i - l_j) / (l_{j+1} - l_j) for r_i in [l_j, l_{j+1}]
+    index = j + (u_i < p_i), u_i the Philox uniform of element i (hvdcomp.random.uniform
+            with the message's seed, step, rank and tensor id)
+    code  = sign << (bits - 1) | index,  sign = 1 for v_i < 0
+    decoded value = sign * norm * l_index;  E = v_i, Var = norm^2 (l_{j+1} - r_i)(r_i - l_j)
+
+``levels``: float32 (2**(bits-1),), increasing from 0 to 1.  Codes travel packed
+(hvdcomp.ops.bitpack: code i at bit ``i * bits``, LSB first).
+
+The ops and what their kernels guarantee against the references (the specification):
+
+    bucket_norms(x, bucket_size, norm)                       -> norms float32 (nb,)
+    quantize_pack(x, norms, levels, bits, bucket_size, *, seed, rank, tensor_id, step)
+                                                             -> packed uint8
+    quantize(x, levels, bits, bucket_size, norm, *, seed, rank, tensor_id, step)
+                                                             -> (norms, packed)
+    dequantize_add(packed, n, norms, levels, bits, bucket_size, out)         -> out
+    dequantize_add_many(packed_list, n, norms_list, levels, bits, bucket_size, out) -> out
+
+* L-inf norms, packed codes given the same norms, and decoded sums: bit-identical.
+* L2 norms: the kernel sums the float64 squares in a fixed order set by ``bucket_size``
+  alone (``_common.reduce_block``), the same on CPU and GPU; ``torch.sum``'s order differs,
+  so a norm can differ by one float32 ulp where a rounding boundary falls between the two
+  float64 sums (never seen in the tests).  ``quantize``'s codes follow its own norms.
+
+The kernels raise TypeError (type, dtype) or ValueError (device, shape, ranges) for bad
+arguments (hvdcomp.backends._common.check_tensor / check_int); ``dequantize_add`` and
+``dequantize_add_many`` leave an accumulator that is not a contiguous 1-D float32 tensor to
+the reference.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import torch
+
+from ..backends._common import (BLOCK, MAX_GRID, check_int, check_tensor, grid_for,
+                                packed_size, reduce_block, u32)
+from .bitpack import pack_bits, unpack_bits
+from ..random import uniform
+from . import op
+
+__all__ = ["bucket_norms", "quantize_pack", "quantize", "dequantize_add",
+           "dequantize_add_many", "quantize_reference", "dequantize_reference"]
+
+NORMS = ("l2", "linf")
+
+
+# ---- references -------------------------------------------------------------------------------
+
+def _padded(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """The float32 values of flat ``x``, zero-padded to whole buckets: (nb, bucket_size)."""
+    n = x.numel()
+    nb = (n + bucket_size - 1) // bucket_size
+    if n == nb * bucket_size:
+        return x.reshape(nb, bucket_size).to(torch.float32)
+    xp = torch.zeros(nb * bucket_size, dtype=torch.float32, device=x.device)
+    xp[:n] = x
+    return xp.view(nb, bucket_size)
+
+
+def _codes(x: torch.Tensor, norms: torch.Tensor, levels: torch.Tensor, bucket_size: int,
+           u: torch.Tensor) -> torch.Tensor:
+    """int64 codes (n,) of flat float32 ``x`` against the bucket ``norms`` (Eq. 1)."""
+    n = x.numel()
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    r = (_padded(x, bucket_size).abs() / safe.unsqueeze(1)).reshape(-1)[:n]
+    r = r.clamp_(max=1.0)            # |v_i| / ||v|| can round to just above 1
+    s = levels.numel() - 1
+    j = (torch.searchsorted(levels, r, right=True) - 1).clamp_(0, s - 1)
+    lo, hi = levels[j], levels[j + 1]
+    p = (r - lo) / (hi - lo)
+    idx = j + (u < p).to(torch.int64)
+    sign = (x < 0).to(torch.int64)
+    return (sign << max(int(s).bit_length(), 1)) | idx
+
+
+def quantize_reference(x: torch.Tensor, levels: torch.Tensor, bucket_size: int, norm: str,
+                       u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The quantizer with explicit uniforms: (norms float32 (nb,), codes int64 (n,)).
+
+    x: flat float32 (n,); levels: float32 (s+1,) increasing from 0 to 1; u: float32 (n,) in
+    [0, 1).  code = sign << index_bits | level index, index_bits = max(bit_length(s), 1).
+    """
+    norms = bucket_norms.reference(x, bucket_size, norm)
+    return norms, _codes(x, norms, levels, bucket_size, u)
+
+
+def dequantize_reference(norms: torch.Tensor, codes: torch.Tensor, levels: torch.Tensor,
+                         bucket_size: int, index_bits: int) -> torch.Tensor:
+    """Inverse map of int64 ``codes`` (n,): float32 (n,) values sign * norm * levels[index]."""
+    n = codes.numel()
+    idx = codes & ((1 << index_bits) - 1)
+    neg = (codes >> index_bits) != 0
+    scale = norms.repeat_interleave(bucket_size)[:n] if n else norms[:0]
+    v = levels[idx] * scale
+    return torch.where(neg, -v, v)
+
+
+# ---- ops ----------------------------------------------------------------------------------------
+
+@op
+def bucket_norms(x: torch.Tensor, bucket_size: int, norm: str) -> torch.Tensor:
+    """Norms of the buckets of flat float32 ``x`` (n,): float32 (ceil(n / bucket_size),).
+
+    "l2": the float64 sum of squares, square-rooted and rounded once to float32 (so the
+    summation order matters only within float64 precision); "linf": max |x|.  NaN
+    propagates; an L2 norm beyond float32's range is +inf.
+    """
+    b = _padded(x, bucket_size)
+    if norm == "l2":
+        return b.to(torch.float64).pow(2).sum(dim=1).sqrt().to(torch.float32)
+    return b.abs().amax(dim=1)
+
+
+@op
+def quantize_pack(x: torch.Tensor, norms: torch.Tensor, levels: torch.Tensor, bits: int,
+                  bucket_size: int, *, seed: int, rank: int, tensor_id: int,
+                  step: int) -> torch.Tensor:
+    """Stochastic quantization of flat float32 ``x`` (n,) against the given bucket ``norms``
+    (float32 (nb,)), packed: uint8 (ceil(n * bits / 8),).  The uniforms are
+    ``hvdcomp.random.uniform(n, seed=seed, step=step, rank=rank, tensor_id=tensor_id)``.
+    """
+    u = uniform(x.numel(), seed=seed, step=step, rank=rank, tensor_id=tensor_id,
+                device=x.device)
+    return pack_bits(_codes(x, norms, levels, bucket_size, u), bits)
+
+
+@op
+def quantize(x: torch.Tensor, levels: torch.Tensor, bits: int, bucket_size: int, norm: str,
+             *, seed: int, rank: int, tensor_id: int,
+             step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(norms, packed): :func:`bucket_norms` then :func:`quantize_pack` of flat float32 ``x``.
+    """
+    norms = bucket_norms.reference(x, bucket_size, norm)
+    return norms, quantize_pack.reference(x, norms, levels, bits, bucket_size, seed=seed,
+                                          rank=rank, tensor_id=tensor_id, step=step)
+
+
+@op
+def dequantize_add(packed: torch.Tensor, n: int, norms: torch.Tensor, levels: torch.Tensor,
+                   bits: int, bucket_size: int, out: torch.Tensor) -> torch.Tensor:
+    """``out += `` the decoded values of ``n`` codes packed at ``bits`` (uint8
+    (ceil(n * bits / 8),)) with bucket ``norms`` (float32 (nb,)); out: (n,), on the
+    device of the other tensors, updated in place and returned."""
+    codes = unpack_bits(packed, n, bits)
+    return out.add_(dequantize_reference(norms, codes, levels, bucket_size, bits - 1))
+
+
+@op
+def dequantize_add_many(packed: Sequence[torch.Tensor], n: int, norms: Sequence[torch.Tensor],
+                        levels: torch.Tensor, bits: int, bucket_size: int,
+                        out: torch.Tensor) -> torch.Tensor:
+    """:func:`dequantize_add` of several messages of one tensor (``packed[m]``,
+    ``norms[m]``), added into ``out`` in list order (the kernel: in one pass over ``out``,
+    the same additions in the same order).  Raises ValueError for lists of different
+    lengths."""
+    if len(packed) != len(norms):
+        raise ValueError(f"{len(packed)} packed streams but {len(norms)} norm vectors")
+    for p, m in zip(packed, norms):
+        dequantize_add.reference(p, n, m, levels, bits, bucket_size, out)
+    return out
+
+
+# ---- kernels (kernels/quantize.cu) -------------------------------------------------------------
+
+def _bits(bits) -> int:
+    return check_int(bits, "bits", 2, 8)
+
+
+def _bucket(bucket_size) -> int:
+    return check_int(bucket_size, "bucket_size", 1, 2**62)
+
+
+def _levels(be, levels, bits: int, device) -> torch.Tensor:
+    return check_tensor(be, levels, "levels", torch.float32, 1 << (bits - 1), device=device)
+
+
+def _served(out) -> bool:
+    """Whether the kernels can accumulate into ``out`` (else the reference does)."""
+    return not isinstance(out, torch.Tensor) or (
+        out.dtype == torch.float32 and out.dim() == 1 and out.is_contiguous())
+
+
+@bucket_norms.kernel
+def _(be, x, bucket_size, norm):
+    x = check_tensor(be, x, "x", torch.float32)
+    bs = _bucket(bucket_size)
+    if norm not in NORMS:
+        raise ValueError(f"norm must be 'l2' or 'linf', got {norm!r}")
+    n = x.numel()
+    nb = (n + bs - 1) // bs
+    out = torch.empty(nb, dtype=torch.float32, device=x.device)
+    if nb:
+        be.launch("hvd_bucket_norms_" + norm, min(nb, MAX_GRID), reduce_block(bs),
+                  (x, n, bs, out))
+    return out
+
+
+@quantize_pack.kernel
+def _(be, x, norms, levels, bits, bucket_size, *, seed, rank, tensor_id, step):
+    # levels are increasing (not checked here: no device sync)
+    b = _bits(bits)
+    x = check_tensor(be, x, "x", torch.float32)
+    bs = _bucket(bucket_size)
+    n = x.numel()
+    norms = check_tensor(be, norms, "norms", torch.float32, (n + bs - 1) // bs, device=x.device)
+    levels = _levels(be, levels, b, x.device)
+    out = torch.empty(packed_size(n, b), dtype=torch.uint8, device=x.device)
+    if n:
+        be.launch("hvd_quantize_pack", grid_for((n + 7) // 8), BLOCK,
+                  (x, n, norms, bs, levels, b, u32(seed, "seed"), u32(rank, "rank"),
+                   u32(tensor_id, "tensor_id"), u32(step, "step"), out))
+    return out
+
+
+@quantize.kernel
+def _(be, x, levels, bits, bucket_size, norm, *, seed, rank, tensor_id, step):
+    norms = bucket_norms.kernels(be, x, bucket_size, norm)
+    return norms, quantize_pack.kernels(be, x, norms, levels, bits, bucket_size, seed=seed,
+                                        rank=rank, tensor_id=tensor_id, step=step)
+
+
+@dequantize_add.kernel
+def _(be, packed, n, norms, levels, bits, bucket_size, out):
+    if not _served(out):
+        return NotImplemented
+    b = _bits(bits)
+    n = check_int(n, "n", 0, 2**62)
+    bs = _bucket(bucket_size)
+    out = check_tensor(be, out, "out", torch.float32, n, output=True)
+    dev = out.device
+    packed = check_tensor(be, packed, "packed", torch.uint8, packed_size(n, b), device=dev)
+    norms = check_tensor(be, norms, "norms", torch.float32, (n + bs - 1) // bs, device=dev)
+    levels = _levels(be, levels, b, dev)
+    if n:
+        be.launch("hvd_dequantize_add", grid_for((n + 7) // 8), BLOCK,
+                  (packed, n, norms, bs, levels, b, out))
+    return out
+
+
+@dequantize_add_many.kernel
+def _(be, packed, n, norms, levels, bits, bucket_size, out):
+    if not _served(out):
+        return NotImplemented
+    b = _bits(bits)
+    n = check_int(n, "n", 0, 2**62)
+    bs = _bucket(bucket_size)
+    out = check_tensor(be, out, "out", torch.float32, n, output=True)
+    dev = out.device
+    if len(packed) != len(norms):
+        raise ValueError(f"{len(packed)} packed streams but {len(norms)} norm vectors")
+    if len(packed) > 2**31 - 1:
+        raise ValueError("too many messages")
+    packed = [check_tensor(be, p, "packed", torch.uint8, packed_size(n, b), device=dev)
+              for p in packed]
+    norms = [check_tensor(be, m, "norms", torch.float32, (n + bs - 1) // bs, device=dev)
+             for m in norms]
+    levels = _levels(be, levels, b, dev)
+    if n and packed:
+        pp = torch.tensor([p.data_ptr() for p in packed], dtype=torch.int64).to(dev)
+        npp = torch.tensor([m.data_ptr() for m in norms], dtype=torch.int64).to(dev)
+        # packed / norms stay referenced (these lists) until the launch has been issued;
+        # on a GPU the launch is ordered on the current stream before any later free
+        be.launch("hvd_dequantize_add_many", grid_for((n + 7) // 8), BLOCK,
+                  (pp, npp, len(packed), n, bs, levels, b, out))
+    return out
