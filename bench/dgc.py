@@ -10,7 +10,10 @@ same data shards, SGD lr 0.1 with cosine decay, momentum 0.9, batch 32 per rank)
   1.5625 %, 0.39 % in epochs 1-4), DGC without warm-up, and plain top-k 0.1 % with error
   feedback (the wrapped optimizer's momentum on the averaged sparse gradient);
 * a small convolutional net (bench/common.py SmallCNN) in a copy of that training loop
-  inside this script (``--worker``), with none and DGC.
+  inside this script (``--worker``), with none and DGC;
+* the main job again with SGD weight decay ``--weight-decay`` (default 5e-4), none and DGC
+  with warm-up: DGC folds the weight decay into each rank's local gradient before momentum
+  correction and selection, as the paper's reference code does.
 
 Lin et al. (ICLR 2018, arXiv 1712.01887) also warm the learning rate up and train for many
 more steps; this job is 12 short epochs (384 steps), no learning-rate warm-up.
@@ -120,12 +123,12 @@ def dense_numel(model_name: str) -> tuple:
     return dense, sum(p.numel() for p in m.parameters())
 
 
-def run_job(model_name, spec, args, tmp) -> dict:
+def run_job(model_name, spec, args, tmp, wd=0.0) -> dict:
     out = os.path.join(tmp, f"{len(os.listdir(tmp))}.json")
     if model_name == "FC-300-100":
         cmd = [RUN, "-np", str(args.ranks), sys.executable, TRAIN, "--compression", spec,
-               "--epochs", str(args.epochs), "--seed", str(args.seed), "--no-progress",
-               "--json", out]
+               "--epochs", str(args.epochs), "--seed", str(args.seed), "--no-progress"]
+        cmd += (["--weight-decay", str(wd)] if wd else []) + ["--json", out]
     else:
         cmd = [RUN, "-np", str(args.ranks), sys.executable, os.path.abspath(__file__),
                "--worker", "--compression", spec, "--epochs", str(args.epochs),
@@ -144,7 +147,7 @@ def run_job(model_name, spec, args, tmp) -> dict:
     spe = steps_per_epoch(args.ranks)
     # the last epoch's bytes per step, less the dense tensors (4 bytes per element each step)
     sparse_bytes = last["bytes_per_rank"] / spe - 4 * dense
-    row = dict(model=model_name, compression=res["compression"], spec=spec,
+    row = dict(model=model_name, compression=res["compression"], spec=spec, weight_decay=wd,
                final_acc=last["test_acc"], best_acc=max(e["test_acc"] for e in ep),
                ratio_last_epoch=last["ratio"],
                ratio_run=sum(e["fp32_bytes"] for e in ep) / sum(e["bytes_per_rank"] for e in ep),
@@ -155,7 +158,7 @@ def run_job(model_name, spec, args, tmp) -> dict:
                command=" ".join(["launch/run"] + cmd[1:3] + [".venv/bin/python"]
                                 + [os.path.relpath(c, ROOT) if c.startswith(ROOT) else c
                                    for c in cmd[4:-2]] + ["--json", "OUT.json"]))
-    print(f"{model_name:10s} {spec:58s} acc {row['final_acc']:5.2f} % (best "
+    print(f"{model_name:10s} {spec:58s} wd {wd:g} acc {row['final_acc']:5.2f} % (best "
           f"{row['best_acc']:5.2f})  ratio {row['ratio_last_epoch']:7.2f}x last epoch, "
           f"{row['ratio_run']:6.2f}x run  [{wall:.0f} s]", flush=True)
     return row
@@ -177,32 +180,36 @@ def markdown(res) -> str:
         "measured last-epoch bytes. DGC warm-up: density 25 %, 6.25 %, 1.5625 %, 0.39 % in "
         "epochs 1-4, then 0.1 %.",
         "",
-        "| model | compression | final acc % | best acc % | ratio (last epoch) | ratio (run) "
-        "| compressed layers | bytes/step | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | compression | weight decay | final acc % | best acc % | ratio (last epoch) "
+        "| ratio (run) | compressed layers | bytes/step | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["runs"]:
         cl = f"{r['ratio_compressed_layers']:.0f}x" if r["ratio_compressed_layers"] else "-"
-        lines.append(f"| {r['model']} | `{r['spec']}` | {r['final_acc']:.2f} | "
+        lines.append(f"| {r['model']} | `{r['spec']}` | {r['weight_decay']:g} | "
+                     f"{r['final_acc']:.2f} | "
                      f"{r['best_acc']:.2f} | {r['ratio_last_epoch']:.1f}x | "
                      f"{r['ratio_run']:.1f}x | {cl} | {r['bytes_per_step_last_epoch']:.0f} | "
                      f"{r['wall_s']:.0f} |")
     lines += ["", "Summary (final test accuracy, DGC with warm-up against none; ratios measured "
               "on the wire over the last epoch):", ""]
-    for model in dict.fromkeys(r["model"] for r in res["runs"]):
-        rows = {r["spec"]: r for r in res["runs"] if r["model"] == model}
+    for model, wd in dict.fromkeys((r["model"], r["weight_decay"]) for r in res["runs"]):
+        rows = {r["spec"]: r for r in res["runs"]
+                if r["model"] == model and r["weight_decay"] == wd}
         base = rows.get("none")
         dgc = next((r for s, r in rows.items() if s.startswith("dgc") and "warmup" in s), None)
         if base and dgc:
-            lines.append(f"* {model}: {dgc['final_acc']:.2f} % vs {base['final_acc']:.2f} % "
+            lines.append(f"* {model}{f', weight decay {wd:g}' if wd else ''}: "
+                         f"{dgc['final_acc']:.2f} % vs {base['final_acc']:.2f} % "
                          f"({dgc['final_acc'] - base['final_acc']:+.2f} points); "
                          f"{dgc['ratio_last_epoch']:.0f}x for the whole model, "
                          f"{dgc['ratio_compressed_layers']:.0f}x for the compressed layers.")
     lines += ["", "Test accuracy per epoch:", "",
-              "| model | compression | " + " | ".join(str(i + 1) for i in range(res["epochs"]))
-              + " |", "|---|---|" + "---|" * res["epochs"]]
+              "| model | compression | weight decay | "
+              + " | ".join(str(i + 1) for i in range(res["epochs"]))
+              + " |", "|---|---|---|" + "---|" * res["epochs"]]
     for r in res["runs"]:
-        lines.append(f"| {r['model']} | `{r['spec']}` | "
+        lines.append(f"| {r['model']} | `{r['spec']}` | {r['weight_decay']:g} | "
                      + " | ".join(f"{a:.1f}" for a in r["acc_per_epoch"]) + " |")
     lines += ["", "Per-run commands (OUT.json: a temporary file):", ""]
     lines += [f"    {r['command']}" for r in res["runs"]]
@@ -215,6 +222,8 @@ def main():
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=0.1, help="SmallCNN runs (main job: 0.1)")
+    ap.add_argument("--weight-decay", type=float, default=5e-4,
+                    help="weight decay of the last two runs (main job, none and DGC)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "dgc"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compression", default="none", help=argparse.SUPPRESS)
@@ -226,9 +235,11 @@ def main():
     jobs = [("FC-300-100", "none"), ("FC-300-100", dgc_spec(args.ranks)),
             ("FC-300-100", dgc_spec(args.ranks, warmup=False)),
             ("FC-300-100", "topk:density=0.001"),
-            ("SmallCNN", "none"), ("SmallCNN", dgc_spec(args.ranks))]
+            ("SmallCNN", "none"), ("SmallCNN", dgc_spec(args.ranks)),
+            ("FC-300-100", "none", args.weight_decay),
+            ("FC-300-100", dgc_spec(args.ranks), args.weight_decay)]
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [run_job(m, s, args, tmp) for m, s in jobs]
+        runs = [run_job(*job[:2], args, tmp, *job[2:]) for job in jobs]
     res = {"command": " ".join([".venv/bin/python", "bench/dgc.py"] + sys.argv[1:]),
            "machine": f"{platform.machine()} {os.cpu_count()} cores, Python "
                       f"{platform.python_version()}",

@@ -34,6 +34,8 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
     ap.add_argument("--lr", type=float, default=0.1, help="peak learning rate (cosine decay)")
     ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--weight-decay", type=float, default=0.0,
+                    help="SGD weight decay (DGC folds it into the local gradient)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--transport", default="mpi", choices=["mpi", "horovod"])
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -57,7 +59,8 @@ def main(argv=None):
     x_tr, y_tr, x_te, y_te = load_digits(args.seed)
     model = FC300100()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                          weight_decay=args.weight_decay)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=args.compression, transport=args.transport,
                                    seed=args.seed)

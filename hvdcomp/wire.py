@@ -76,6 +76,8 @@ CODECS = {
     "topk": 22,
     "randk": 23,
     "laq": 24,
+    # a sparse gradient's indices and values, uncompressed (hvdcomp.exchange.coo)
+    "coo": 25,
 }
 _CODEC_NAMES = {v: k for k, v in CODECS.items()}
 

@@ -75,9 +75,9 @@ class Compressor:
     codec: ClassVar[int] = 0
     summable: ClassVar[bool] = False
     prescaled: ClassVar[bool] = False
-    # DGC-style momentum correction: the drop-in optimizer switches the wrapped optimizer's
-    # momentum off for the tensors this compressor handles and hands the factor over through
-    # set_momentum({name: factor}).
+    # DGC-style momentum correction: the drop-in optimizer keeps the tensors this compressor
+    # handles out of the wrapped SGD's step and hands the factor over through
+    # set_momentum({name: factor}) (protocols.MomentumCorrection).
     handles_momentum: ClassVar[bool] = False
     # LAQ-style lazy rules: the drop-in optimizer calls after_step(step, sq) with
     # sq = ||theta_{k+1} - theta_k||^2 summed over all parameters, after every step.

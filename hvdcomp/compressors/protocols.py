@@ -71,8 +71,10 @@ class MomentumCorrection:
     """The compressor accumulates momentum itself (``u = m u + g``) before selecting.
 
     ``handles_momentum`` (an attribute, may depend on the settings) says whether it does so
-    for this instance; when it does, the core turns the wrapped optimizer's momentum off for
-    the compressor's tensors and hands the factors over through ``set_momentum``.
+    for this instance; when it does, the drop-in optimizer (with SGD) keeps the compressor's
+    tensors out of the wrapped SGD's step, hands the groups' momentum factors over through
+    ``set_momentum`` before each exchange, folds the groups' weight decay into the local
+    gradients and applies ``p -= lr * average`` itself.
     """
     handles_momentum: bool = True
 

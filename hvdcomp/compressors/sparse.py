@@ -421,10 +421,12 @@ class DGC(MomentumCorrection, _Sparse):
          masking (Sec. 3.3), if on: ``u[idx] <- 0``.
     Warm-up (Sec. 3.3): :func:`warmup_density`.
 
-    The optimizer's own momentum must be off for these tensors (the drop-in optimizer does
-    it: ``handles_momentum``); the averaged sparse vectors are then applied as plain SGD
-    steps.  Weight decay added by the wrapped optimizer after averaging bypasses the
-    momentum correction (the reference code adds it before compression).
+    The optimizer's own momentum must not apply to these tensors: with SGD, the drop-in
+    optimizer (``handles_momentum``) keeps their gradients from the wrapped SGD, hands
+    DGC each group's momentum, folds the group's weight decay into the local gradient
+    before encoding (``g + wd * p``, as the reference code does) and applies the averaged
+    sparse vectors as plain SGD steps (``p -= lr * average``); the param groups stay as
+    they are.
 
     Args:
       density: final fraction of coordinates sent, in (0, 1] (default 0.001, the paper's).

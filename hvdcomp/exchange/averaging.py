@@ -1,47 +1,77 @@
 """Gradients in, averages out: what every collective does before encoding and after
 decoding, whatever it sends.
 
-In: a missing gradient counts as zeros, a sparse one is densified, and each is divided by
-``predivide`` (Horovod's gradient_predivide_factor).  Out: the compressor turns the sum of
-the decoded contributions into the average (``finalize``), multiplied back by the world size
-for op=Sum and by ``predivide``; the NaN policy makes a tensor that was non-finite on any
-rank (or whose average overflowed) NaN on every rank and names it in ``StepStats.nonfinite``.
+In: a missing gradient is absent (the rank sends nothing for it), a sparse one is densified
+with ``sparse_as_dense`` and sent as indices and values otherwise (:mod:`.coo`), and each is
+divided by ``predivide`` (Horovod's gradient_predivide_factor); a rank that has joined
+(``hvd.join()``) has no gradients at all.  Out: the compressor turns the sum of the
+contributions into the average (``finalize``), over the ranks that had not joined, then
+multiplied by that count for op=Sum and by ``predivide``; the NaN policy makes a tensor that
+was non-finite on any rank (or whose average overflowed) NaN on every rank and names it in
+``StepStats.nonfinite``.
+
+Who counts: a tensor that no rank has a gradient for has no average (its ``p.grad`` stays
+None); one that some ranks lack counts zeros from those ranks (the average divides by every
+rank that has not joined), except for compressors whose receivers keep per-rank state (LAQ:
+the absent rank's last upload stands, as when its lazy rule skips) or need every rank's
+message (NDQSG: a clear error).
+
+Casts never lose range (:meth:`Averaging.cast_fallback`, :meth:`Averaging.combine`): a
+cast of a finite gradient that would overflow its wire dtype is sent as the gradient's own
+values instead (``none``), and a float32 sum that overflows although every contribution was
+finite is summed again with each contribution divided by the world size first.
 """
 from __future__ import annotations
 
-from typing import Dict
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..compressors import TensorKey
+from ..compressors import BF16, FP16, LAQ, NDQSG, Compressor, NoneCompressor, TensorKey
 from ..compressors.state import finite as all_finite
+from ..wire import CODECS, Message
 from .plan import Entry
 from .stats import StepStats
 
 __all__ = ["Averaging"]
 
+_NONE_CODEC = CODECS["none"]
+
+
+def _casts(comp: Compressor) -> bool:
+    return isinstance(comp, (NoneCompressor, FP16, BF16))
+
 
 class Averaging:
     """size: world size; average: False for op=Sum; predivide: Horovod's
-    gradient_predivide_factor (1.0: none).
+    gradient_predivide_factor (1.0: none); sparse_as_dense: densify sparse gradients before
+    they are sent (else they travel as indices and values).
+
+    ``joined``: set before a step in which this rank contributes nothing (``hvd.join()``).
 
     Keeps one float32 accumulator per tensor, reused from step to step (a fresh gradient-
     sized allocation every step costs a page fault per 4 KiB): a step's results are valid
     until the next step.
     """
 
-    def __init__(self, size: int, average: bool = True, predivide: float = 1.0):
+    def __init__(self, size: int, average: bool = True, predivide: float = 1.0,
+                 sparse_as_dense: bool = False):
         self.size = size
         self.average = average
         self.predivide = float(predivide)
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.joined = False
         self._accs: Dict[str, torch.Tensor] = {}
+        self._none = NoneCompressor()
 
-    def gradient(self, e: Entry) -> torch.Tensor:
-        """``e``'s gradient as the compressor gets it (zeros if None, dense, predivided)."""
-        g = e.param.grad
+    def gradient(self, e: Entry) -> Optional[torch.Tensor]:
+        """``e``'s gradient as the compressor gets it: None when absent (no gradient, or
+        this rank has joined), dense unless sparse and not ``sparse_as_dense``, predivided."""
+        g = None if self.joined else e.param.grad
         if g is None:
-            g = torch.zeros_like(e.param)
-        if g.is_sparse:
+            return None
+        if g.is_sparse and self.sparse_as_dense:
             g = g.to_dense()
         if self.predivide != 1.0:
             g = g / self.predivide
@@ -57,14 +87,87 @@ class Averaging:
             acc.zero_()
         return acc
 
+    # --- casts that keep their range ---------------------------------------------------
+    def cast_fallback(self, e: Entry, g: torch.Tensor, key: TensorKey) -> Optional[Message]:
+        """For a cast compressor (fp16, bf16) and a finite dense ``g`` whose cast would not
+        be finite: a ``none`` message of ``g`` (divided by the world size first when the
+        cast is prescaled, as fp16 is) in ``g``'s own dtype; None otherwise."""
+        comp = e.compressor
+        if not isinstance(comp, (FP16, BF16)) or not g.is_floating_point() or not all_finite(g):
+            return None
+        x = g.detach()
+        if comp.prescaled:
+            x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32) / self.size
+        if all_finite(x.to(comp.wire_dtype)):
+            return None
+        return self._none.encode(x.to(g.dtype) if comp.prescaled else x, key)
+
+    # --- out -----------------------------------------------------------------------------
+    def combine(self, e: Entry, msgs: Sequence[Optional[Message]], keys: List[TensorKey],
+                present: Sequence[bool], acc: torch.Tensor, joined: int = 0
+                ) -> Tuple[bool, bool]:
+        """Decode the messages of ``e`` (``msgs[r]`` from rank r, ``present[r]`` whether rank
+        r had a gradient; at least one did; ``joined`` ranks had joined) into ``acc``.
+        Returns (finite, prescaled):
+        finite is False if a message was NONFINITE; prescaled is True when ``acc`` holds
+        the sum of each contribution divided by the world size (the overflow rescue, or a
+        prescaled compressor), False when it holds the plain sum.  Raises ValueError when
+        the compressor cannot leave out an absent rank (module docstring)."""
+        comp = e.compressor
+        if not all(present):
+            if isinstance(comp, NDQSG) or (joined and isinstance(comp, LAQ)):
+                raise ValueError(
+                    f"{comp.name} needs every rank's gradient of {e.name}, but ranks "
+                    f"{[r for r, p in enumerate(present) if not p]} had none in this step "
+                    f"(a parameter unused on some ranks only, or ranks that have joined); "
+                    f"use another compressor for it")
+            if isinstance(comp, LAQ):          # the absent rank's last upload stands
+                return comp.combine([m if p else None for m, p in zip(msgs, present)], keys,
+                                    acc), comp.prescaled
+        pairs = [(m, k) for m, k, p in zip(msgs, keys, present) if p]
+        if not _casts(comp):
+            return comp.combine([m for m, _ in pairs], [k for _, k in pairs], acc), \
+                comp.prescaled
+        finite = True
+        for m, k in pairs:
+            finite &= self._decoder(comp, m, k).decode(m, k, acc)
+        if finite and not comp.prescaled and not all_finite(acc):
+            # the float32 sum overflowed although every contribution was finite: sum each
+            # contribution divided by the world size instead (rank order, as before)
+            acc.zero_()
+            part = torch.empty_like(acc)
+            for m, k in pairs:
+                part.zero_()
+                self._decoder(comp, m, k).decode(m, k, part)
+                acc.add_(part.div_(self.size))
+            return True, True
+        return finite, comp.prescaled
+
+    def _decoder(self, comp: Compressor, msg: Optional[Message], key: TensorKey) -> Compressor:
+        if msg is None:
+            comp._require_message(msg, key)         # raises WireFormatError
+        if msg.codec == _NONE_CODEC and isinstance(comp, (FP16, BF16)):
+            return self._none                       # a cast's fallback (cast_fallback)
+        return comp
+
     def finish(self, e: Entry, acc: torch.Tensor, finite: bool, key: TensorKey,
-               stats: StepStats) -> torch.Tensor:
-        """The result of ``e`` from ``acc`` (the sum of every rank's contribution, in place):
-        averaged (``finite``: no rank's message was NONFINITE), or NaN (NaN policy)."""
+               stats: StepStats, joined: int = 0, prescaled: Optional[bool] = None
+               ) -> torch.Tensor:
+        """The result of ``e`` from ``acc`` (in place), ``joined`` ranks having joined:
+        acc holds the sum of the contributions (``prescaled``, default the compressor's:
+        each divided by the world size); averaged over the ``size - joined`` ranks that
+        contribute (``finite``: no rank's message was NONFINITE), or NaN (NaN policy)."""
+        prescaled = e.compressor.prescaled if prescaled is None else prescaled
+        n = self.size - joined
         if finite:
-            e.compressor.finalize(acc, key)
+            if prescaled:
+                if n != self.size:
+                    acc.mul_(self.size / n)
+            else:
+                e.compressor.finalize(acc, key if n == self.size
+                                      else dataclasses.replace(key, world_size=n))
             if not self.average:
-                acc.mul_(self.size)
+                acc.mul_(n)
             if self.predivide != 1.0:
                 acc.mul_(self.predivide)
             finite = all_finite(acc)

@@ -3,7 +3,9 @@
 Every rank must issue the same collectives in the same order, whatever order its backward
 hooks fire in: the buckets are filled in reverse registration order (the order backward
 produces gradients) up to ``fusion_bytes`` of gradient each, and always communicated in
-bucket order.  Before the first step, every rank allgathers a digest of the model, the
+bucket order.  Parameters that do not require gradients when the exchange is built
+(frozen) fill buckets of their own, after the others: they usually have no gradient, and a
+bucket goes only once all its gradients are ready or the step ends.  Before the first step, every rank allgathers a digest of the model, the
 routing and the settings; ranks that disagree would otherwise issue mismatched collectives
 or decode garbage, so every rank raises instead.
 """
@@ -23,19 +25,24 @@ __all__ = ["fuse", "agree", "handshake"]
 
 def fuse(named_params: Sequence[Tuple[str, torch.Tensor]], fusion_bytes: int) -> List[List[str]]:
     """Parameter names in buckets: reverse registration order, a bucket closed once it
-    holds ``fusion_bytes`` or more of gradient.  Raises ValueError if fusion_bytes < 1."""
+    holds ``fusion_bytes`` or more of gradient; the parameters that require gradients
+    first, then the others.  Raises ValueError if fusion_bytes < 1."""
     if fusion_bytes < 1:
         raise ValueError("fusion_bytes must be >= 1")
     buckets: List[List[str]] = []
-    cur, cur_bytes = [], 0
-    for name, p in reversed(list(named_params)):
-        cur.append(name)
-        cur_bytes += p.numel() * p.element_size()
-        if cur_bytes >= fusion_bytes:
+    order = list(reversed(list(named_params)))
+    for trainable in (True, False):
+        cur, cur_bytes = [], 0
+        for name, p in order:
+            if bool(p.requires_grad) != trainable:
+                continue
+            cur.append(name)
+            cur_bytes += p.numel() * p.element_size()
+            if cur_bytes >= fusion_bytes:
+                buckets.append(cur)
+                cur, cur_bytes = [], 0
+        if cur:
             buckets.append(cur)
-            cur, cur_bytes = [], 0
-    if cur:
-        buckets.append(cur)
     return buckets
 
 

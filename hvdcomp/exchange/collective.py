@@ -5,6 +5,10 @@
 them in rank order (the same float32 order on every rank, so every rank holds the same
 average, bit for bit), and summable tensors go through an
 :class:`~hvdcomp.transport.Allreduce` carrier when there is one.
+
+Every rank learns, in the collectives it already makes, which ranks had which gradient
+and which ranks had joined: frames carry a presence bitmap and a JOINED flag
+(:mod:`hvdcomp.transport.framing`), summed buffers end with counts (:class:`Allgather`).
 """
 from __future__ import annotations
 
@@ -15,8 +19,10 @@ import torch
 
 from ..compressors.protocols import AdaptiveLevels, ReportsEvents
 from ..compressors.state import finite as all_finite
+from ..errors import WireFormatError
 from ..transport import Allreduce, Incoming, Outgoing, Transport
 from ..wire import Message
+from . import coo
 from .averaging import Averaging
 from .plan import Entry, wire_dtype
 from .stats import StepStats
@@ -37,7 +43,8 @@ class Collective:
     collective's own per-bucket state; ``decode`` returns each tensor's average as a flat
     float32 tensor on the parameter's device (it may be reused by the next step).  ``stats``
     is the step's :class:`~hvdcomp.exchange.stats.StepStats`: a collective adds what it sends
-    (``bytes_sent``, ``traffic_bytes``), ``events`` and ``nonfinite``; the pipeline records
+    (``bytes_sent``, ``traffic_bytes``), ``events``, ``nonfinite`` and ``joined``; the
+    pipeline records
     the compressors, ``fp32_bytes`` and the stage timings.
 
     The rules that keep every rank in step:
@@ -73,20 +80,41 @@ class Collective:
 
 
 @dataclass
+class _Sum:
+    """One summed buffer of a bucket: the gradients cast to ``dtype`` and flattened, then
+    three counts per tensor (present, sparse, non-finite) and the joined count."""
+    handle: Any
+    flat: torch.Tensor
+    groups: List[Tuple[Entry, int]]
+    fallback: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self.flat[self.flat.numel() - 3 * len(self.groups) - 1:].to(torch.float32)
+
+
+@dataclass
 class _Job:
     k: int
     step: int
     messages: List[Entry]                  # wire messages, in this order in the frame
     out: Optional[Outgoing]                # their frame (None: no wire part)
-    sums: List[Tuple[Any, torch.Tensor, List[Tuple[Entry, int]]]] = field(default_factory=list)
+    sums: List[_Sum] = field(default_factory=list)
     incoming: Optional[Incoming] = None
+    sparse: List[Entry] = field(default_factory=list)   # summed tensors sparse somewhere
+    sparse_in: Optional[Incoming] = None
 
 
 class Allgather(Collective):
     """Every rank's messages to every rank (``transport.exchange``, one frame per rank and
     bucket); decoded by every rank in rank order and averaged in float32.  Summable tensors
     (``Entry.allreduce``) are cast, flattened per wire dtype and summed by ``allreduce``
-    (started in the encode stage, waited for in the communicate stage).
+    (started in the encode stage, waited for in the communicate stage), each buffer followed
+    by counts that every rank reads the same: per tensor the ranks that had a dense
+    gradient, a sparse one and a non-finite one, then the ranks that had joined.  Tensors
+    that are sparse somewhere then travel as indices and values in a second allgather;
+    tensors whose sum overflowed although every rank's gradient was finite are summed
+    again in float32, each rank's gradient divided by the world size first.
 
     transport: the byte carrier; allreduce: the summable carrier or None; averaging:
     gradients in and averages out; seed: the shared seed of the tensor keys.
@@ -111,16 +139,18 @@ class Allgather(Collective):
             job.sums.append(self._start_sum(k, dt, es))
         if job.messages:
             try:
-                job.out = Outgoing([self._encode(e, step) for e in job.messages])
+                job.out = self._frame(job.messages, step)
             except Exception as exc:          # noqa: BLE001 - re-raised on all ranks
                 job.out = Outgoing.failed(exc)
         return job
 
     def communicate(self, job, stats):
-        """Exchange the frame and wait for the sums; raises on every rank if some rank
-        failed to encode the bucket (transport.exchange)."""
-        for _, flat, _ in job.sums:
-            nbytes = flat.numel() * flat.element_size()
+        """Exchange the frame and wait for the sums, then (every rank alike, from the
+        counts) sum again what overflowed and gather the sparse tensors.  Raises on every
+        rank if some rank failed to encode the bucket (transport.exchange), or if a tensor
+        is sparse on some ranks and dense on others."""
+        for s in job.sums:
+            nbytes = s.flat.numel() * s.flat.element_size()
             stats.bytes_sent += nbytes
             stats.traffic_bytes += 2 * (self.size - 1) / self.size * nbytes
         try:
@@ -131,27 +161,50 @@ class Allgather(Collective):
                 stats.bytes_sent += len(job.out)
                 stats.traffic_bytes += (self.size - 1) / self.size * sum(job.incoming.nbytes)
         finally:
-            for h, _, _ in job.sums:
-                self.allreduce.wait(h)
+            for s in job.sums:
+                self.allreduce.wait(s.handle)
+        for i, s in enumerate(job.sums):
+            self._sum_again(job.k, i, s, stats)
+            counts = s.counts
+            for j, (e, _) in enumerate(s.groups):
+                dense, sparse = counts[3 * j] > 0, counts[3 * j + 1] > 0
+                if sparse and dense:
+                    raise RuntimeError(f"hvdcomp: the gradient of {e.name} is sparse on some "
+                                       f"ranks and dense on others")
+                if sparse:
+                    job.sparse.append(e)
+        if job.sparse:
+            out = self._frame(job.sparse, job.step)
+            job.sparse_in = self.transport.exchange(
+                out, what=f"bucket {job.k} (sparse {[e.name for e in job.sparse]})")
+            stats.bytes_sent += len(out)
+            stats.traffic_bytes += (self.size - 1) / self.size * sum(job.sparse_in.nbytes)
 
     def decode(self, job, stats):
         """Every rank's messages decoded in rank order (``Compressor.combine``) and
         averaged; the sums unflattened and averaged."""
         out = {}
-        for _, flat, groups in job.sums:
+        for s in job.sums:
+            counts = s.counts
+            joined = int(round(float(counts[-1])))
+            stats.joined = max(stats.joined, joined)
             off = 0
-            for e, n in groups:
-                acc = flat[off:off + n].to(torch.float32).clone()
+            for j, (e, n) in enumerate(s.groups):
+                sl = s.flat[off:off + n]
                 off += n
+                if counts[3 * j] == 0:         # no dense gradient anywhere: sparse or absent
+                    continue
+                prescaled = None
+                if e.name in s.fallback:
+                    acc, prescaled = s.fallback[e.name], True
+                else:
+                    acc = sl.to(torch.float32).clone()
                 out[e.name] = self.averaging.finish(e, acc, True, self._key(e, job.step),
-                                                    stats)
-        for i, e in enumerate(job.messages):
-            acc = self.averaging.accumulator(e)
-            keys = [e.key(job.step, r, self.size, self.seed) for r in range(self.size)]
-            finite = e.compressor.combine(job.incoming.messages(i), keys, acc)
-            if isinstance(e.compressor, ReportsEvents):
-                stats.events.extend(f"{e.name}: {ev}" for ev in e.compressor.drain_events())
-            out[e.name] = self.averaging.finish(e, acc, finite, keys[self.rank], stats)
+                                                    stats, joined, prescaled)
+        if job.sparse:
+            out.update(self._decode_frames(job.sparse, job.sparse_in, job.step, stats))
+        if job.messages:
+            out.update(self._decode_frames(job.messages, job.incoming, job.step, stats))
         return out
 
     def close(self):
@@ -160,24 +213,111 @@ class Allgather(Collective):
     def _key(self, e: Entry, step: int):
         return e.key(step, self.rank, self.size, self.seed)
 
-    def _encode(self, e: Entry, step: int) -> Optional[Message]:
-        """This rank's message for ``e`` (None: a skipped upload); an adaptive compressor
-        observes the finite gradients of the steps it collects statistics in."""
-        g = self.averaging.gradient(e)
+    # --- frames ---------------------------------------------------------------------------
+    def _frame(self, entries: Sequence[Entry], step: int) -> Outgoing:
+        """This rank's frame for ``entries``: a message per tensor it has a gradient for."""
+        msgs, present = [], []
+        for e in entries:
+            g = self.averaging.gradient(e)
+            present.append(g is not None)
+            msgs.append(None if g is None else self._encode(e, g, step))
+        return Outgoing(msgs, present, joined=self.averaging.joined)
+
+    def _encode(self, e: Entry, g: torch.Tensor, step: int) -> Optional[Message]:
+        """This rank's message for ``e`` (None: a skipped upload): sparse gradients as
+        indices and values, a cast that would overflow as the gradient itself; an adaptive
+        compressor observes the finite gradients of the steps it collects statistics in."""
+        key = self._key(e, step)
+        if g.is_sparse:
+            return coo.encode(g, key)
+        fallback = self.averaging.cast_fallback(e, g, key)
+        if fallback is not None:
+            return fallback
         comp = e.compressor
         if (isinstance(comp, AdaptiveLevels) and comp.wants_stats(step)
                 and g.is_floating_point() and all_finite(g)):
             comp.observe(g)
-        return comp.encode(g, self._key(e, step))
+        return comp.encode(g, key)
 
-    def _start_sum(self, k: int, dt: torch.dtype, es: List[Entry]):
-        """Flatten the gradients of ``es`` cast to ``dt`` and start their sum."""
-        parts, groups = [], []
+    def _decode_frames(self, entries: Sequence[Entry], incoming: Incoming, step: int,
+                       stats: StepStats) -> Dict[str, torch.Tensor]:
+        out = {}
+        joined = sum(incoming.joined)
+        stats.joined = max(stats.joined, joined)
+        for i, e in enumerate(entries):
+            present = incoming.present(i)
+            if not any(present):               # no rank had a gradient: no average
+                continue
+            msgs = incoming.messages(i)
+            keys = [e.key(step, r, self.size, self.seed) for r in range(self.size)]
+            if any(m is not None and m.codec == coo.CODEC for m in msgs):
+                out[e.name] = self._sparse_average(e, msgs, keys, present, joined, stats)
+                continue
+            acc = self.averaging.accumulator(e)
+            finite, prescaled = self.averaging.combine(e, msgs, keys, present, acc, joined)
+            if isinstance(e.compressor, ReportsEvents):
+                stats.events.extend(f"{e.name}: {ev}" for ev in e.compressor.drain_events())
+            out[e.name] = self.averaging.finish(e, acc, finite, keys[self.rank], stats, joined,
+                                                prescaled)
+        return out
+
+    def _sparse_average(self, e, msgs, keys, present, joined, stats) -> torch.Tensor:
+        got = [(m, k) for m, k, p in zip(msgs, keys, present) if p]
+        if any(m is None or m.codec != coo.CODEC for m, _ in got):
+            raise WireFormatError(f"the gradient of {e.name} is sparse on some ranks and "
+                                  f"dense on others")
+        av = self.averaging
+        divisor = (self.size - joined if av.average else 1) / av.predivide
+        res, finite = coo.combine([m for m, _ in got], [k for _, k in got],
+                                  tuple(e.param.shape), e.param.dtype, divisor, e.param.device)
+        if not finite:
+            stats.nonfinite.append(e.name)
+        return res
+
+    # --- sums -----------------------------------------------------------------------------
+    def _start_sum(self, k: int, dt: torch.dtype, es: List[Entry]) -> _Sum:
+        """Flatten the gradients of ``es`` cast to ``dt``, append the counts, start the sum."""
+        parts, groups, counts = [], [], []
         for e in es:
-            x = self.averaging.gradient(e).reshape(-1).to(torch.float32)
-            if e.compressor.prescaled:
-                x = x / self.size           # divide before the cast so sums cannot overflow
-            parts.append(x.to(dt))
-            groups.append((e, x.numel()))
+            g = self.averaging.gradient(e)
+            n = e.param.numel()
+            if g is None or g.is_sparse:
+                parts.append(torch.zeros(n, dtype=dt, device=e.param.device))
+                counts += [0.0, float(g is not None), 0.0]
+            else:
+                x = g.reshape(-1).to(torch.float32)
+                bad = not all_finite(x)
+                if e.compressor.prescaled:
+                    x = x / self.size           # divide before the cast so sums cannot overflow
+                parts.append(x.to(dt))
+                counts += [1.0, 0.0, float(bad)]
+            groups.append((e, n))
+        counts.append(float(self.averaging.joined))
+        parts.append(torch.tensor(counts, dtype=dt, device=parts[0].device))
         flat = torch.cat(parts)
-        return self.allreduce.start(flat, f"hvdcomp.ar.{k}.{str(dt)[6:]}"), flat, groups
+        return _Sum(self.allreduce.start(flat, f"{k}.{str(dt)[6:]}"), flat, groups)
+
+    def _sum_again(self, k: int, i: int, s: _Sum, stats: StepStats) -> None:
+        """Tensors whose sum is not finite although no rank's gradient was: sum them again
+        in float32, each rank's gradient divided by the world size first (every rank sees
+        the same sums, so every rank takes part)."""
+        counts, redo, off = s.counts, [], 0
+        for j, (e, n) in enumerate(s.groups):
+            if counts[3 * j] > 0 and counts[3 * j + 2] == 0 and not all_finite(s.flat[off:off + n]):
+                redo.append((e, n))
+            off += n
+        if not redo:
+            return
+        parts = []
+        for e, n in redo:
+            g = self.averaging.gradient(e)
+            parts.append(torch.zeros(n, device=e.param.device) if g is None or g.is_sparse
+                         else g.reshape(-1).to(torch.float32) / self.size)
+        flat = torch.cat(parts)
+        self.allreduce.wait(self.allreduce.start(flat, f"{k}.{i}.again"))
+        stats.bytes_sent += flat.numel() * 4
+        stats.traffic_bytes += 2 * (self.size - 1) / self.size * flat.numel() * 4
+        off = 0
+        for e, n in redo:
+            s.fallback[e.name] = flat[off:off + n]
+            off += n

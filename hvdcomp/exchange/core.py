@@ -4,7 +4,9 @@ Any launcher drives it the same way (the drop-in optimizer today, a DDP communic
 next): per step ``begin(step)``, ``ready(name)`` as each gradient becomes final,
 ``finish()`` for the averages; ``before_step()`` / ``after_step(step)`` around the
 parameter update, for the compressors that need the training loop (the opt-in protocols of
-:mod:`hvdcomp.compressors.protocols`).
+:mod:`hvdcomp.compressors.protocols`).  A rank that has run out of data takes part in the
+others' steps with ``begin(step, joined=True)`` and ``finish()``: it contributes nothing,
+and the others' averages count only the ranks that have not joined.
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ class Exchange:
     transport: the byte carrier; allreduce: the carrier of summable tensors, or None.
     fusion_bytes: gradient bytes per fusion bucket (ValueError if < 1).
     seed: the shared seed of the Philox streams; average: False for a sum (op=Sum);
-    predivide: Horovod's gradient_predivide_factor.
+    predivide: Horovod's gradient_predivide_factor; sparse_as_dense: densify sparse
+    gradients before sending them (else they travel as indices and values, uncompressed).
 
     Construction is collective (Auto's measurements, the handshake): every rank builds its
     exchanges together, in the same order; RuntimeError on every rank if they disagree on
@@ -49,18 +52,21 @@ class Exchange:
                  compression, transport: Transport, *, allreduce: Optional[Allreduce] = None,
                  fusion_bytes: int = 25 * 2**20, min_compress_numel: int = 1024,
                  compress_1d: bool = False, seed: int = 0, average: bool = True,
-                 predivide: float = 1.0):
+                 predivide: float = 1.0, sparse_as_dense: bool = False):
         self.transport = transport
         self.rank, self.size = transport.rank, transport.size
         self.seed = int(seed) & 0xFFFFFFFF
         self.buckets = fuse(named_params, fusion_bytes)
         self.plan = Plan(named_params, compression, transport, allreduce,
                          min_compress_numel=min_compress_numel, compress_1d=compress_1d)
-        handshake(transport, [self.seed, average, float(predivide), self.compression.spec()],
+        # the carriers' name prefixes too: Horovod matches collectives by name
+        handshake(transport, [self.seed, average, float(predivide), bool(sparse_as_dense),
+                              self.compression.spec(), getattr(transport, "prefix", ""),
+                              allreduce.prefix if allreduce is not None else None],
                   self.buckets, self.entries)
         self.cuda_aware = report_cuda(named_params, self.rank)
-        self.collective = Allgather(transport, allreduce,
-                                    Averaging(self.size, average, predivide), self.seed)
+        self.averaging = Averaging(self.size, average, predivide, sparse_as_dense)
+        self.collective = Allgather(transport, allreduce, self.averaging, self.seed)
         self.pipeline = Pipeline(self.buckets, self.entries, self.collective)
         self._before: Optional[list] = None
 
@@ -90,8 +96,10 @@ class Exchange:
         """{name: averaged gradient} of the tensors averaged so far in this step."""
         return self.pipeline.results
 
-    def begin(self, step: int) -> None:
-        """Start step ``step`` (before the first ``ready``)."""
+    def begin(self, step: int, joined: bool = False) -> None:
+        """Start step ``step`` (before the first ``ready``).  ``joined``: this rank has
+        joined (``hvd.join()``) and takes part in the others' step with no gradients."""
+        self.averaging.joined = bool(joined)
         self.pipeline.begin(step)
 
     def ready(self, name: str) -> None:
@@ -100,11 +108,15 @@ class Exchange:
         self.pipeline.ready(name)
 
     def finish(self) -> Tuple[Dict[str, torch.Tensor], StepStats]:
-        """Submit what is left (gradients never produced count as zeros), wait, and return
-        {name: averaged gradient (float32, flat)} and the step's statistics.  The averaged
-        gradients of compressed tensors live in buffers that the next step reuses: copy
-        what you keep.  Re-raises the step's first error (e.g. WireFormatError, or a
-        RuntimeError naming a rank that failed to encode) on the calling thread."""
+        """Submit what is left, wait, and return {name: averaged gradient} and the step's
+        statistics.  An average is flat float32, or a sparse COO tensor of the parameter's
+        shape for a sparse gradient sent as indices and values.  A tensor that no rank had
+        a gradient for (``param.grad`` None on every rank, e.g. frozen) has no entry; one
+        that some ranks lack counts zeros from them (see :mod:`.averaging` for the
+        compressors that keep per-rank state).  The averaged gradients of compressed
+        tensors live in buffers that the next step reuses: copy what you keep.  Re-raises
+        the step's first error (e.g. WireFormatError, or a RuntimeError naming a rank that
+        failed to encode) on the calling thread."""
         return self.pipeline.finish()
 
     def close(self) -> None:

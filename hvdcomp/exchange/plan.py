@@ -2,7 +2,8 @@
 
 Routing: non-float tensors, 1-D tensors (biases, norm layers; unless ``compress_1d``) and
 tensors with fewer than ``min_compress_numel`` elements go uncompressed (``none``), as the
-DGC and CGX reference codes do; the others use the compression.  With an
+DGC and CGX reference codes do; the others use the compression.  A bfloat16 tensor that
+would be cast to fp16 is sent as bf16 instead (the same bytes, and bfloat16's own range).  With an
 :class:`hvdcomp.Auto`, the tensors that would be compressed get Auto's per-tensor choice
 (fp32, fp16 or its compressor) from costs measured on every rank together.  A tensor whose
 compressor is summable (a dtype cast) travels through the
@@ -18,11 +19,11 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from ..auto import Auto
-from ..compressors import Compressor, NoneCompressor, TensorKey
+from ..compressors import BF16, FP16, Compressor, NoneCompressor, TensorKey
 from ..transport import Allreduce, Transport
 from .buckets import agree
 
-__all__ = ["Entry", "Plan", "route", "wire_dtype"]
+__all__ = ["Entry", "Plan", "route", "keep_range", "wire_dtype"]
 
 
 @dataclass
@@ -53,7 +54,13 @@ def route(p: torch.Tensor, compression: Compressor, min_numel: int,
         return NoneCompressor()
     if p.numel() < min_numel:
         return NoneCompressor()
-    return compression
+    return keep_range(compression, p)
+
+
+def keep_range(comp: Compressor, p: torch.Tensor) -> Compressor:
+    """``comp``, except a BF16 for a bfloat16 tensor that ``comp`` would cast to fp16 (fp16
+    cannot hold bfloat16's range; bf16 sends the gradient's own bytes)."""
+    return BF16() if isinstance(comp, FP16) and p.dtype == torch.bfloat16 else comp
 
 
 def wire_dtype(comp: Compressor) -> torch.dtype:
@@ -98,7 +105,7 @@ class Plan:
         order = {n: i for i, n in enumerate(sorted(names))}
         self.entries: Dict[str, Entry] = {}
         for name, p in named_params:
-            comp = chosen.get(name) or routed(p)
+            comp = keep_range(chosen[name], p) if name in chosen else routed(p)
             summed = (allreduce is not None and comp.summable
                       and wire_dtype(comp) in allreduce.dtypes)
             self.entries[name] = Entry(name, p, order[name], comp, summed)

@@ -20,6 +20,8 @@ class StepStats:
     compressors:  parameter name -> name of the compressor applied to it.
     nonfinite:    names of tensors that held NaN/Inf on some rank (their average is NaN).
     events:       notable events reported by compressors (e.g. side information too far).
+    joined:       number of ranks that had joined (``hvd.join()``) and contributed nothing;
+                  the averages count the others only.
     encode_s, comm_s, decode_s: seconds spent in each phase (summed over buckets; the
                   phases of different buckets overlap in the pipeline).
     """
@@ -30,6 +32,7 @@ class StepStats:
     compressors: Dict[str, str] = field(default_factory=dict)
     nonfinite: List[str] = field(default_factory=list)
     events: List[str] = field(default_factory=list)
+    joined: int = 0
     encode_s: float = 0.0
     comm_s: float = 0.0
     decode_s: float = 0.0

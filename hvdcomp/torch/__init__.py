@@ -4,7 +4,7 @@ from horovod.torch import *  # noqa: F401,F403  (the whole horovod.torch surface
 import horovod.torch as _hvd
 
 from .exchange import Exchange, StepStats
-from .optimizer import DistributedOptimizer
+from .optimizer import DistributedOptimizer, join  # join: hvdcomp's, over Horovod's
 
 
 def __getattr__(name):

@@ -22,10 +22,11 @@ class Exchange(_Core):
     def __init__(self, named_params: Sequence[Tuple[str, torch.Tensor]], compression,
                  transport: Transport, *, hvd=None, fusion_bytes: int = 25 * 2**20,
                  min_compress_numel: int = 1024, compress_1d: bool = False, seed: int = 0,
-                 average: bool = True, predivide: float = 1.0, allreduce_summable: bool = True):
+                 average: bool = True, predivide: float = 1.0, allreduce_summable: bool = True,
+                 sparse_as_dense: bool = False):
         super().__init__(named_params, compression, transport,
                          allreduce=(HorovodAllreduce(hvd) if hvd is not None
                                     and allreduce_summable else None),
                          fusion_bytes=fusion_bytes, min_compress_numel=min_compress_numel,
                          compress_1d=compress_1d, seed=seed, average=average,
-                         predivide=predivide)
+                         predivide=predivide, sparse_as_dense=sparse_as_dense)

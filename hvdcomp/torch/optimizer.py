@@ -3,14 +3,29 @@
 Wraps any ``torch.optim.Optimizer`` the way horovod.torch does (a subclass of the wrapped
 optimizer's class created on the fly), and hands the gradient exchange to
 :class:`hvdcomp.torch.exchange.Exchange`.
+
+Training-loop semantics (README, "Training-loop semantics"): the averaged gradients are in
+``p.grad`` when ``loss.backward()`` returns, as with PyTorch's DistributedDataParallel.
+Each parameter's post-accumulate-grad hook hands its gradient to the exchange as soon as it
+is final (so communication overlaps the rest of backward), and a callback that the autograd
+engine runs at the end of the backward pass waits for the exchange and writes the averages.
+With ``backward_passes_per_step=k`` that happens in the k-th backward pass only.
+``synchronize()`` and ``skip_synchronize()`` keep their Horovod meaning and are no-ops once
+the gradients are averaged; ``step()`` exchanges whatever was not exchanged yet.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import sys
+import threading
+import weakref
 from typing import Dict, Optional
 
+import numpy as np
 import torch
+from torch.autograd import Variable
 
 from .. import compressors
 from ..auto import Auto, from_spec
@@ -19,9 +34,12 @@ from ..compressors.protocols import MomentumCorrection
 from ..transport import make as make_transport
 from .exchange import Exchange, StepStats
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "join"]
 
 _STATE_KEY = "hvdcomp"
+_FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
+_created = itertools.count()
+_live: "weakref.WeakValueDictionary[int, _DistributedOptimizer]" = weakref.WeakValueDictionary()
 
 
 def _as_compressor(compression) -> Compressor:
@@ -46,13 +64,24 @@ def _as_compressor(compression) -> Compressor:
                     f"'alq:bits=3', or Horovod's Compression.none/fp16; got {compression!r}")
 
 
+def _inside_function_backward() -> bool:
+    """Whether the caller runs inside a custom autograd Function's backward: a backward
+    pass started there (``checkpoint(use_reentrant=True)``) is nested in another."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is _FUNCTION_BACKWARD:
+            return True
+        f = f.f_back
+    return False
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     # Methods of this class are copied into a subclass of the user's optimizer class, so
     # they use super(self.__class__, self) rather than zero-argument super().
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, transport, fusion_bytes, min_compress_numel,
-                 compress_1d, seed, hvd):
+                 gradient_predivide_factor, sparse_as_dense, transport, fusion_bytes,
+                 min_compress_numel, compress_1d, seed, hvd):
         super(self.__class__, self).__init__(params)
         all_params = [p for g in self.param_groups for p in g["params"]]
         if named_parameters is not None:
@@ -63,11 +92,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"named_parameters lacks {len(missing)} of the optimizer's "
                                  f"parameters; pass model.named_parameters() of the model "
                                  f"whose parameters the optimizer holds")
-            named = [(n, p) for n, p in named if any(p is q for q in all_params)]
+            mine = {id(p) for p in all_params}
+            named = [(n, p) for n, p in named if id(p) in mine]
         else:
             named = [(f"param.{i}.{j}", p) for i, g in enumerate(self.param_groups)
                      for j, p in enumerate(g["params"])]
-        named = [(n, p) for n, p in named if p.requires_grad]
+        # frozen parameters too: one unfrozen later is exchanged like the others
+        named = [(n, p) for n, p in named if p.is_floating_point()]
         compression = _as_compressor(compression)
         self._bpps = int(backward_passes_per_step)
         if self._bpps < 1:
@@ -81,62 +112,124 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                   fusion_bytes=fusion_bytes,
                                   min_compress_numel=min_compress_numel,
                                   compress_1d=compress_1d, seed=seed, average=average,
-                                  predivide=gradient_predivide_factor)
+                                  predivide=gradient_predivide_factor,
+                                  sparse_as_dense=sparse_as_dense)
         self._compression = self._exchange.compression     # with Auto: Auto's compressor
         self._named = named
-        self._split_momentum()
-        self._counts = {n: 0 for n, _ in named}
+        self._corrected = self._momentum_corrected()
         self._hvdcomp_step = 0
-        self._synchronized = False
+        self._passes = 0          # backward passes since the last exchange
+        self._fresh = False       # p.grad holds averages that no step() has applied yet
+        self._queued = False      # the end-of-backward callback is queued
+        self._fired = set()       # hooks fired in this backward pass
+        self._readied = set()
         self._should_sync = True
+        self._closed = False
         self.last_stats: Optional[StepStats] = None
-        self._hooks = []
-        for n, p in named:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(n)))
+        self._hooks: Dict[str, object] = {}
+        self._hook_trainable()
+        _live[next(_created)] = self
 
-    def _split_momentum(self) -> None:
-        """Momentum correction (DGC): for tensors whose compressor applies momentum itself,
-        move them into param groups with momentum 0 and give the compressor the factor."""
+    # --- DGC: momentum correction and weight decay on the local gradient ---------------
+    def _momentum_corrected(self) -> Dict[str, torch.Tensor]:
+        """{name: parameter} of the tensors whose compressor applies the SGD momentum itself
+        (DGC, Lin et al. 2018, Sec. 3.2): the wrapped SGD never sees their gradients; their
+        momentum and weight decay go into the local gradient before compression and the
+        averaged update is applied as ``p -= lr * update``.  Empty for other compressors and
+        for optimizers other than SGD (those apply their own rule to the average)."""
         comp = self._compression
-        if not (isinstance(comp, MomentumCorrection) and comp.handles_momentum):
-            return
-        handled = {id(e.param): n for n, e in self._exchange.entries.items()
-                   if e.compressor is comp}
-        factors, new_groups = {}, []
+        if not (isinstance(comp, MomentumCorrection) and comp.handles_momentum
+                and isinstance(self, torch.optim.SGD)):
+            return {}
+        mine = {n: e.param for n, e in self._exchange.entries.items() if e.compressor is comp}
+        ids = {id(p) for p in mine.values()}
         for group in self.param_groups:
-            mine = [p for p in group["params"] if id(p) in handled]
-            if not mine:
+            if not any(id(p) in ids for p in group["params"]):
                 continue
-            m = float(group.get("momentum", 0.0) or 0.0)
-            if group.get("nesterov", False) or group.get("dampening", 0.0):
+            if group.get("nesterov") or group.get("dampening") or group.get("maximize"):
                 raise ValueError(f"{comp.name} applies momentum correction itself (plain "
-                                 f"momentum u = m u + g); Nesterov momentum and dampening "
-                                 f"are not supported with it")
-            for p in mine:
-                factors[handled[id(p)]] = m
-            if m and "momentum" in group:
-                group["params"] = [p for p in group["params"] if id(p) not in handled]
-                new_groups.append(dict({k: v for k, v in group.items() if k != "params"},
-                                       params=mine, momentum=0.0))
-        self.param_groups[:] = [g for g in self.param_groups if g["params"]]
-        for g in new_groups:
-            self.add_param_group(g)
-        comp.set_momentum(factors)
+                                 f"momentum u = m u + g, then p -= lr * update); Nesterov "
+                                 f"momentum, dampening and maximize are not supported with it")
+        return mine
+
+    def _groups(self) -> Dict[int, dict]:
+        return {id(p): g for g in self.param_groups for p in g["params"]}
+
+    def _prepare(self, name: str, p: torch.Tensor, groups: Dict[int, dict]) -> None:
+        """DGC's local gradient: weight decay folded in before momentum correction and
+        selection, as the paper's reference code does."""
+        if name in self._corrected and p.grad is not None and not p.grad.is_sparse:
+            wd = groups[id(p)].get("weight_decay", 0.0)
+            if wd:
+                with torch.no_grad():
+                    p.grad.add_(p.detach(), alpha=wd)
+
+    # --- the exchange, driven by backward -----------------------------------------------
+    def _hook_trainable(self) -> None:
+        for n, p in self._named:
+            if n not in self._hooks and p.requires_grad:
+                self._hooks[n] = p.register_post_accumulate_grad_hook(self._make_hook(n))
 
     def _make_hook(self, name):
         def hook(p):
+            if not self._queued:
+                self._queued = True
+                Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._fired.add(name)
+            if self._passes + 1 < self._bpps:
+                return                            # accumulating: exchange in the k-th pass
             if not self._exchange.in_step:
-                self._exchange.begin(self._hvdcomp_step)
-            self._counts[name] += 1
-            if self._counts[name] == self._bpps:
+                self._begin()
+            if name not in self._readied:
+                self._readied.add(name)
+                self._prepare(name, p, self._groups())
                 self._exchange.ready(name)
-            elif self._counts[name] > self._bpps:
-                raise RuntimeError(
-                    f"gradient of {name} computed {self._counts[name]} times before step(); "
-                    f"set backward_passes_per_step={self._counts[name]} or call step() "
-                    f"after each backward pass")
         return hook
 
+    def _begin(self) -> None:
+        if self._corrected:
+            groups = self._groups()
+            self._compression.set_momentum(
+                {n: float(groups[id(p)].get("momentum", 0.0) or 0.0)
+                 for n, p in self._corrected.items()})
+        self._readied = set()
+        self._exchange.begin(self._hvdcomp_step)
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        if _inside_function_backward() and set(self._hooks) - self._fired:
+            # the end of a backward pass nested in another (reentrant checkpointing) while
+            # gradients may still come in the outer one: its next hook queues the callback
+            # there (if none comes, step() finishes the exchange)
+            return
+        self._fired = set()
+        self._passes += 1
+        if self._passes >= self._bpps and self._exchange.in_step:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Wait for the exchange and write the averages into ``p.grad``."""
+        groups = self._groups()
+        for n, p in self._corrected.items():
+            if n not in self._readied:
+                self._prepare(n, p, groups)
+        self._passes, self._fresh = 0, False
+        results, stats = self._exchange.finish()
+        for n, p in self._named:
+            avg = results.get(n)
+            if avg is None:           # no rank had a gradient: p.grad stays None
+                continue
+            if avg.is_sparse:
+                p.grad = avg
+            elif p.grad is None or p.grad.is_sparse:
+                p.grad = avg.view(p.shape).to(p.dtype, copy=True)  # buffers are reused
+            else:
+                p.grad.copy_(avg.view(p.shape))
+        self._fresh = True
+        self.last_stats = stats
+        self._hook_trainable()        # parameters unfrozen since: hooked from now on
+
+    # --- public ---------------------------------------------------------------------------
     @property
     def compression(self) -> Compressor:
         """The compressor (with ``Auto``, its inner compressor)."""
@@ -146,9 +239,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Stop the exchange's worker threads and free its buffers (they live as long as the
         threads otherwise, i.e. the process).  Call when done with the optimizer, between
         steps; it cannot step afterwards."""
-        for h in self._hooks:
+        for h in self._hooks.values():
             h.remove()
-        self._hooks = []
+        self._hooks = {}
+        self._closed = True
         self._exchange.close()
 
     @property
@@ -157,31 +251,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._exchange.plan.compressor_names()
 
     def synchronize(self) -> StepStats:
-        """Finish the exchange and write the averaged gradients into ``p.grad``.
+        """Make sure ``p.grad`` holds the averaged gradients.
 
-        Returns the step's :class:`~hvdcomp.torch.exchange.StepStats` (also kept in
-        ``last_stats``).  Raises WireFormatError if any rank's message is malformed.
+        A no-op when backward already averaged them (the usual case); otherwise the
+        exchange runs now: after fewer than ``backward_passes_per_step`` backward passes,
+        after a backward pass that reached none of the hooked parameters, or when no
+        backward ran since the last ``step()`` (then it averages ``p.grad`` as it is).
+        Returns the :class:`~hvdcomp.torch.exchange.StepStats` of the last exchange (also
+        in ``last_stats``).  Raises WireFormatError if any rank's message is malformed.
         """
         ex = self._exchange
+        self._queued, self._fired = False, set()   # never inside a backward pass
         if not ex.in_step:
-            ex.begin(self._hvdcomp_step)
-        results, stats = ex.finish()
-        for n, p in self._named:
-            avg = results[n].view(p.shape)
-            if p.grad is None:
-                p.grad = avg.to(p.dtype, copy=True)    # the exchange reuses its buffers
-            else:
-                p.grad.copy_(avg)
-        for n in self._counts:
-            self._counts[n] = 0
-        self._synchronized = True
-        self.last_stats = stats
-        return stats
+            if self._fresh and self._passes == 0:
+                return self.last_stats
+            self._begin()
+        self._finish()
+        return self.last_stats
 
     @contextlib.contextmanager
     def skip_synchronize(self):
-        """Inside, ``step()`` does not synchronize: call ``synchronize()`` yourself first
-        (e.g. to unscale or clip the averaged gradients)."""
+        """Inside, ``step()`` does not synchronize (Horovod's idiom: ``synchronize()``,
+        then unscale or clip, then ``step()`` inside this).  With averaging at the end of
+        backward it is rarely needed; ``step()`` inside raises RuntimeError when gradients
+        of a backward pass were not exchanged yet."""
         self._should_sync = False
         try:
             yield
@@ -189,21 +282,64 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_sync = True
 
     def step(self, closure=None):
-        if self._should_sync and not self._synchronized:
+        """Apply the averaged gradients.  Exchanges first what was not exchanged yet
+        (:meth:`synchronize`).  With a ``closure`` (which typically calls ``zero_grad()``
+        and ``backward()``), the closure's backward pass averages the gradients before the
+        update; an optimizer that calls its closure several times (LBFGS) gets averaged
+        gradients every time."""
+        if closure is not None and not self._corrected:
+            def run():
+                loss = closure()
+                if self._should_sync:
+                    self.synchronize()
+                return loss
+            return self._update(run)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._should_sync:
             self.synchronize()
-        elif not self._synchronized:
-            raise RuntimeError("step() inside skip_synchronize() needs synchronize() first")
-        self._synchronized = False
-        self._exchange.before_step()
-        loss = super(self.__class__, self).step(closure)
-        self._exchange.after_step(self._hvdcomp_step)      # LAQ's rule, ALQ/AMQ's refit
+        elif self._passes or self._exchange.in_step:
+            raise RuntimeError("step() inside skip_synchronize() needs synchronize() first: "
+                               "gradients of a backward pass were not exchanged yet")
+        self._update(None)
+        return loss
+
+    def _update(self, closure):
+        ex = self._exchange
+        ex.before_step()
+        hidden = {n: p.grad for n, p in self._corrected.items()
+                  if p.grad is not None and not p.grad.is_sparse}
+        for n in hidden:
+            self._corrected[n].grad = None
+        try:
+            loss = super(self.__class__, self).step(closure)
+        finally:
+            for n, g in hidden.items():
+                self._corrected[n].grad = g
+        if hidden:                                # DGC: p -= lr * averaged update
+            groups = self._groups()
+            with torch.no_grad():
+                for n, g in hidden.items():
+                    p = self._corrected[n]
+                    lr = groups[id(p)]["lr"]
+                    if isinstance(lr, torch.Tensor):
+                        p.sub_(g * lr)
+                    else:
+                        p.add_(g, alpha=-lr)
+        ex.after_step(self._hvdcomp_step)      # LAQ's rule, ALQ/AMQ's refit
         self._hvdcomp_step += 1
+        self._fresh = False
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
         if self._exchange.in_step:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
-                                 "but before optimizer.step() or optimizer.synchronize()")
+            # a backward pass that raised midway: its exchange is finished (the other
+            # ranks finished theirs) and dropped
+            self._passes = 0
+            self._exchange.finish()
+        self._passes, self._fresh, self._queued, self._fired = 0, False, False, set()
         return super(self.__class__, self).zero_grad(set_to_none)
 
     def state_dict(self):
@@ -225,14 +361,76 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hvdcomp_step = int(mine["step"])
             self._compression.load_state_dict(mine["compressor_state"])
 
+    # --- join ------------------------------------------------------------------------------
+    def _join_rounds(self) -> int:
+        """Take part, contributing nothing, in the other ranks' steps until every rank has
+        joined; returns how many steps this rank sat out."""
+        ex = self._exchange
+        if ex.in_step:
+            ex.finish()               # a backward pass that raised midway (as zero_grad)
+        self._passes, self._fresh = 0, False
+        rounds = 0
+        while ex.buckets:
+            ex.begin(self._hvdcomp_step, joined=True)
+            _, stats = ex.finish()
+            if stats.joined == ex.size:
+                break
+            ex.before_step()
+            ex.after_step(self._hvdcomp_step)  # the others' refits (ALQ/AMQ) need this rank
+            self._hvdcomp_step += 1
+            rounds += 1
+        return rounds
+
+
+def join(device: int = -1) -> int:
+    """``hvd.join()`` for hvdcomp: call it on a rank that has run out of data, and on every
+    rank once it is done.  Until every rank has joined, this rank takes part in the other
+    ranks' steps of every open hvdcomp DistributedOptimizer, each in a thread of its own,
+    contributing no gradients: their averages count only the ranks that have not joined
+    (as Horovod's join does).  Returns the highest rank among those that joined last.
+
+    Without open hvdcomp optimizers it is horovod.torch.join(device).  While some rank
+    waits here, the other ranks may only step their hvdcomp optimizers (a Horovod
+    collective of their own, e.g. ``hvd.allreduce`` of a metric, waits for the joined
+    ranks).  Compressors whose receivers keep per-rank state or need every rank's message
+    (LAQ, NDQSG) raise ValueError on every rank in the first step a rank sits out; the
+    optimizers' exceptions are re-raised here.
+    """
+    opts = [o for _, o in sorted(_live.items()) if not o._closed]
+    if not opts:
+        import horovod.torch as hvd
+        return hvd.join(device)
+    rounds: Dict[int, int] = {}
+    errors = []
+
+    def run(i, opt):
+        try:
+            rounds[i] = opt._join_rounds()
+        except BaseException as e:     # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, o), name=f"hvdcomp-join-{i}")
+               for i, o in enumerate(opts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    ex = opts[0]._exchange
+    last = np.zeros(ex.size)
+    last[ex.rank] = 1.0 if rounds[0] == 0 else 0.0
+    return int(np.flatnonzero(ex.transport.allreduce_sum(last))[-1])
+
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
                          *, transport="mpi", fusion_bytes=25 * 2**20, min_compress_numel=1024,
                          compress_1d=False, seed=0):
-    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across ranks, sent
-    with ``compression`` as real encoded bytes.
+    """Wrap ``optimizer`` so that ``p.grad`` holds gradients averaged across ranks, sent with
+    ``compression`` as real encoded bytes, when ``loss.backward()`` returns (README,
+    "Training-loop semantics").
 
     Same signature as ``horovod.torch.DistributedOptimizer``, plus keyword-only settings:
 
@@ -241,7 +439,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         ``hvdcomp.Auto(compressor)`` (spec "auto+alq:bits=3"): per tensor, fp32, fp16 or the
         compressor, whichever the cost model measured at construction says is fastest
         (``optimizer.plan``).
+    backward_passes_per_step: the gradients of k backward passes are summed locally and
+        exchanged in the k-th.
     op: hvd.Average (default) or hvd.Sum.  gradient_predivide_factor: as in Horovod.
+    sparse_as_dense: densify sparse gradients (``nn.Embedding(sparse=True)``) before the
+        exchange (``p.grad`` becomes dense); otherwise they travel uncompressed as every
+        rank's indices and values and ``p.grad`` is a sparse average (as in Horovod).
     num_groups, groups: not used (hvdcomp fuses by ``fusion_bytes``); must be left default.
     process_set: only the global process set is supported.
     transport: "mpi" (mpi4py Allgatherv, default) or "horovod" (hvd.allgather); identical
@@ -267,5 +470,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression,
-               backward_passes_per_step, op, gradient_predivide_factor, transport,
-               fusion_bytes, min_compress_numel, compress_1d, seed, hvd)
+               backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense,
+               transport, fusion_bytes, min_compress_numel, compress_1d, seed, hvd)

@@ -96,9 +96,12 @@ class Allreduce:
     started asynchronously and waited for later.  Every rank starts the same buffers (same
     size, dtype and name) in the same order.
 
-    dtypes: the buffer dtypes it can sum.
+    dtypes: the buffer dtypes it can sum.  prefix: what the names of its collectives start
+    with, unique to this carrier (so two exchanges never share a name); the exchange's
+    handshake checks that every rank has the same.
     """
     dtypes: Tuple[torch.dtype, ...] = ()
+    prefix: str = ""
 
     def start(self, buf: torch.Tensor, name: str) -> Any:
         """Start summing ``buf`` (1-D, contiguous) in place; returns a handle for wait."""

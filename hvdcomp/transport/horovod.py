@@ -1,6 +1,12 @@
 """The Horovod carriers: hvd.allgather of uint8 tensors (counts gathered first, since
 Horovod's allgather does not return the per-rank sizes), and Horovod's asynchronous
-allreduce of summable buffers."""
+allreduce of summable buffers.
+
+Horovod matches collectives by name.  Every carrier built in a process takes the next
+number of one process-wide count into the prefix of its names ("hvdcomp.3."), the same on
+every rank since every rank builds the same optimizers in the same order (the exchange's
+handshake checks it): two optimizers' collectives never share a name, even when their
+exchanges run at the same time."""
 from __future__ import annotations
 
 import itertools
@@ -17,11 +23,14 @@ __all__ = ["HorovodTransport", "HorovodAllreduce"]
 _instances = itertools.count()
 
 
+def _prefix(prefix: str) -> str:
+    return f"{prefix}.{next(_instances)}"
+
+
 class HorovodTransport(Transport):
-    """Needs ``horovod.torch`` initialized.  Horovod matches collectives by name: each
-    transport's names carry its creation index (the same on every rank, since every rank
-    builds the same optimizers in the same order); its calls are sequential, so the names
-    can repeat from call to call (which keeps Horovod's response cache small)."""
+    """Needs ``horovod.torch`` initialized.  Its names carry its creation number (module
+    docstring); its calls are sequential, so the names can repeat from call to call (which
+    keeps Horovod's response cache small)."""
     name = "horovod"
 
     def __init__(self, max_chunk: int = 0, prefix: str = "hvdcomp"):
@@ -32,10 +41,10 @@ class HorovodTransport(Transport):
         self.hvd = hvd
         self.rank = hvd.rank()
         self.size = hvd.size()
-        self._prefix = f"{prefix}.{next(_instances)}"
+        self.prefix = _prefix(prefix)
 
     def _name(self, what: str) -> str:
-        return f"{self._prefix}.{what}"
+        return f"{self.prefix}.{what}"
 
     def _allgather_counts(self, n: int) -> List[int]:
         got = self.hvd.allgather(torch.tensor([n], dtype=torch.int64), name=self._name("n"))
@@ -63,15 +72,17 @@ class HorovodAllreduce(Allreduce):
     """hvd.allreduce_async_ with op=Sum of float32, float64 and float16 buffers (Horovod
     fuses them with its own tensor fusion and sums in its own, e.g. MPI's, order).
 
-    hvd: the initialized ``horovod.torch`` module.
+    hvd: the initialized ``horovod.torch`` module.  Its names are ``prefix`` + "." + the
+    name given to :meth:`start` (``prefix`` carries its creation number: module docstring).
     """
     dtypes = (torch.float32, torch.float64, torch.float16)
 
-    def __init__(self, hvd):
+    def __init__(self, hvd, prefix: str = "hvdcomp"):
         self.hvd = hvd
+        self.prefix = _prefix(prefix)
 
     def start(self, buf, name):
-        return self.hvd.allreduce_async_(buf, name=name, op=self.hvd.Sum)
+        return self.hvd.allreduce_async_(buf, name=f"{self.prefix}.{name}", op=self.hvd.Sum)
 
     def wait(self, handle):
         self.hvd.synchronize(handle)

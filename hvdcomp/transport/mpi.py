@@ -7,9 +7,11 @@ optimizers do not overlap): MPI_THREAD_SERIALIZED is enough for hvdcomp's own ca
 Horovod runs on MPI in the same process, its background thread calls MPI at any time,
 concurrently with the communicate thread: then it needs MPI_THREAD_MULTIPLE (what mpi4py and
 Horovod request by default).  The application's own MPI calls during a step (between the
-first backward hook and ``step()``) also need MPI_THREAD_MULTIPLE.  :class:`MPITransport`
-checks the provided level when it is built (:func:`check_thread_level`); with less,
-``transport="horovod"`` makes no MPI call of hvdcomp's own.
+first backward hook and ``step()``) also need MPI_THREAD_MULTIPLE.  So does a second transport in one process (several optimizers): their
+exchanges may run at the same time, each on its own communicator, e.g. when one backward
+pass produces gradients for two optimizers.  :class:`MPITransport` checks the provided
+level when it is built (:func:`check_thread_level`); with less, ``transport="horovod"``
+makes no MPI call of hvdcomp's own.
 """
 from __future__ import annotations
 
@@ -50,18 +52,19 @@ def horovod_on_mpi() -> bool:
     return bool(hvd is not None and hvd.is_initialized() and hvd.mpi_enabled())
 
 
-def check_thread_level(provided: int, horovod_mpi: bool, MPI) -> None:
+def check_thread_level(provided: int, horovod_mpi: bool, MPI, several: bool = False) -> None:
     """Raise RuntimeError when the MPI library's thread level ``provided`` is below what
     hvdcomp needs (module docstring): MPI_THREAD_MULTIPLE when ``horovod_mpi`` (Horovod runs
-    on MPI in this process), else MPI_THREAD_SERIALIZED.  ``MPI``: the mpi4py.MPI module
-    (its THREAD_* constants)."""
-    need = MPI.THREAD_MULTIPLE if horovod_mpi else MPI.THREAD_SERIALIZED
+    on MPI in this process) or ``several`` (another MPITransport exists in this process),
+    else MPI_THREAD_SERIALIZED.  ``MPI``: the mpi4py.MPI module (its THREAD_* constants)."""
+    need = MPI.THREAD_MULTIPLE if horovod_mpi or several else MPI.THREAD_SERIALIZED
     if provided >= need:
         return
     names = {getattr(MPI, f"THREAD_{x}"): f"MPI_THREAD_{x}"
              for x in ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")}
     why = ("Horovod's background thread and hvdcomp's communicate thread call MPI "
            "concurrently" if horovod_mpi else
+           "the exchanges of several optimizers may call MPI concurrently" if several else
            "hvdcomp's communicate thread calls MPI, and it is not the main thread")
     raise RuntimeError(
         f"hvdcomp: the MPI library provides {names.get(provided, provided)}; the mpi "
@@ -76,15 +79,18 @@ class MPITransport(Transport):
     traffic never matches a user's own mpi4py messages.
 
     Raises RuntimeError when MPI provides less than MPI_THREAD_SERIALIZED, or less than
-    MPI_THREAD_MULTIPLE while Horovod runs on MPI (module docstring); Horovod initialized
-    after the transport is built is not seen.
+    MPI_THREAD_MULTIPLE while Horovod runs on MPI or for the second transport of a process
+    (module docstring); Horovod initialized after the transport is built is not seen.
     """
     name = "mpi"
+    _built = 0                      # transports built in this process
 
     def __init__(self, comm=None, max_chunk: int = 0):
         super().__init__(max_chunk)
         from mpi4py import MPI
-        check_thread_level(MPI.Query_thread(), horovod_on_mpi(), MPI)
+        check_thread_level(MPI.Query_thread(), horovod_on_mpi(), MPI,
+                           several=MPITransport._built > 0)
+        MPITransport._built += 1
         self._MPI = MPI
         self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
         self.rank = self.comm.Get_rank()

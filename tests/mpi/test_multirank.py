@@ -38,6 +38,8 @@ def run_ranks(n: int, script: str, outdir: str, timeout: int = 300) -> str:
     ("worker_dithered.py", "dithered OK"),
     ("worker_laq.py", "laq OK"),
     ("worker_sparse.py", "sparse OK"),
+    ("worker_loops.py", "loops a OK"),
+    ("worker_loops_b.py", "loops b OK"),
 ])
 def test_workers(n, script, marker, tmp_path):
     out = run_ranks(n, script, str(tmp_path))

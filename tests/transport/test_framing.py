@@ -81,9 +81,36 @@ def _messages(rank):
 def test_join_split_round_trip_with_empty_messages():
     msgs = [b"abc", b"", bytes(range(256)) * 3, b"z"]
     frame = join_frames(msgs)
-    assert frame.dtype == np.uint8 and len(frame) == 8 + 8 * 4 + sum(map(len, msgs))
-    assert [bytes(p) for p in split_frames(frame, 4)] == msgs
-    assert split_frames(join_frames([]), 0) == []
+    # header 8, lengths 8 x 4, flags 1, bitmap 1
+    assert frame.dtype == np.uint8 and len(frame) == 8 + 8 * 4 + 2 + sum(map(len, msgs))
+    parts, present, joined = split_frames(frame, 4)
+    assert [bytes(p) for p in parts] == msgs and present == [True] * 4 and not joined
+    assert split_frames(join_frames([]), 0) == ([], [], False)
+
+
+def test_presence_bitmap_and_joined_flag_round_trip():
+    present = [True, False, True, True, False, False, True, False, True]   # 9: two bytes
+    msgs = [b"m%d" % i if p else b"" for i, p in enumerate(present)]
+    frame = join_frames(msgs, present)
+    assert len(frame) == 8 + 8 * 9 + 1 + 2 + sum(map(len, msgs))
+    flags_at = 8 + 8 * 9
+    # bitmap LSB first: byte 0 = bits 0..7 = 1,0,1,1,0,0,1,0 -> 0b01001101, byte 1 = bit 8
+    assert list(frame[flags_at:flags_at + 3]) == [0, 0b01001101, 0b00000001]
+    parts, got, joined = split_frames(frame, 9)
+    assert got == present and not joined and [bytes(p) for p in parts] == msgs
+    frame = join_frames([b"", b""], [False, False], joined=True)
+    parts, got, joined = split_frames(frame, 2)
+    assert frame[8 + 16] == 1 and [len(p) for p in parts] == [0, 0]
+    assert got == [False, False] and joined
+    with pytest.raises(ValueError, match="absent"):
+        join_frames([b"x"], [False])
+    bad = join_frames([b"x"], [True]).copy()
+    bad[8 + 8 + 1] = 0                            # clear the bit of a non-empty message
+    with pytest.raises(hvdcomp.WireFormatError, match="absent"):
+        split_frames(bad, 1)
+    bad[8 + 8] = 0x80                             # an unknown flag
+    with pytest.raises(hvdcomp.WireFormatError, match="flags"):
+        split_frames(bad, 1)
 
 
 @pytest.mark.parametrize("cut", [0, 3, 7])

@@ -30,6 +30,12 @@ def test_required_level(provided, horovod, ok):
     assert "transport='horovod'" in str(e.value)
 
 
+def test_a_second_transport_needs_thread_multiple():
+    check_thread_level(3, False, MPI, several=True)
+    with pytest.raises(RuntimeError, match="needs MPI_THREAD_MULTIPLE .the exchanges of several optimizers"):
+        check_thread_level(2, False, MPI, several=True)
+
+
 @pytest.mark.parametrize("level,ok", [("funneled", False), ("serialized", True)])
 def test_mpi_transport_checks_the_provided_level(level, ok):
     """A one-process MPI started by mpi4py at ``level`` (no Horovod)."""
