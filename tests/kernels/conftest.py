@@ -37,7 +37,7 @@ def cuda_unavailable_reason():
 @pytest.fixture(autouse=True)
 def _one_intra_op_thread():
     """The PyTorch reference on one intra-op thread: on a small shared machine, thread
-    start-up dominates its small ops (tests/quant/conftest.py measured the same).  The host
+    start-up dominates its small ops (tests/compressors/conftest.py measured the same).  The host
     kernels keep their own thread setting (hvdcomp.backends.host.set_num_threads)."""
     nthreads = torch.get_num_threads()
     torch.set_num_threads(1)

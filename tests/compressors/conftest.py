@@ -18,7 +18,7 @@ for _p in (ROOT, os.path.join(ROOT, "examples")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-SEED = 20201020          # the global torch / numpy seed of every test in tests/quant
+SEED = 20201020          # the global torch / numpy seed of every test in tests/compressors
 MODEL_SEED = 0           # initial weights of FC300100
 DATA_SEED = 0            # train/test split of load_digits
 BATCH_SEED = 1           # mini-batch sampling
