@@ -59,7 +59,7 @@ version 0; the index and value encodings are hvdcomp.codecs.sparse's):
 Whole-message cost: 52 + 8 * (ndim + nsections) header bytes (84 for a matrix with two
 sections) plus the payload; e.g. the real gradient of the 300 x 784 first layer of
 FC-300-100 at density 0.1 % (236 values, 11.9 bits per index): 1,383 bytes with fp32 values
-(680x), 911 with fp16 (1,033x), as measured in tests/unit/test_sparse_codec.py.
+(680x), 911 with fp16 (1,033x), as measured in tests/codecs/test_sparse_codec.py.
 """
 from __future__ import annotations
 
