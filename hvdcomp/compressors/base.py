@@ -14,7 +14,6 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from ..errors import ConfigError, WireFormatError
@@ -65,6 +64,12 @@ class TensorKey:
 class Compressor:
     """Base class.  Subclasses set ``codec`` (wire id), implement ``_encode`` and ``_decode``.
 
+    The contract every compressor keeps: ``encode`` / ``combine`` (decode the ranks'
+    messages in rank order and add them up) / ``state_dict`` / ``load_state_dict`` /
+    ``message_bytes(shape)``.  Special needs of the training loop (fitted levels, momentum
+    correction, parameter deltas, events) are opt-in protocols in
+    :mod:`hvdcomp.compressors.protocols`, checked with ``isinstance`` by the exchange core.
+
     Class attributes:
       summable  -- the encoding can be summed by an allreduce (dtype casts); such tensors
                    may travel through Horovod's allreduce instead of the allgather path.
@@ -75,13 +80,6 @@ class Compressor:
     codec: ClassVar[int] = 0
     summable: ClassVar[bool] = False
     prescaled: ClassVar[bool] = False
-    # DGC-style momentum correction: the drop-in optimizer keeps the tensors this compressor
-    # handles out of the wrapped SGD's step and hands the factor over through
-    # set_momentum({name: factor}) (protocols.MomentumCorrection).
-    handles_momentum: ClassVar[bool] = False
-    # LAQ-style lazy rules: the drop-in optimizer calls after_step(step, sq) with
-    # sq = ||theta_{k+1} - theta_k||^2 summed over all parameters, after every step.
-    wants_param_deltas: ClassVar[bool] = False
 
     # --- the contract -----------------------------------------------------------------
     def encode(self, grad: torch.Tensor, key: TensorKey) -> Message:
@@ -174,44 +172,13 @@ class Compressor:
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def drain_events(self) -> List[str]:
-        """Notable events since the last call (e.g. NDQSG side information too far off),
-        reported by the optimizer in ``StepStats.events``.  Subclasses append to
-        ``self._events``."""
-        ev = getattr(self, "_events", None)
-        if not ev:
-            return []
-        self._events = []
-        return ev
-
-    # --- adaptive compressors (ALQ, AMQ) override these -------------------------------
-    def wants_stats(self, step: int) -> bool:
-        """Whether the optimizer should collect statistics during ``step``'s encoding."""
-        return False
-
-    def set_momentum(self, factors: Dict[str, float]) -> None:
-        """Momentum factors by parameter name (only if ``handles_momentum``)."""
-
-    def after_step(self, step: int, param_delta_sq: float) -> None:
-        """Called after each optimizer step when ``wants_param_deltas`` (LAQ's rule)."""
-
-    def empty_stats(self) -> np.ndarray:
-        """Zero statistics (the shape ``pending_stats`` returns)."""
-        return np.zeros(0)
-
-    def observe(self, grad: torch.Tensor) -> None:
-        """Accumulate statistics of one gradient (called only when wants_stats)."""
-
-    def pending_stats(self) -> Optional[np.ndarray]:
-        """Statistics gathered this step, to be summed across ranks, or None."""
+    def message_bytes(self, shape) -> Optional[int]:
+        """Payload bytes (header and CRC excluded) of the fixed-length encoding of a tensor
+        of ``shape`` (a tuple, a torch.Size, or an int: the number of elements of a 1-D
+        tensor), or None where the size depends on the values (sparse index codes).
+        Entropy coding (``entropy=True``) replaces the fixed-length code section by a
+        rANS section whose size depends on the values."""
         return None
-
-    def update(self, summed_stats: np.ndarray, step: int) -> Optional[np.ndarray]:
-        """Fit new state from the rank-summed statistics; return what rank 0 broadcasts."""
-        return None
-
-    def adopt(self, payload: np.ndarray) -> None:
-        """Install what rank 0 broadcast (identical state on every rank)."""
 
     # --- state ------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -223,7 +190,11 @@ class Compressor:
 
     # --- settings ---------------------------------------------------------------------
     def settings(self) -> Dict[str, Any]:
-        """The constructor arguments of this instance (what ``spec()`` prints)."""
+        """The constructor arguments of this instance (what ``spec()`` prints).
+
+        Rule for every compressor: each ``__init__`` argument is stored, validated, under its
+        own name (``self.bits = settings.integer("bits", bits, 1, 8)``).  ``spec()``, ``repr``
+        and the ranks' start-up handshake read the settings back this way."""
         sig = inspect.signature(type(self).__init__)
         return {p: getattr(self, p) for p in sig.parameters if p != "self"}
 
@@ -247,6 +218,16 @@ class Compressor:
 
     def decompress(self, tensor: torch.Tensor, ctx):
         raise TypeError("decompress() without compress(): see compress()")
+
+
+def numel_of(shape) -> int:
+    """Number of elements of ``shape`` (an int is taken as a 1-D shape)."""
+    if isinstance(shape, int):
+        return shape
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _all_finite(grad: torch.Tensor) -> bool:

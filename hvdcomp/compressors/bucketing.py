@@ -11,6 +11,7 @@ import torch
 from ..codecs import packed_size
 from ..errors import WireFormatError
 from ..wire import Message
+from .base import numel_of
 
 __all__ = ["TensorBuckets"]
 
@@ -31,9 +32,10 @@ class TensorBuckets:
         bs = self._bs(numel)
         return (numel + bs - 1) // bs
 
-    def message_bytes(self, numel: int) -> int:
-        """Payload bytes for ``numel`` coordinates:
+    def message_bytes(self, shape) -> int:
+        """Payload bytes for a tensor of ``shape`` (or ``numel`` coordinates):
         ``4 * num_buckets(numel) + ceil(code_bits * numel / 8)``."""
+        numel = numel_of(shape)
         return 4 * self.num_buckets(numel) + packed_size(numel, self.code_bits)
 
     def _read_scales(self, msg: Message) -> torch.Tensor:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..wire import CODECS, code_dtype
-from .base import Compressor, TensorKey, register
+from .base import Compressor, TensorKey, numel_of, register
 
 __all__ = ["NoneCompressor", "FP16", "BF16"]
 
@@ -65,6 +65,10 @@ class _Cast(Compressor):
 
     def _scale(self, key: TensorKey) -> float:
         return 1.0
+
+    def message_bytes(self, shape) -> int:
+        """Payload bytes for a tensor of ``shape``: two per element."""
+        return 2 * numel_of(shape)
 
     def _encode(self, grad, key):
         if not grad.is_floating_point():

@@ -54,7 +54,7 @@ from ..errors import WireFormatError
 from ..ops import dithered
 from ..wire import CODECS, FLAG_NONFINITE, Message
 from . import settings
-from .base import Compressor, TensorKey, register
+from .base import Compressor, TensorKey, numel_of, register
 from .protocols import ReportsEvents
 
 __all__ = ["DQSG", "NDQSG", "NestedResult"]
@@ -123,9 +123,10 @@ class DQSG(Compressor):
     def _header_fields(self):
         return {"bits": self.bits, "bucket_size": self.bucket_size, "level_version": 0}
 
-    def message_bytes(self, numel: int) -> int:
-        """Payload bytes of a DQSG message of ``numel`` coordinates (header excluded;
-        without entropy coding)."""
+    def message_bytes(self, shape) -> int:
+        """Payload bytes of a DQSG message for a tensor of ``shape`` (or ``numel``
+        coordinates; header excluded; without entropy coding)."""
+        numel = numel_of(shape)
         return 4 * _nbuckets(numel, self.bucket_size) + packed_size(numel, self.bits)
 
     # -- encode ---------------------------------------------------------------------------
@@ -274,11 +275,12 @@ class NDQSG(ReportsEvents, DQSG):
         """Whether ``rank`` sends a nested message."""
         return rank >= self.group_size(world_size)
 
-    def message_bytes(self, numel: int, nested: bool = False) -> int:
+    def message_bytes(self, shape, nested: bool = False) -> int:
         """Payload bytes (header excluded, without entropy coding) of a DQSG-group or a
-        nested message."""
+        nested message for a tensor of ``shape`` (or ``numel`` coordinates)."""
         if not nested:
-            return super().message_bytes(numel)
+            return super().message_bytes(shape)
+        numel = numel_of(shape)
         return 8 * _nbuckets(numel, self.bucket_size) + packed_size(numel, self.nested_bits)
 
     def _bits_of(self, key: TensorKey) -> int:

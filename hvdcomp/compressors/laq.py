@@ -119,7 +119,7 @@ from ..errors import WireFormatError
 from ..ops import laq as ops
 from ..wire import CODECS, Message, dtype_code
 from . import settings
-from .base import Compressor, TensorKey, register
+from .base import Compressor, TensorKey, numel_of, register
 from .protocols import ParamDeltas, ReportsEvents
 
 __all__ = ["LAQ"]
@@ -165,14 +165,13 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
 
     ``encode`` returns a Message, or None for a skipped upload; it updates this rank's state
     for ``key.name``, so call it exactly once per tensor per step.  ``after_step(step, sq)``
-    records ``||theta_{k+1} - theta_k||^2`` (the drop-in calls it: ``wants_param_deltas``).
+    records ``||theta_{k+1} - theta_k||^2`` (the exchange core calls it: the ParamDeltas protocol).
 
     Used through the drop-in optimizer, with ``alpha`` its learning rate:
     ``hvdcomp.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2),
     named_parameters=model.named_parameters(), compression="laq:bits=4,alpha=0.2")``.
     """
     codec = CODECS["laq"]
-    wants_param_deltas = True
 
     def __init__(self, bits: int = 4, alpha: float = 0.1, xi: float = 0.8, history: int = 10,
                  t_max: int = 100, stochastic: bool = False, slaq_err: float = 0.5,
@@ -194,9 +193,10 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
     def _header_fields(self) -> Dict[str, int]:
         return {"bits": self.bits, "bucket_size": 0, "level_version": 0}
 
-    def message_bytes(self, numel: int) -> int:
-        """Payload bytes of an upload of ``numel`` coordinates: ``4 + ceil(numel*bits/8)``."""
-        return 4 + packed_size(numel, self.bits)
+    def message_bytes(self, shape) -> int:
+        """Payload bytes of an upload of a tensor of ``shape`` (or ``numel`` coordinates):
+        ``4 + ceil(numel*bits/8)``."""
+        return 4 + packed_size(numel_of(shape), self.bits)
 
     # --- the rule ---------------------------------------------------------------------
     def param_term(self) -> float:

@@ -60,7 +60,7 @@ invalid block sizes or scales) raise :class:`hvdcomp.WireFormatError`.
 from __future__ import annotations
 
 import math
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -227,9 +227,12 @@ class BHQ(_RowQuantizer):
     def _header_fields(self) -> Dict[str, int]:
         return {"bits": self.bits, "bucket_size": self.block_size, "level_version": 0}
 
-    def message_bytes(self, shape, nblocks: int) -> int:
+    def message_bytes(self, shape, nblocks: Optional[int] = None) -> Optional[int]:
         """Payload bytes (header excluded) for a tensor of ``shape`` sent in ``nblocks``
-        blocks (the number of entries of section 3)."""
+        blocks (the number of entries of section 3); None without ``nblocks`` (the
+        grouping depends on the values)."""
+        if nblocks is None:
+            return None
         R, D = rows_of(shape)
         return 12 * R + 8 * nblocks + packed_size(R * D, self.bits)
 

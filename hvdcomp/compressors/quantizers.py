@@ -31,7 +31,7 @@ from ..errors import WireFormatError
 from ..ops import quantize, stats
 from ..wire import CODECS, Message
 from . import settings
-from .base import Compressor, register
+from .base import Compressor, numel_of, register
 from .protocols import AdaptiveLevels
 from .state import finite
 
@@ -77,8 +77,10 @@ class BucketQuantizer(Compressor):
         return {"bits": self.bits, "bucket_size": self.bucket_size,
                 "level_version": self.level_version}
 
-    def message_bytes(self, numel: int) -> int:
-        """Payload bytes for ``numel`` coordinates (header excluded)."""
+    def message_bytes(self, shape) -> int:
+        """Payload bytes (header excluded) for a tensor of ``shape`` (or ``numel``
+        coordinates), fixed-length codes."""
+        numel = numel_of(shape)
         nb = (numel + self.bucket_size - 1) // self.bucket_size
         return 4 * nb + packed_size(numel, self.bits)
 
