@@ -6,16 +6,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ..ops import finite
+
 __all__ = ["finite", "load_tensors"]
-
-
-def finite(t: Optional[torch.Tensor]) -> bool:
-    """All elements finite.  aminmax propagates NaN and is one vectorized pass (about 30x
-    faster than isfinite(t).all() on CPU, which materializes a bool tensor)."""
-    if t is None or t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def load_tensors(owner: str, kind: str, res: Any, held: Dict[str, torch.Tensor]

@@ -47,7 +47,7 @@ import torch
 
 from ..backends._common import BLOCK, MAX_GRID, check_int, check_tensor, grid_for, u32
 from ..random import random_words
-from . import op
+from . import finite, op
 
 __all__ = ["sumsq", "update", "select", "mask", "scatter_add", "Selection", "topk_indices",
            "sample_positions", "threshold_select", "random_indices", "exact_topk",
@@ -173,14 +173,6 @@ def random_indices(n: int, k: int, key4: Key4, device=None) -> torch.Tensor:
 
 # --- the element-wise step (reference) ------------------------------------------------------
 
-def _finite(t: torch.Tensor) -> bool:
-    """All elements finite (aminmax propagates NaN: one pass, no bool tensor)."""
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
-
-
 def _check_scalars(scale, momentum) -> None:
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
@@ -268,7 +260,7 @@ def update(g: torch.Tensor, *, u_old=None, v_old=None, u_out=None, v_out=None,
     float32 (n,) on g's device; outputs must not alias inputs.  TypeError / ValueError for
     arguments of the wrong type, dtype, device or size."""
     _check_step(scale, momentum, v_old, u_out, v_out)
-    return _finite(_step(g, u_old, v_old, u_out, v_out, scale, momentum))
+    return finite(_step(g, u_old, v_old, u_out, v_out, scale, momentum))
 
 
 @update.kernel
@@ -314,7 +306,7 @@ def select(g: torch.Tensor, k: int, *, u_old=None, v_old=None, u_out=None, v_out
     """
     _check_step(scale, momentum, v_old, u_out, v_out, mask_x, mask_u)
     x = _step(g, u_old, v_old, u_out, v_out, scale, momentum)
-    if not _finite(x):
+    if not finite(x):
         return Selection(True, None, None)
     idx = threshold_select(x.abs(), k, sample_size, key4, exact)
     vals = x[idx]

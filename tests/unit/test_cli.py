@@ -23,7 +23,9 @@ def test_info_json_matches_the_modules():
     assert d["versions"]["hvdcomp"] == hvdcomp.__version__
     assert d["versions"]["torch"] == torch.__version__
     assert d["versions"]["numpy"] == np.__version__
-    assert d["compressors"] == {n: hvdcomp.get(n).spec() for n in hvdcomp.available()}
+    # (registered by hvdcomp itself: other test modules register compressors of their own)
+    assert d["compressors"] == {n: hvdcomp.get(n).spec() for n in hvdcomp.available()
+                                if type(hvdcomp.get(n)).__module__.startswith("hvdcomp.")}
     assert d["kernels"]["sha256"] == _common.source_hash()
     assert d["kernels"]["kernels"] == len(_common.SIGNATURES) > 0
     assert d["host_build"]["loads"] is host.is_available()
