@@ -22,6 +22,7 @@ import torch
 import hvdcomp
 from hvdcomp import ConfigError, WireFormatError
 from hvdcomp.compressors.laq import LAQ
+from hvdcomp.compressors.protocols import ParamDeltas
 from hvdcomp.wire import FLAG_ENTROPY, FLAG_NONFINITE, Message
 
 F32, F64 = np.float32, np.float64
@@ -626,7 +627,7 @@ def test_non_float_raises_type_error(dtype):
 def test_registry_and_spec():
     c = hvdcomp.get("laq")
     assert type(c) is LAQ and c.name == "laq" and c.codec == CODEC_LAQ
-    assert LAQ.wants_param_deltas is True and not LAQ.summable
+    assert issubclass(LAQ, ParamDeltas) and not LAQ.summable
     assert c.settings() == {"bits": 4, "alpha": 0.1, "xi": 0.8, "history": 10,
                             "t_max": 100, "stochastic": False, "slaq_err": 0.5,
                             "slaq_const": 0.2, "split": "numel", "entropy": False}
