@@ -12,7 +12,7 @@ from .compressors import (ALQ, AMQ, BF16, BHQ, DGC, DQSG, FP16, LAQ, NDQSG, NUQS
                           TernGrad, TopK, available, get, parse_spec, register)
 from . import levels, wire
 from .auto import Auto, CostModel
-from .errors import ConfigError, WireFormatError
+from .errors import ConfigError, Mismatch, OutOfStep, RankFailure, WireFormatError
 from .wire import Message
 
 __version__ = "0.1.0"
@@ -20,4 +20,4 @@ __version__ = "0.1.0"
 __all__ = ["ALQ", "AMQ", "BF16", "FP16", "NUQSGD", "QSGD", "QSGDInf", "NoneCompressor",
            "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG", "TopK", "RandK", "DGC", "LAQ",
            "Compressor", "TensorKey", "available", "get", "parse_spec", "register",
-           "ConfigError", "WireFormatError", "Message", "Auto", "CostModel", "__version__"]
+           "ConfigError", "WireFormatError", "RankFailure", "OutOfStep", "Mismatch", "Message", "Auto", "CostModel", "__version__"]

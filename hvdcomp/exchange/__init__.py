@@ -5,7 +5,9 @@
 * :mod:`.pipeline`: the encode | communicate | decode threads, bucket by bucket;
 * :mod:`.collective`: what the pipeline drives, per bucket: :class:`Allgather` today;
 * :mod:`.averaging`: gradients in, averages out (predivide, op=Sum, the NaN policy);
-* :mod:`.core`: :class:`Exchange`, all of it assembled, with the training-loop protocols.
+* :mod:`.core`: :class:`Exchange`, all of it assembled, with the training-loop protocols;
+* :mod:`.shutdown`: at interpreter exit, a failing rank's error marks and the threads'
+  end, before MPI is finalized.
 
 Bytes travel through a :class:`hvdcomp.transport.Transport`, summable buffers through an
 :class:`hvdcomp.transport.Allreduce`.

@@ -9,6 +9,12 @@ average, bit for bit), and summable tensors go through an
 Every rank learns, in the collectives it already makes, which ranks had which gradient
 and which ranks had joined: frames carry a presence bitmap and a JOINED flag
 (:mod:`hvdcomp.transport.framing`), summed buffers end with counts (:class:`Allgather`).
+
+Every collective of a step also carries the step: frames carry its :class:`Stamp` (step,
+exchange id, SYNC flag), and each summed buffer ends with one slot per rank, where only
+that rank writes a small code of its step (:func:`slot_code`; 0: the rank has failed and is
+stopping).  Every rank checks them, so ranks that fell out of step, or a rank that stops,
+raise on every rank at the first collective where it happens.
 """
 from __future__ import annotations
 
@@ -19,15 +25,35 @@ import torch
 
 from ..compressors.protocols import AdaptiveLevels, ReportsEvents
 from ..compressors.state import finite as all_finite
-from ..errors import WireFormatError
-from ..transport import Allreduce, Incoming, Outgoing, Transport
+from ..errors import OutOfStep, RankFailure, WireFormatError
+from ..transport import Allreduce, Incoming, Outgoing, Stamp, Transport
+from ..transport.framing import STOP_MARK
 from ..wire import Message
 from . import coo
 from .averaging import Averaging
 from .plan import Entry, wire_dtype
 from .stats import StepStats
 
-__all__ = ["Collective", "Allgather"]
+__all__ = ["Collective", "Allgather", "slot_code"]
+
+# slot_code: 1 + 3 * (step mod 85) + origin, at most 255 (exact in float16 and bfloat16)
+_SLOT_STEPS = 85
+_ORIGIN_BACKWARD, _ORIGIN_SYNC, _ORIGIN_JOINED = 0, 1, 2
+
+
+def slot_code(step: int, sync: bool, joined: bool) -> int:
+    """A rank's code of its step in the summed buffers' per-rank slots: 1 + 3 (step mod 85)
+    + origin (0: started by backward, 1: by synchronize()/step(), 2: joined), 1..255, so
+    that a float16 or bfloat16 sum of one nonzero code and zeros is exact.  0 marks a rank
+    that has failed and is stopping."""
+    origin = _ORIGIN_JOINED if joined else _ORIGIN_SYNC if sync else _ORIGIN_BACKWARD
+    return 1 + 3 * (int(step) % _SLOT_STEPS) + origin
+
+
+def _near_step(code: int, step: int) -> int:
+    """The step nearest to ``step`` whose slot code has ``code``'s step part."""
+    d = ((code - 1) // 3 - step % _SLOT_STEPS + _SLOT_STEPS // 2) % _SLOT_STEPS
+    return step + d - _SLOT_STEPS // 2
 
 
 class Collective:
@@ -66,7 +92,17 @@ class Collective:
     compressed gradient instead of all of it to all.
     """
 
-    def encode(self, k: int, entries: Sequence[Entry], step: int, stats: StepStats) -> Any:
+    #: Set (to the text other ranks should see) when this rank is stopping after an error
+    #: (:mod:`hvdcomp.exchange.shutdown`): from then on ``encode`` sends error marks
+    #: instead of gradients, and every rank's ``communicate`` raises.
+    failing: Optional[str] = None
+    #: Some collective of this exchange carried a rank's error marks (an error frame, a
+    #: failing rank's slot): every rank saw them and raised.
+    failure_seen: bool = False
+
+    def encode(self, k: int, entries: Sequence[Entry], step: int, stats: StepStats,
+               sync: bool = False) -> Any:
+        """``sync``: the step was started by synchronize()/step(), not by backward."""
         raise NotImplementedError
 
     def communicate(self, job: Any, stats: StepStats) -> None:
@@ -86,17 +122,26 @@ class _Sum:
     handle: Any
     flat: torch.Tensor
     groups: List[Tuple[Entry, int]]
+    size: int
     fallback: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def counts(self) -> torch.Tensor:
-        return self.flat[self.flat.numel() - 3 * len(self.groups) - 1:].to(torch.float32)
+        """3 counts per tensor, then the joined count."""
+        end = self.flat.numel() - self.size
+        return self.flat[end - 3 * len(self.groups) - 1:end].to(torch.float32)
+
+    @property
+    def slots(self) -> List[int]:
+        """Every rank's :func:`slot_code`."""
+        return [int(round(float(v))) for v in self.flat[self.flat.numel() - self.size:]]
 
 
 @dataclass
 class _Job:
     k: int
     step: int
+    sync: bool
     messages: List[Entry]                  # wire messages, in this order in the frame
     out: Optional[Outgoing]                # their frame (None: no wire part)
     sums: List[_Sum] = field(default_factory=list)
@@ -117,29 +162,35 @@ class Allgather(Collective):
     again in float32, each rank's gradient divided by the world size first.
 
     transport: the byte carrier; allreduce: the summable carrier or None; averaging:
-    gradients in and averages out; seed: the shared seed of the tensor keys.
+    gradients in and averages out; seed: the shared seed of the tensor keys; ident: the
+    exchange's id in the frames' stamps (the same on every rank).
     """
 
     def __init__(self, transport: Transport, allreduce: Optional[Allreduce],
-                 averaging: Averaging, seed: int):
+                 averaging: Averaging, seed: int, ident: int = 0):
         self.transport = transport
         self.allreduce = allreduce
         self.averaging = averaging
         self.rank, self.size, self.seed = transport.rank, transport.size, seed
+        self.ident = int(ident) & 0xFFFFFFFF
 
-    def encode(self, k, entries, step, stats):
+    def encode(self, k, entries, step, stats, sync=False):
         """Start the sums of the summable tensors, encode the others into one frame (an
-        encoder error becomes an error frame)."""
-        job = _Job(k, step, [e for e in entries if not e.allreduce], None)
+        encoder error becomes an error frame; so does everything once ``failing``)."""
+        job = _Job(k, step, bool(sync), [e for e in entries if not e.allreduce], None)
+        failing = self.failing
         by_dtype: Dict[torch.dtype, List[Entry]] = {}
         for e in entries:
             if e.allreduce:
                 by_dtype.setdefault(wire_dtype(e.compressor), []).append(e)
         for dt, es in by_dtype.items():
-            job.sums.append(self._start_sum(k, dt, es))
+            job.sums.append(self._start_sum(k, dt, es, job, failing is not None))
         if job.messages:
+            if failing is not None:
+                job.out = Outgoing.failed(RankFailure(failing, self.rank), STOP_MARK + failing)
+                return job
             try:
-                job.out = self._frame(job.messages, step)
+                job.out = self._frame(job.messages, job)
             except Exception as exc:          # noqa: BLE001 - re-raised on all ranks
                 job.out = Outgoing.failed(exc)
         return job
@@ -156,13 +207,20 @@ class Allgather(Collective):
         try:
             if job.messages:
                 names = [e.name for e in job.messages]
-                job.incoming = self.transport.exchange(
-                    job.out, what=f"bucket {job.k} (tensors {names})")
+                try:
+                    job.incoming = self.transport.exchange(
+                        job.out, what=f"bucket {job.k} of step {job.step} (tensors {names})")
+                except BaseException as e:
+                    if job.out.failure is not None or isinstance(e, RankFailure):
+                        self.failure_seen = True        # an error frame: every rank saw it
+                    raise
                 stats.bytes_sent += len(job.out)
                 stats.traffic_bytes += (self.size - 1) / self.size * sum(job.incoming.nbytes)
         finally:
             for s in job.sums:
                 self.allreduce.wait(s.handle)
+        for s in job.sums:
+            self._check_slots(s, job)
         for i, s in enumerate(job.sums):
             self._sum_again(job.k, i, s, stats)
             counts = s.counts
@@ -174,7 +232,7 @@ class Allgather(Collective):
                 if sparse:
                     job.sparse.append(e)
         if job.sparse:
-            out = self._frame(job.sparse, job.step)
+            out = self._frame(job.sparse, job)
             job.sparse_in = self.transport.exchange(
                 out, what=f"bucket {job.k} (sparse {[e.name for e in job.sparse]})")
             stats.bytes_sent += len(out)
@@ -214,14 +272,15 @@ class Allgather(Collective):
         return e.key(step, self.rank, self.size, self.seed)
 
     # --- frames ---------------------------------------------------------------------------
-    def _frame(self, entries: Sequence[Entry], step: int) -> Outgoing:
+    def _frame(self, entries: Sequence[Entry], job: _Job) -> Outgoing:
         """This rank's frame for ``entries``: a message per tensor it has a gradient for."""
         msgs, present = [], []
         for e in entries:
             g = self.averaging.gradient(e)
             present.append(g is not None)
-            msgs.append(None if g is None else self._encode(e, g, step))
-        return Outgoing(msgs, present, joined=self.averaging.joined)
+            msgs.append(None if g is None else self._encode(e, g, job.step))
+        return Outgoing(msgs, present, joined=self.averaging.joined,
+                        stamp=Stamp(job.step, self.ident, job.sync))
 
     def _encode(self, e: Entry, g: torch.Tensor, step: int) -> Optional[Message]:
         """This rank's message for ``e`` (None: a skipped upload): sparse gradients as
@@ -275,11 +334,14 @@ class Allgather(Collective):
         return res
 
     # --- sums -----------------------------------------------------------------------------
-    def _start_sum(self, k: int, dt: torch.dtype, es: List[Entry]) -> _Sum:
-        """Flatten the gradients of ``es`` cast to ``dt``, append the counts, start the sum."""
+    def _start_sum(self, k: int, dt: torch.dtype, es: List[Entry], job: _Job,
+                   failing: bool = False) -> _Sum:
+        """Flatten the gradients of ``es`` cast to ``dt``, append the counts and the
+        per-rank slots (this rank's :func:`slot_code`, 0 when ``failing``: then the
+        gradients are zeros), start the sum."""
         parts, groups, counts = [], [], []
         for e in es:
-            g = self.averaging.gradient(e)
+            g = None if failing else self.averaging.gradient(e)
             n = e.param.numel()
             if g is None or g.is_sparse:
                 parts.append(torch.zeros(n, dtype=dt, device=e.param.device))
@@ -293,9 +355,41 @@ class Allgather(Collective):
                 counts += [1.0, 0.0, float(bad)]
             groups.append((e, n))
         counts.append(float(self.averaging.joined))
-        parts.append(torch.tensor(counts, dtype=dt, device=parts[0].device))
+        slots = [0.0] * self.size
+        if not failing:
+            slots[self.rank] = float(slot_code(job.step, job.sync, self.averaging.joined))
+        parts.append(torch.tensor(counts + slots, dtype=dt, device=parts[0].device))
         flat = torch.cat(parts)
-        return _Sum(self.allreduce.start(flat, f"{k}.{str(dt)[6:]}"), flat, groups)
+        return _Sum(self.allreduce.start(flat, f"{k}.{str(dt)[6:]}"), flat, groups, self.size)
+
+    def _check_slots(self, s: _Sum, job: _Job) -> None:
+        """Raise (every rank alike: every rank sees the same sums) RankFailure when some
+        rank marked itself as failing, OutOfStep when some rank's step code differs."""
+        codes = s.slots
+        failed = [r for r, c in enumerate(codes) if c == 0]
+        if failed:
+            self.failure_seen = True
+            r = failed[0]
+            raise RankFailure(f"hvdcomp: rank {r} stopped in bucket {job.k} of step "
+                              f"{job.step} (it raised an exception, was interrupted or exited "
+                              f"during a step; its own output says why)", r)
+        mine = codes[self.rank]
+        joined = [(c - 1) % 3 == _ORIGIN_JOINED for c in codes]
+        bad = [r for r, c in enumerate(codes)
+               if (c - 1) // 3 != (mine - 1) // 3
+               or (c != mine and not joined[r] and not joined[self.rank])]
+        if bad:
+            how = {_ORIGIN_BACKWARD: "started by backward", _ORIGIN_SYNC:
+                   "started by synchronize()/step()", _ORIGIN_JOINED: "joined"}
+            theirs = "; ".join(f"rank {r}: step {_near_step(codes[r], job.step)} "
+                               f"({how[(codes[r] - 1) % 3]})" for r in bad[:8])
+            raise OutOfStep(
+                f"hvdcomp: ranks out of step in bucket {job.k} (summed tensors): this rank "
+                f"(rank {self.rank}) is in step {job.step} of exchange {self.ident} "
+                f"({how[(mine - 1) % 3]}), but {theirs} (steps modulo {_SLOT_STEPS}). Every "
+                f"rank must run the same steps: the same number of backward passes and "
+                f"step() calls of each optimizer (a rank that skipped an iteration or called "
+                f"step() twice?)", bad)
 
     def _sum_again(self, k: int, i: int, s: _Sum, stats: StepStats) -> None:
         """Tensors whose sum is not finite although no rank's gradient was: sum them again

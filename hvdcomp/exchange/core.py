@@ -22,7 +22,8 @@ from ..compressors.protocols import AdaptiveLevels, ParamDeltas
 from ..transport import Allreduce, Transport
 from ..transport.mpi import cuda_aware
 from .averaging import Averaging
-from .buckets import fuse, handshake
+from . import shutdown
+from .buckets import check_replicas, fuse, handshake
 from .collective import Allgather
 from .pipeline import Pipeline
 from .plan import Entry, Plan
@@ -42,17 +43,26 @@ class Exchange:
     seed: the shared seed of the Philox streams; average: False for a sum (op=Sum);
     predivide: Horovod's gradient_predivide_factor; sparse_as_dense: densify sparse
     gradients before sending them (else they travel as indices and values, uncompressed).
+    ident: this exchange's number in the frames' stamps (the same on every rank; the
+    drop-in optimizer passes its creation number); check_replicas: compare a digest of the
+    parameters' values across ranks at the first step (:func:`~.buckets.check_replicas`).
 
     Construction is collective (Auto's measurements, the handshake): every rank builds its
-    exchanges together, in the same order; RuntimeError on every rank if they disagree on
-    the model, the routing or the settings.
+    exchanges together, in the same order; :class:`~hvdcomp.errors.Mismatch` (a
+    RuntimeError) on every rank if they disagree on the model, the routing or the settings,
+    or (at the first step) on the parameters' values.  Every collective of a step carries
+    the step (:mod:`.collective`): :class:`~hvdcomp.errors.OutOfStep` on every rank when
+    ranks exchange different steps.  On a transport between processes, the exit handler of
+    :mod:`.shutdown` stops the pipeline at interpreter exit and, when this rank fails, makes
+    the other ranks raise a :class:`~hvdcomp.errors.RankFailure` naming it.
     """
 
     def __init__(self, named_params: Sequence[Tuple[str, torch.Tensor]],
                  compression, transport: Transport, *, allreduce: Optional[Allreduce] = None,
                  fusion_bytes: int = 25 * 2**20, min_compress_numel: int = 1024,
                  compress_1d: bool = False, seed: int = 0, average: bool = True,
-                 predivide: float = 1.0, sparse_as_dense: bool = False):
+                 predivide: float = 1.0, sparse_as_dense: bool = False, ident: int = 0,
+                 check_replicas: bool = True):
         self.transport = transport
         self.rank, self.size = transport.rank, transport.size
         self.seed = int(seed) & 0xFFFFFFFF
@@ -60,14 +70,28 @@ class Exchange:
         self.plan = Plan(named_params, compression, transport, allreduce,
                          min_compress_numel=min_compress_numel, compress_1d=compress_1d)
         # the carriers' name prefixes too: Horovod matches collectives by name
-        handshake(transport, [self.seed, average, float(predivide), bool(sparse_as_dense),
-                              self.compression.spec(), getattr(transport, "prefix", ""),
-                              allreduce.prefix if allreduce is not None else None],
+        self.ident = int(ident) & 0xFFFFFFFF
+        handshake(transport, {"seed": self.seed, "average": bool(average),
+                              "predivide": float(predivide),
+                              "sparse_as_dense": bool(sparse_as_dense),
+                              "compression": self.compression.spec(),
+                              "transport": transport.name,
+                              "transport prefix": getattr(transport, "prefix", ""),
+                              "allreduce prefix": (allreduce.prefix if allreduce is not None
+                                                   else None),
+                              "fusion_bytes": int(fusion_bytes),
+                              "min_compress_numel": int(min_compress_numel),
+                              "compress_1d": bool(compress_1d),
+                              "collective": "allgather", "exchange id": self.ident,
+                              "check_replicas": bool(check_replicas)},
                   self.buckets, self.entries)
         self.cuda_aware = report_cuda(named_params, self.rank)
         self.averaging = Averaging(self.size, average, predivide, sparse_as_dense)
-        self.collective = Allgather(transport, allreduce, self.averaging, self.seed)
+        self.collective = Allgather(transport, allreduce, self.averaging, self.seed, self.ident)
         self.pipeline = Pipeline(self.buckets, self.entries, self.collective)
+        if transport.interprocess:
+            shutdown.register(self.pipeline, self.rank)
+        self._check_replicas = bool(check_replicas)
         self._before: Optional[list] = None
 
     @property
@@ -96,11 +120,18 @@ class Exchange:
         """{name: averaged gradient} of the tensors averaged so far in this step."""
         return self.pipeline.results
 
-    def begin(self, step: int, joined: bool = False) -> None:
+    def begin(self, step: int, joined: bool = False, sync: bool = False) -> None:
         """Start step ``step`` (before the first ``ready``).  ``joined``: this rank has
-        joined (``hvd.join()``) and takes part in the others' step with no gradients."""
+        joined (``hvd.join()``) and takes part in the others' step with no gradients;
+        ``sync``: the step was started by synchronize()/step(), not by a backward pass
+        (ranks must agree on it: a rank that calls step() twice is out of step).  The first
+        call compares the parameters' values across ranks (``check_replicas``):
+        :class:`~hvdcomp.errors.Mismatch` on every rank if they differ."""
+        if self._check_replicas:
+            self._check_replicas = False
+            check_replicas(self.transport, [(e.name, e.param) for e in self.entries.values()])
         self.averaging.joined = bool(joined)
-        self.pipeline.begin(step)
+        self.pipeline.begin(step, sync)
 
     def ready(self, name: str) -> None:
         """The gradient of ``name`` is final for this step; its bucket goes when complete.

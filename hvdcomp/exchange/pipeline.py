@@ -30,6 +30,12 @@ class Pipeline:
     Errors: the first error of a step (on any thread) is raised by ``finish()``; every bucket
     is still encoded and communicated (see :class:`~hvdcomp.exchange.collective.Collective`),
     so no rank is left waiting in a collective, and the next step starts clean.
+
+    Stopping (:mod:`hvdcomp.exchange.shutdown`): :meth:`stop_after_error` makes this rank
+    send error marks in every remaining collective of its step (or of one more step), so
+    that every other rank raises instead of waiting for it; :meth:`stop` ends the threads.
+    ``failure_seen``: some step of this pipeline carried a rank's error marks (every rank
+    has seen them).
     """
 
     def __init__(self, buckets: List[List[str]], entries: Dict[str, Entry],
@@ -43,6 +49,7 @@ class Pipeline:
         self._cq: "queue.Queue" = queue.Queue()
         self._dq: "queue.Queue" = queue.Queue()
         self._threads: List[threading.Thread] = []
+        self._closed = False
         self._reset(0)
 
     @property
@@ -55,14 +62,29 @@ class Pipeline:
         """{name: averaged gradient} of the buckets decoded so far in this step."""
         return self._results
 
-    def begin(self, step: int) -> None:
-        """Start a step."""
+    @property
+    def failure_seen(self) -> bool:
+        return self.collective.failure_seen
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def step(self) -> int:
+        """The step begun last."""
+        return self._stats.step
+
+    def begin(self, step: int, sync: bool = False) -> None:
+        """Start a step; ``sync``: started by synchronize()/step(), not by backward."""
+        if self._closed:
+            raise RuntimeError("the exchange is closed")
         self._reset(step)
         self._in_step = True
         if not self.buckets:                  # no trainable parameters: nothing to exchange
             self._done.set()
         self._start()
-        self._q.put(("step", step))
+        self._q.put(("step", (step, bool(sync))))
 
     def ready(self, name: str) -> None:
         """The gradient of ``name`` is final for this step; submit its bucket when complete."""
@@ -92,13 +114,50 @@ class Pipeline:
         the collective's buffers.  Call between steps; the pipeline cannot run afterwards."""
         if self._in_step:
             raise RuntimeError("close() during a step: call finish() first")
-        if self._threads:
-            self._q.put(("stop", None))     # passed down the pipeline, each thread exits
-            for t in self._threads:
-                t.join()
-            self._threads = []
+        self.stop()
+        self._closed = True
         self.collective.close()
         self._results = {}
+
+    def stop(self, timeout: Optional[float] = None) -> bool:
+        """End the threads (between steps); False if they did not end within ``timeout``
+        seconds (a thread still inside a collective)."""
+        if self._threads:
+            self._q.put(("stop", None))     # passed down the pipeline, each thread exits
+            deadline = None if timeout is None else time.monotonic() + timeout
+            for t in self._threads:
+                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if any(t.is_alive() for t in self._threads):
+                return False
+            self._threads = []
+        return True
+
+    def stop_after_error(self, text: str, deadline: float) -> bool:
+        """This rank is stopping after an error (``text``, for the other ranks): finish
+        the current step with error marks in every collective not yet encoded, then, if no
+        collective of this pipeline has carried a rank's error marks yet, run one more step
+        of error marks only, so that every other rank raises (a RankFailure naming this
+        rank) in the step it is in or the next one.  Returns False if the collectives did
+        not complete by ``deadline`` (``time.monotonic()``; another rank is stuck or gone).
+        Errors of these steps are dropped (this rank is stopping anyway)."""
+        self.collective.failing = text
+        if self._closed or not self.buckets:
+            return True
+        if self._in_step:
+            for k in range(len(self.buckets)):
+                self._submit(k)
+            if not self._done.wait(max(0.0, deadline - time.monotonic())):
+                return False
+            self._in_step = False
+        if not self.failure_seen:
+            self.begin(self.step + 1)
+            for k in range(len(self.buckets)):
+                self._submit(k)
+            if not self._done.wait(max(0.0, deadline - time.monotonic())):
+                return False
+            self._in_step = False
+        self._error = None
+        return True
 
     # --- per step -------------------------------------------------------------------
     def _reset(self, step: int) -> None:
@@ -132,11 +191,11 @@ class Pipeline:
                 t.start()
 
     def _encoder(self) -> None:
-        ready, nxt, step = set(), 0, 0
+        ready, nxt, step, sync = set(), 0, 0, False
         while True:
             kind, val = self._q.get()
             if kind == "step":
-                ready, nxt, step = set(), 0, val
+                ready, nxt, (step, sync) = set(), 0, val
                 continue
             if kind == "stop":
                 self._cq.put((None, "stop"))
@@ -149,19 +208,19 @@ class Pipeline:
                 # bucket's collectives must never depend on another thread's timing.
                 job = None
                 try:
-                    job = self._encode(nxt, step)
+                    job = self._encode(nxt, step, sync)
                 except BaseException as e:      # surfaced by finish()
                     self._set_error(e)
                 self._cq.put((nxt, job))
                 nxt += 1
 
-    def _encode(self, k: int, step: int):
+    def _encode(self, k: int, step: int, sync: bool):
         st = self._stats
         for e in self._entries[k]:
             st.compressors[e.name] = e.compressor.name
             st.fp32_bytes += 4 * e.param.numel()
         t0 = time.perf_counter()
-        job = self.collective.encode(k, self._entries[k], step, st)
+        job = self.collective.encode(k, self._entries[k], step, st, sync)
         st.encode_s += time.perf_counter() - t0
         return job
 

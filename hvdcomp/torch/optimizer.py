@@ -31,6 +31,8 @@ from .. import compressors
 from ..auto import Auto, from_spec
 from ..compressors import Compressor
 from ..compressors.protocols import MomentumCorrection
+from ..exchange.buckets import agree_settings
+from ..transport import HorovodTransport
 from ..transport import make as make_transport
 from .exchange import Exchange, StepStats
 
@@ -64,6 +66,26 @@ def _as_compressor(compression) -> Compressor:
                     f"'alq:bits=3', or Horovod's Compression.none/fp16; got {compression!r}")
 
 
+def _raw_spec(compression) -> str:
+    """What ``compression=`` asks for, as the ranks compare it (before it is parsed)."""
+    if compression is None:
+        return os.environ.get("HVDCOMP_COMPRESSION") or "none"
+    if isinstance(compression, str):
+        return compression
+    spec = getattr(compression, "spec", None)
+    if callable(spec):
+        try:
+            return str(spec())
+        except Exception:                   # noqa: BLE001 - compared as its repr
+            pass
+    return getattr(compression, "__name__", None) or type(compression).__name__
+
+
+def _plain(x):
+    """A setting as JSON compares it (numbers and bools as themselves, others as repr)."""
+    return x if isinstance(x, (bool, int, float, str, type(None))) else repr(x)
+
+
 def _inside_function_backward() -> bool:
     """Whether the caller runs inside a custom autograd Function's backward: a backward
     pass started there (``checkpoint(use_reentrant=True)``) is nested in another."""
@@ -81,8 +103,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, sparse_as_dense, transport, fusion_bytes,
-                 min_compress_numel, compress_1d, seed, hvd):
+                 min_compress_numel, compress_1d, seed, check_replicas, hvd):
         super(self.__class__, self).__init__(params)
+        self._ident = next(_created)
         all_params = [p for g in self.param_groups for p in g["params"]]
         if named_parameters is not None:
             named = list(named_parameters)
@@ -99,6 +122,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                      for j, p in enumerate(g["params"])]
         # frozen parameters too: one unfrozen later is exchanged like the others
         named = [(n, p) for n, p in named if p.is_floating_point()]
+        # Every setting, agreed over one fixed channel (Horovod's allgather under a fixed
+        # name) before anything that depends on them: building the transport is itself
+        # collective, so ranks that differ in any setting are reported instead of hanging.
+        agree_settings(HorovodTransport(prefix="hvdcomp.agree", numbered=False), {
+            "optimizer": type(self).__name__, "optimizer number": self._ident,
+            "transport": transport if isinstance(transport, str) else type(transport).__name__,
+            "collective": "allgather", "compression": _raw_spec(compression),
+            "backward_passes_per_step": _plain(backward_passes_per_step),
+            "op": {hvd.Average: "Average", hvd.Sum: "Sum"}.get(op, repr(op)),
+            "gradient_predivide_factor": _plain(gradient_predivide_factor),
+            "sparse_as_dense": _plain(sparse_as_dense), "fusion_bytes": _plain(fusion_bytes),
+            "min_compress_numel": _plain(min_compress_numel),
+            "compress_1d": _plain(compress_1d), "seed": _plain(seed),
+            "check_replicas": _plain(check_replicas),
+            "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in named]},
+            "the DistributedOptimizer settings")
         compression = _as_compressor(compression)
         self._bpps = int(backward_passes_per_step)
         if self._bpps < 1:
@@ -108,7 +147,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("hvdcomp.torch.DistributedOptimizer supports op=Average and "
                              "op=Sum (Adasum cannot combine decoded messages)")
         tp = make_transport(transport) if isinstance(transport, str) else transport
-        self._exchange = Exchange(named, compression, tp, hvd=hvd,
+        self._exchange = Exchange(named, compression, tp, hvd=hvd, ident=self._ident,
+                                  check_replicas=check_replicas,
                                   fusion_bytes=fusion_bytes,
                                   min_compress_numel=min_compress_numel,
                                   compress_1d=compress_1d, seed=seed, average=average,
@@ -128,7 +168,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.last_stats: Optional[StepStats] = None
         self._hooks: Dict[str, object] = {}
         self._hook_trainable()
-        _live[next(_created)] = self
+        _live[self._ident] = self
 
     # --- DGC: momentum correction and weight decay on the local gradient ---------------
     def _momentum_corrected(self) -> Dict[str, torch.Tensor]:
@@ -186,14 +226,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._exchange.ready(name)
         return hook
 
-    def _begin(self) -> None:
+    def _begin(self, sync: bool = False) -> None:
         if self._corrected:
             groups = self._groups()
             self._compression.set_momentum(
                 {n: float(groups[id(p)].get("momentum", 0.0) or 0.0)
                  for n, p in self._corrected.items()})
         self._readied = set()
-        self._exchange.begin(self._hvdcomp_step)
+        self._exchange.begin(self._hvdcomp_step, sync=sync)
 
     def _end_of_backward(self) -> None:
         self._queued = False
@@ -265,7 +305,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not ex.in_step:
             if self._fresh and self._passes == 0:
                 return self.last_stats
-            self._begin()
+            self._begin(sync=True)
         self._finish()
         return self.last_stats
 
@@ -427,7 +467,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
                          *, transport="mpi", fusion_bytes=25 * 2**20, min_compress_numel=1024,
-                         compress_1d=False, seed=0):
+                         compress_1d=False, seed=0, check_replicas=True):
     """Wrap ``optimizer`` so that ``p.grad`` holds gradients averaged across ranks, sent with
     ``compression`` as real encoded bytes, when ``loss.backward()`` returns (README,
     "Training-loop semantics").
@@ -453,9 +493,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     min_compress_numel, compress_1d: tensors with fewer elements, and 1-D tensors unless
         compress_1d, are sent uncompressed (fp32).
     seed: shared seed of the Philox streams (must be equal on every rank; checked).
+    check_replicas: at the first step, compare a digest of the parameters' values across
+        ranks and raise on every rank if they differ (forgotten
+        ``hvd.broadcast_parameters``); False when they differ on purpose.
 
-    Raises ValueError / TypeError for invalid settings, RuntimeError if the ranks disagree on
-    the model or settings.  After each step, ``optimizer.last_stats`` holds the bytes sent.
+    Raises ValueError / TypeError for invalid settings, :class:`hvdcomp.Mismatch` (a
+    RuntimeError) on every rank if the ranks disagree on the model or any setting (each
+    difference named), or at the first step on the parameters' values;
+    :class:`hvdcomp.OutOfStep` on every rank when ranks exchange different steps (a rank that
+    skipped step() or called it twice); :class:`hvdcomp.RankFailure` naming a rank that
+    failed (README, "Failures").  After each step, ``optimizer.last_stats`` holds the bytes sent.
     """
     import horovod.torch as hvd
     if not hvd.is_initialized():
@@ -471,4 +518,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression,
                backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense,
-               transport, fusion_bytes, min_compress_numel, compress_1d, seed, hvd)
+               transport, fusion_bytes, min_compress_numel, compress_1d, seed, check_replicas,
+               hvd)

@@ -13,13 +13,14 @@ Both split messages of 2**31 bytes or more into rounds (MPI counts are C ints).
 Horovod's.
 """
 from .base import Allreduce, Transport
-from .framing import Incoming, Outgoing, error_frame, frame_error, join_frames, split_frames
+from .framing import (Incoming, Outgoing, Stamp, check_stamps, error_frame, frame_error,
+                      join_frames, split_frames)
 from .horovod import HorovodAllreduce, HorovodTransport
 from .mpi import MPITransport
 
 __all__ = ["Transport", "Allreduce", "MPITransport", "HorovodTransport", "HorovodAllreduce",
-           "make", "Outgoing", "Incoming", "split_frames", "join_frames", "error_frame",
-           "frame_error"]
+           "make", "Outgoing", "Incoming", "Stamp", "split_frames", "join_frames", "error_frame",
+           "frame_error", "check_stamps"]
 
 
 def make(name: str, **kwargs) -> Transport:

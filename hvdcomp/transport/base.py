@@ -7,7 +7,8 @@ from typing import Any, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from .framing import Incoming, Outgoing, frame_error
+from ..errors import RankFailure
+from .framing import STOP_MARK, Incoming, Outgoing, check_stamps, frame_error
 
 __all__ = ["Transport", "Allreduce", "INT_MAX"]
 
@@ -27,6 +28,9 @@ class Transport:
     name = "?"
     rank = 0
     size = 1
+    #: The ranks are separate processes (MPI, Horovod): the exchanges on this transport are
+    #: stopped by the exit handler (:mod:`hvdcomp.exchange.shutdown`).
+    interprocess = False
 
     def __init__(self, max_chunk: int = 0):
         self._max_chunk = max_chunk
@@ -38,11 +42,13 @@ class Transport:
     def exchange(self, out: Outgoing, what: str = "messages") -> Incoming:
         """Every rank's messages of one call (:mod:`hvdcomp.transport.framing`).
 
-        out: this rank's messages, framed (or its encoder error); what: names them in errors.
+        out: this rank's messages, framed (or its error); what: names them in errors.
         Returns every rank's frames, split.  Raises, on every rank, when some rank sent an
-        error frame: that rank re-raises its own ``out.failure``, the others a RuntimeError
-        naming the first failed rank and its error text.  Raises WireFormatError when a frame
-        is malformed.
+        error frame: that rank re-raises its own ``out.failure``, the others a
+        :class:`~hvdcomp.errors.RankFailure` naming the first failed rank and its error
+        text.  Raises :class:`~hvdcomp.errors.OutOfStep` (on every rank) when the ranks'
+        stamps differ (step, exchange id, SYNC flag: :func:`check_stamps`), WireFormatError
+        when a frame is malformed.
         """
         frames = self.allgather(out.data)
         failed = [(r, text) for r, text in enumerate(map(frame_error, frames))
@@ -51,8 +57,13 @@ class Transport:
             if out.failure is not None:
                 raise out.failure
             r, text = failed[0]
-            raise RuntimeError(f"hvdcomp: rank {r} failed to encode {what}: {text}")
-        return Incoming(frames, out.count)
+            if text.startswith(STOP_MARK):
+                raise RankFailure(f"hvdcomp: rank {r} stopped during {what}: "
+                                  f"{text[len(STOP_MARK):]}", r)
+            raise RankFailure(f"hvdcomp: rank {r} failed to encode {what}: {text}", r)
+        incoming = Incoming(frames, out.count)
+        check_stamps(incoming.stamps, incoming.joined, out.stamp, self.rank, what)
+        return incoming
 
     def allgather(self, data: np.ndarray) -> List[np.ndarray]:
         """data: 1-D uint8 array (any length, 0 included).  Returns every rank's data,

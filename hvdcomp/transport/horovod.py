@@ -29,11 +29,13 @@ def _prefix(prefix: str) -> str:
 
 class HorovodTransport(Transport):
     """Needs ``horovod.torch`` initialized.  Its names carry its creation number (module
-    docstring); its calls are sequential, so the names can repeat from call to call (which
-    keeps Horovod's response cache small)."""
+    docstring; ``numbered=False``: ``prefix`` as it is, for a fixed channel that every rank
+    names alike whatever it built before); its calls are sequential, so the names can
+    repeat from call to call (which keeps Horovod's response cache small)."""
     name = "horovod"
+    interprocess = True
 
-    def __init__(self, max_chunk: int = 0, prefix: str = "hvdcomp"):
+    def __init__(self, max_chunk: int = 0, prefix: str = "hvdcomp", numbered: bool = True):
         super().__init__(max_chunk)
         import horovod.torch as hvd
         if not hvd.is_initialized():
@@ -41,7 +43,7 @@ class HorovodTransport(Transport):
         self.hvd = hvd
         self.rank = hvd.rank()
         self.size = hvd.size()
-        self.prefix = _prefix(prefix)
+        self.prefix = _prefix(prefix) if numbered else prefix
 
     def _name(self, what: str) -> str:
         return f"{self.prefix}.{what}"

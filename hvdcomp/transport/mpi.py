@@ -83,6 +83,7 @@ class MPITransport(Transport):
     (module docstring); Horovod initialized after the transport is built is not seen.
     """
     name = "mpi"
+    interprocess = True
     _built = 0                      # transports built in this process
 
     def __init__(self, comm=None, max_chunk: int = 0):

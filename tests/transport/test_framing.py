@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import hvdcomp
-from hvdcomp.transport import (Incoming, Outgoing, Transport, error_frame, frame_error,
-                               join_frames, split_frames)
+from hvdcomp.transport import (Incoming, Outgoing, Stamp, Transport, check_stamps,
+                               error_frame, frame_error, join_frames, split_frames)
+
+HEAD = 4 + 4 + 8 + 4          # magic, count, step (u64), exchange id (u32)
 
 
 class _World:
@@ -81,39 +83,53 @@ def _messages(rank):
 def test_join_split_round_trip_with_empty_messages():
     msgs = [b"abc", b"", bytes(range(256)) * 3, b"z"]
     frame = join_frames(msgs)
-    # header 8, lengths 8 x 4, flags 1, bitmap 1
-    assert frame.dtype == np.uint8 and len(frame) == 8 + 8 * 4 + 2 + sum(map(len, msgs))
-    parts, present, joined = split_frames(frame, 4)
+    # header 20, lengths 8 x 4, flags 1, bitmap 1
+    assert frame.dtype == np.uint8 and len(frame) == HEAD + 8 * 4 + 2 + sum(map(len, msgs))
+    parts, present, joined, stamp = split_frames(frame, 4)
     assert [bytes(p) for p in parts] == msgs and present == [True] * 4 and not joined
-    assert split_frames(join_frames([]), 0) == ([], [], False)
+    assert stamp == Stamp(0, 0, False)
+    assert split_frames(join_frames([]), 0) == ([], [], False, Stamp())
+
+
+def test_stamp_bytes_and_round_trip():
+    stamp = Stamp(step=2**40 + 7, ident=0xDEADBEEF, sync=True)
+    frame = join_frames([b"ab"], stamp=stamp)
+    # hand-packed: magic, count 1, step u64 LE, id u32 LE, length 2, flags SYNC, bitmap 1
+    want = (b"HVDF" + (1).to_bytes(4, "little") + (2**40 + 7).to_bytes(8, "little")
+            + (0xDEADBEEF).to_bytes(4, "little") + (2).to_bytes(8, "little") + bytes([2, 1])
+            + b"ab")
+    assert bytes(frame) == want
+    assert split_frames(frame, 1)[3] == stamp
+    frame = join_frames([b""], [False], joined=True, stamp=Stamp(3, 1, True))
+    assert frame[HEAD + 8] == 3 and split_frames(frame, 1)[2:] == (True, Stamp(3, 1, True))
 
 
 def test_presence_bitmap_and_joined_flag_round_trip():
     present = [True, False, True, True, False, False, True, False, True]   # 9: two bytes
     msgs = [b"m%d" % i if p else b"" for i, p in enumerate(present)]
     frame = join_frames(msgs, present)
-    assert len(frame) == 8 + 8 * 9 + 1 + 2 + sum(map(len, msgs))
-    flags_at = 8 + 8 * 9
+    assert len(frame) == HEAD + 8 * 9 + 1 + 2 + sum(map(len, msgs))
+    flags_at = HEAD + 8 * 9
     # bitmap LSB first: byte 0 = bits 0..7 = 1,0,1,1,0,0,1,0 -> 0b01001101, byte 1 = bit 8
     assert list(frame[flags_at:flags_at + 3]) == [0, 0b01001101, 0b00000001]
-    parts, got, joined = split_frames(frame, 9)
+    parts, got, joined, _ = split_frames(frame, 9)
     assert got == present and not joined and [bytes(p) for p in parts] == msgs
     frame = join_frames([b"", b""], [False, False], joined=True)
-    parts, got, joined = split_frames(frame, 2)
-    assert frame[8 + 16] == 1 and [len(p) for p in parts] == [0, 0]
+    parts, got, joined, _ = split_frames(frame, 2)
+    assert frame[HEAD + 16] == 1 and [len(p) for p in parts] == [0, 0]
     assert got == [False, False] and joined
     with pytest.raises(ValueError, match="absent"):
         join_frames([b"x"], [False])
     bad = join_frames([b"x"], [True]).copy()
-    bad[8 + 8 + 1] = 0                            # clear the bit of a non-empty message
+    bad[HEAD + 8 + 1] = 0                         # clear the bit of a non-empty message
     with pytest.raises(hvdcomp.WireFormatError, match="absent"):
         split_frames(bad, 1)
-    bad[8 + 8] = 0x80                             # an unknown flag
+    bad[HEAD + 8] = 0x80                          # an unknown flag
     with pytest.raises(hvdcomp.WireFormatError, match="flags"):
         split_frames(bad, 1)
 
 
-@pytest.mark.parametrize("cut", [0, 3, 7])
+@pytest.mark.parametrize("cut", [0, 3, 7, 19])
 def test_truncated_header_raises(cut):
     with pytest.raises(hvdcomp.WireFormatError, match="truncated"):
         split_frames(join_frames([b"abc"])[:cut], 1)
@@ -121,7 +137,7 @@ def test_truncated_header_raises(cut):
 
 def test_truncated_length_table_raises():
     with pytest.raises(hvdcomp.WireFormatError, match="length table"):
-        split_frames(join_frames([b"abc", b"de"])[:12], 2)
+        split_frames(join_frames([b"abc", b"de"])[:HEAD + 12], 2)
 
 
 @pytest.mark.parametrize("delta", [-1, 1])
@@ -143,7 +159,7 @@ def test_bad_magic_and_wrong_count_raise():
 
 def test_corrupt_length_raises():
     frame = join_frames([b"abc", b"de"]).copy()
-    frame[8:16] = np.frombuffer(struct.pack("<Q", 2**40), np.uint8)
+    frame[HEAD:HEAD + 8] = np.frombuffer(struct.pack("<Q", 2**40), np.uint8)
     with pytest.raises(hvdcomp.WireFormatError):
         split_frames(frame, 2)
 
@@ -222,6 +238,33 @@ def test_error_frame_makes_every_rank_raise():
         if r == 1:
             assert isinstance(err, ValueError) and str(err) == "boom on rank 1"
         else:
-            assert isinstance(err, RuntimeError), err
+            assert isinstance(err, hvdcomp.RankFailure) and err.rank == 1, err
             assert ("rank 1 failed to encode bucket 3 (tensors ['w', 'b'])" in str(err)
                     and "ValueError: boom on rank 1" in str(err)), err
+
+
+def test_check_stamps_names_the_ranks_out_of_step():
+    mine = Stamp(5, 2, False)
+    check_stamps([mine] * 3, [False] * 3, mine, 0, "bucket 0")
+    # a joined rank takes part without a backward pass: its SYNC flag is not compared
+    check_stamps([mine, Stamp(5, 2, True), mine], [False, True, False], mine, 0, "bucket 0")
+    for other in (Stamp(6, 2, False), Stamp(5, 3, False), Stamp(5, 2, True)):
+        with pytest.raises(hvdcomp.OutOfStep) as err:
+            check_stamps([mine, other, mine], [False] * 3, mine, 0, "bucket 0")
+        assert err.value.ranks == [1] and f"rank 1: {other.describe()}" in str(err.value)
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_rank_out_of_step_raises_on_every_rank(sync):
+    """Rank 2 exchanges step 4 (or step 3 started by step() instead of backward) while the
+    others exchange step 3: every rank raises OutOfStep naming the other side."""
+    def fn(tp):
+        stamp = Stamp(3, 0, False)
+        if tp.rank == 2:
+            stamp = Stamp(3, 0, True) if sync else Stamp(4, 0, False)
+        return tp.exchange(Outgoing(_messages(tp.rank), stamp=stamp), what="bucket 0")
+
+    got = on_ranks(3, fn)
+    for r, (res, err) in enumerate(got):
+        assert res is None and isinstance(err, hvdcomp.OutOfStep), (r, err)
+        assert err.ranks == ([0, 1] if r == 2 else [2]), (r, err.ranks)
