@@ -143,6 +143,7 @@ def launchers(np_: int = 2) -> List[dict]:
     "missing" entry (with "why") for each launcher it cannot use."""
     out = []
     horovod = _have("horovod.torch")
+    why_hvd = "Horovod is not installed"
     built = {}
     if horovod:
         try:
@@ -168,8 +169,7 @@ def launchers(np_: int = 2) -> List[dict]:
     hr = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     hr = hr if os.path.exists(hr) else shutil.which("horovodrun")
     if not horovod:
-        out.append({"name": "horovodrun --gloo",
-                    "why": locals().get("why_hvd", "Horovod is not installed")})
+        out.append({"name": "horovodrun --gloo", "why": why_hvd})
     elif not built.get("gloo"):
         out.append({"name": "horovodrun --gloo", "why": "Horovod is built without Gloo"})
     elif hr is None:
