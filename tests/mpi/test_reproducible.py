@@ -1,7 +1,9 @@
 """Reproducibility (#13 item 6): two 4-rank runs of a few training steps, with 1 and with 3
-PyTorch / kernel threads per rank, give bit-identical parameters for every compressor of
-worker_threads.py (the kernels promise reductions in a fixed order whatever the thread
-count; this holds them to it)."""
+threads per rank for hvdcomp (OMP_NUM_THREADS and the kernels' thread count), give
+bit-identical parameters for every compressor of worker_threads.py (the kernels promise
+reductions in a fixed order whatever the thread count; this holds them to it).  The model's
+own forward and backward run on one thread in both (see worker_threads.py: PyTorch's CPU
+GEMMs are not thread-count invariant)."""
 import json
 import os
 import shutil

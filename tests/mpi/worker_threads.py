@@ -1,18 +1,27 @@
 """A few training steps of the main job's model (FC-300-100 on the MNIST digits) with
-several compressors, on this rank's PyTorch and kernel thread count ($HVDCOMP_TEST_THREADS):
-rank 0 writes the SHA-256 of the parameters after the steps, per compressor, to
-$HVDCOMP_TEST_OUT/params.json.  Two runs with different thread counts must write the same
-file (test_reproducible.py): the kernels' reductions have a fixed order whatever the thread
-count, and so do PyTorch's CPU kernels used here."""
+several compressors, with $HVDCOMP_TEST_THREADS threads for everything hvdcomp does
+(OMP_NUM_THREADS, set before PyTorch loads, for the exchange's worker threads and the
+PyTorch ops they run; the kernels' own count, host.set_num_threads): rank 0 writes the
+SHA-256 of the parameters after the steps, per compressor, to $HVDCOMP_TEST_OUT/params.json.
+Two runs with different thread counts must write the same file (test_reproducible.py): the
+kernels' reductions have a fixed order whatever the thread count.
+
+The model's own forward and backward run on one thread in both runs: PyTorch's CPU GEMMs
+are not thread-count invariant (FC-300-100 after 4 SGD steps on one process differs bit-wise
+between 1, 2 and 3 threads on the development machine), which is PyTorch's business, not
+the exchange's."""
 import hashlib
 import json
 import os
 import sys
 
-import torch
+THREADS = int(os.environ["HVDCOMP_TEST_THREADS"])
+os.environ["OMP_NUM_THREADS"] = str(THREADS)     # before OpenMP starts (with torch)
+
+import torch  # noqa: E402
 import torch.nn.functional as F
 
-from common import ROOT, say
+from common import ROOT, say  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 from mnist import FC300100, load_digits  # noqa: E402
@@ -36,8 +45,9 @@ def digest(model) -> str:
 
 def main():
     hvd.init()
-    threads = int(os.environ["HVDCOMP_TEST_THREADS"])
-    torch.set_num_threads(threads)
+    threads = THREADS
+    host.set_num_threads(threads)
+    torch.set_num_threads(1)                     # the model's forward and backward (above)
     assert backends.kernel_backend("cpu") is host and host.get_num_threads() == threads
     rank, size = hvd.rank(), hvd.size()
     x, y, _, _ = load_digits(0)
