@@ -168,8 +168,9 @@ def refit(comp: AdaptiveLevels, transport: Transport, step: int) -> None:
 
 def report_cuda(named_params: Sequence[Tuple[str, torch.Tensor]], rank: int) -> Optional[bool]:
     """With CUDA parameters, whether MPI is CUDA-aware (None: unknown), also logged (INFO,
-    rank 0, :mod:`hvdcomp.log`); None without.  Their gradients are encoded and decoded on their device; the
-    compressed messages are staged through host memory for the collective."""
+    rank 0, :mod:`hvdcomp.log`); None without.  Their gradients are encoded and decoded on
+    their device; the compressed messages are staged through host memory for the
+    collective."""
     if not any(p.is_cuda for _, p in named_params):
         return None
     aware = cuda_aware()

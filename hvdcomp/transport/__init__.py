@@ -17,22 +17,20 @@ there is no MPI world, or no mpi4py); an explicit "mpi" whose world differs rais
 :class:`Allreduce` carries summable buffers (in-place sums); :class:`HorovodAllreduce` is
 Horovod's.
 """
-from .base import Allreduce, Transport
-from .framing import Incoming, Outgoing, error_frame, frame_error, join_frames, split_frames
-from .horovod import HorovodAllreduce, HorovodTransport
-from .mpi import MPITransport, mpi_world, thread_level_problem
-
-__all__ = ["Transport", "Allreduce", "MPITransport", "HorovodTransport", "HorovodAllreduce",
-           "make", "select", "Outgoing", "Incoming", "split_frames", "join_frames", "error_frame",
-           "frame_error"]
-
-
 import itertools
 import os
 import sys
 from typing import Tuple, Union
 
 from ..log import logger
+from .base import Allreduce, Transport
+from .framing import Incoming, Outgoing, error_frame, frame_error, join_frames, split_frames
+from .horovod import HorovodAllreduce, HorovodTransport
+from .mpi import MPITransport, mpi_world, thread_level_problem
+
+__all__ = ["Transport", "Allreduce", "MPITransport", "HorovodTransport", "HorovodAllreduce",
+           "make", "select", "Outgoing", "Incoming", "split_frames", "join_frames",
+           "error_frame", "frame_error"]
 
 # set by MPI launchers in every process they start (Open MPI; MPICH/Hydra and PMI-2; PMIx)
 LAUNCHER_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
@@ -48,9 +46,9 @@ def make(name: str, **kwargs) -> Transport:
     raise ValueError(f"unknown transport {name!r}; valid: 'mpi', 'horovod'")
 
 
-
-def _mpi_is_horovods(hvd, thread_level: bool) -> Tuple[bool, str]:
-    """Whether this rank's MPI world is Horovod's (same rank, same size), and why not.
+def _mpi_is_horovods(hvd, thread_level: bool) -> Tuple[bool, Union[str, ImportError]]:
+    """Whether this rank's MPI world is Horovod's (same rank, same size), and why not (the
+    ImportError itself when mpi4py is missing).
     Starts MPI (imports mpi4py.MPI) only where it runs already or a launcher started the
     process: under horovodrun --gloo it stays untouched.  ``thread_level``: also whether
     MPI provides the thread level MPITransport needs (:func:`.mpi.check_thread_level`)."""
@@ -61,7 +59,7 @@ def _mpi_is_horovods(hvd, thread_level: bool) -> Tuple[bool, str]:
     try:
         world = mpi_world()
     except ImportError as e:
-        return False, str(e)
+        return False, e
     if world is None:
         return False, "MPI is not initialized (mpi4py.rc.initialize is False)"
     if world != (hvd.rank(), hvd.size()):
@@ -123,6 +121,8 @@ def select(transport: Union[str, Transport, None] = None, hvd=None) -> Transport
         ok, why = _mpi_is_horovods(hvd, thread_level=not explicit)
         everywhere = _everywhere(hvd, ok)
         if explicit and not everywhere:
+            if isinstance(why, ImportError):
+                raise why
             raise RuntimeError(
                 f"hvdcomp: transport='mpi' needs MPI's world to be Horovod's, rank for rank; "
                 f"{'on this rank: ' + why if not ok else 'it is not so on some other rank'}. "
@@ -132,8 +132,7 @@ def select(transport: Union[str, Transport, None] = None, hvd=None) -> Transport
             tp = MPITransport()     # explicit: raises on a too low thread level (every rank)
         else:
             tp = HorovodTransport()
-            if ok:
-                why = "not so on some other rank: " + why
+            why = ("not so on some other rank: " if ok else "") + str(why)
     if rank == 0:
         logger.info("transport %s (%s)", tp.name, why)
     return tp

@@ -49,8 +49,8 @@ def _run(cmd, outdir=None, timeout=400):
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("mode", ["horovodrun", "horovodrun --gloo"])
 def test_exchange_bit_exact_under_horovodrun(mode, n, tmp_path):
-    rc, out = _run(MODES[mode] + ["-np", str(n), PY, os.path.join(MPI_DIR, "worker_horovodrun.py")],
-                   tmp_path)
+    worker = os.path.join(MPI_DIR, "worker_horovodrun.py")
+    rc, out = _run(MODES[mode] + ["-np", str(n), PY, worker], tmp_path)
     assert rc == 0, out[-6000:]
     for r in range(n):
         f = tmp_path / f"rank{r}.ok"

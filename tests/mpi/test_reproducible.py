@@ -24,8 +24,8 @@ def _params_after(threads, outdir):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT]), HVDCOMP_TEST_OUT=outdir,
                HVDCOMP_TEST_THREADS=str(threads))
     try:
-        p = subprocess.run([RUN, "-np", "4", sys.executable, os.path.join(HERE, "worker_threads.py")],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+        worker = os.path.join(HERE, "worker_threads.py")
+        p = subprocess.run([RUN, "-np", "4", sys.executable, worker], cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"worker_threads.py hung:\n{e.stdout}\n{e.stderr}")
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]

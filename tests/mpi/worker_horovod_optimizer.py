@@ -52,9 +52,9 @@ def main():
         opt.step()
 
     m2 = copy.deepcopy(model)
+    named = [(f"bf.{n}", p) for n, p in m2.named_parameters()]
     opt2 = hvd.DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.1),
-                                    named_parameters=[(f"bf.{n}", p) for n, p in m2.named_parameters()],
-                                    compression=hvdcomp.get("bf16"))
+                                    named_parameters=named, compression=hvdcomp.get("bf16"))
     try:
         torch.nn.functional.cross_entropy(m2(x), y).backward()
         opt2.synchronize()
