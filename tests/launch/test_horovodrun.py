@@ -5,7 +5,9 @@ with Gloo, on 2 and 4 ranks of this machine.
   the transport chosen by default ("mpi" under the MPI controller, "horovod" under Gloo, an
   explicit "mpi" under Gloo refused on every rank);
 * the main job gives, for a few steps at the same seed, the same accuracy, bytes and ratio
-  under launch/run (mpirun), horovodrun and horovodrun --gloo;
+  under launch/run (mpirun) and horovodrun, and the same bytes and ratio under horovodrun
+  --gloo (its accuracy within half a point: Gloo sums the uncompressed tensors in its own
+  order);
 * Horovod's own DistributedOptimizer with compression=hvdcomp.get("fp16") averages, and
   with "bf16" raises hvdcomp's error;
 * bad input ends quickly with one clear message: -np larger than the hosts' slots, and a
@@ -77,8 +79,17 @@ def test_main_job_same_results_under_every_launcher(n, tmp_path):
         want = "horovod" if "gloo" in mode else "mpi"
         assert res["transport"] == want, (mode, res["transport"])
         assert f"transport {want} (" in out, out[-3000:]
-        for key in ("test_acc", "bytes_per_rank", "fp32_bytes", "ratio"):
+        for key in ("bytes_per_rank", "fp32_bytes", "ratio"):
             assert res["epochs"][-1][key] == ref["epochs"][-1][key], (mode, key, res, ref)
+        # the compressed tensors' averages are bit-identical everywhere (decoded in rank
+        # order); the uncompressed ones go through Horovod's allreduce, which sums in MPI's
+        # order under the MPI controller (identical) and in Gloo's under --gloo (the last
+        # bits of the biases may differ, so the accuracy may drift by a digit)
+        acc, want_acc = res["epochs"][-1]["test_acc"], ref["epochs"][-1]["test_acc"]
+        if "gloo" in mode:
+            assert abs(acc - want_acc) <= 0.5, (mode, acc, want_acc)
+        else:
+            assert acc == want_acc, (mode, acc, want_acc)
 
 
 def test_main_job_writes_metrics_csv(tmp_path):
