@@ -5,11 +5,20 @@
 
 Each rank trains on its shard of the 4,000 training digits; gradients are exchanged as real
 encoded bytes.  Rank 0 prints, per epoch, the test accuracy on the 1,000 test digits, the
-bytes each rank sent and the compression ratio against fp32.
+bytes each rank sent and the compression ratio against fp32.  The same under horovodrun
+(Horovod's MPI controller, or --gloo):
+
+    horovodrun -np 4 -H localhost:4 .venv/bin/python examples/train_mnist.py
+    horovodrun --gloo -np 4 -H localhost:4 .venv/bin/python examples/train_mnist.py
+
+--log-dir DIR: rank 0 writes the per-epoch metrics to DIR/metrics.csv and, when the
+tensorboard package is installed, to TensorBoard event files in DIR.
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import logging
 import math
 import os
 import sys
@@ -37,7 +46,14 @@ def main(argv=None):
     ap.add_argument("--weight-decay", type=float, default=0.0,
                     help="SGD weight decay (DGC folds it into the local gradient)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--transport", default="mpi", choices=["mpi", "horovod"])
+    ap.add_argument("--transport", default="auto", choices=["auto", "mpi", "horovod"],
+                    help="carrier of the wire messages (default: mpi when MPI's world is "
+                         "Horovod's, else horovod, e.g. under horovodrun --gloo)")
+    ap.add_argument("--max-steps", type=int, default=0,
+                    help="stop after this many steps in all (0: run every epoch in full)")
+    ap.add_argument("--log-dir", default="",
+                    help="rank 0 writes per-epoch metrics here: metrics.csv, and TensorBoard "
+                         "events when the tensorboard package is installed")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--json", default="", help="write the per-epoch results here (rank 0)")
     args = ap.parse_args(argv)
@@ -47,7 +63,8 @@ def main(argv=None):
         from_spec(args.compression)          # "auto+SPEC": hvdcomp.Auto(SPEC)
     except hvdcomp.ConfigError as e:
         # one clear line (from the first rank only) instead of a traceback per rank
-        if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")) == "0":
+        if all(os.environ.get(v, "0") == "0"
+               for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK")):
             print(f"train_mnist.py: --compression {args.compression!r}: {e}", file=sys.stderr)
         sys.exit(2)
 
@@ -55,6 +72,9 @@ def main(argv=None):
     hvd.init()
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
+    # hvdcomp's start-up facts (transport, Auto's plan) at INFO from rank 0, warnings from all
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(name)s[{rank}] %(levelname)s: %(message)s")
     torch.manual_seed(args.seed)
     x_tr, y_tr, x_te, y_te = load_digits(args.seed)
     model = FC300100()
@@ -67,11 +87,7 @@ def main(argv=None):
     if rank == 0:
         print(f"hvdcomp main job: FC-300-100, {len(x_tr)} train / {len(x_te)} test MNIST "
               f"digits, {size} ranks, compression {opt.compression.spec()}", flush=True)
-        if args.compression.strip().lower().startswith("auto+"):
-            counts = {}
-            for c in opt.plan.values():
-                counts[c] = counts.get(c, 0) + 1
-            print(f"Auto's plan (tensors per path): {counts}", flush=True)
+    metrics = Metrics(args.log_dir) if rank == 0 and args.log_dir else None
     show = rank == 0 and not args.no_progress
     try:
         from tqdm import tqdm
@@ -84,12 +100,16 @@ def main(argv=None):
         opt, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, total) / total)))
     hvd.allreduce(torch.zeros(1), name="start")          # every rank starts the clock together
     t_train = time.time()
+    steps = 0
     for epoch in range(1, args.epochs + 1):
+        if args.max_steps and steps >= args.max_steps:
+            break
         model.train()
         g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
         perm = torch.randperm(len(x_tr), generator=g)[rank::size]    # this rank's shard
         batches = perm.split(args.batch_size)
         sent = fp32 = traffic = 0
+        phases = {"encode_s": 0.0, "comm_s": 0.0, "decode_s": 0.0, "events": 0}
         it = tqdm(batches, desc=f"epoch {epoch}", leave=False, ncols=80) if show else batches
         for idx in it:
             opt.zero_grad()
@@ -97,10 +117,16 @@ def main(argv=None):
             loss.backward()
             opt.step()
             sched.step()
-            st = opt.last_stats
-            sent += st.bytes_sent
-            fp32 += st.fp32_bytes
-            traffic += st.traffic_bytes
+            st = opt.last_stats.as_dict()
+            sent += st["bytes_sent"]
+            fp32 += st["fp32_bytes"]
+            traffic += st["traffic_bytes"]
+            for k in ("encode_s", "comm_s", "decode_s"):
+                phases[k] += st[k]
+            phases["events"] += len(st["events"])
+            steps += 1
+            if args.max_steps and steps >= args.max_steps:
+                break
         model.eval()
         with torch.no_grad():
             acc = (model(x_te).argmax(1) == y_te).float().mean().item() * 100
@@ -112,9 +138,13 @@ def main(argv=None):
                        ratio=fp32 / hi, seconds=time.time() - t_start,
                        train_seconds=time.time() - t_train)
             history.append(row)
+            if metrics is not None:
+                metrics.write(dict(row, traffic_bytes=traffic, steps=steps, **phases))
             print(f"epoch {epoch:2d}  test acc {acc:5.2f} %  sent/rank {hi / 1e6:7.3f} MB"
                   f" (min {lo / 1e6:.3f})  fp32 {fp32 / 1e6:7.3f} MB  ratio {fp32 / hi:6.2f}x"
                   f"  [{time.time() - t_start:5.1f} s]", flush=True)
+    if metrics is not None:
+        metrics.close()
     if rank == 0:
         print(f"final: test acc {history[-1]['test_acc']:.2f} %, compression "
               f"{opt.compression.spec()}, ratio {history[-1]['ratio']:.2f}x, "
@@ -123,7 +153,42 @@ def main(argv=None):
             import json
             with open(args.json, "w") as f:
                 json.dump({"compression": opt.compression.spec(), "ranks": size,
+                           "transport": opt.transport,
                            "args": vars(args), "epochs": history}, f, indent=1)
+
+
+class Metrics:
+    """Per-epoch metrics of rank 0: DIR/metrics.csv (one row per epoch, header first) and,
+    when ``torch.utils.tensorboard`` can be imported (the tensorboard package), TensorBoard
+    scalars under DIR (tag = column, step = epoch)."""
+
+    def __init__(self, log_dir: str):
+        os.makedirs(log_dir, exist_ok=True)
+        self.path = os.path.join(log_dir, "metrics.csv")
+        self._file = open(self.path, "w", newline="")
+        self._csv = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(log_dir)
+        except ImportError:                 # no tensorboard package: the CSV only
+            self.tb = None
+
+    def write(self, row: dict) -> None:
+        if self._csv is None:
+            self._csv = csv.DictWriter(self._file, fieldnames=list(row))
+            self._csv.writeheader()
+        self._csv.writerow(row)
+        self._file.flush()
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "epoch":
+                    self.tb.add_scalar(k, v, row["epoch"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 if __name__ == "__main__":

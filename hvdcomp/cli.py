@@ -1,4 +1,6 @@
-"""``hvdcomp info``: what this machine offers hvdcomp (``python -m hvdcomp info``).
+"""``hvdcomp info``: what this machine offers hvdcomp (``python -m hvdcomp info``), and
+``hvdcomp selftest``: a 2-rank exchange through every available transport
+(:mod:`hvdcomp.selftest`).
 
 Versions (hvdcomp, torch, numpy, mpi4py, Horovod) and Horovod's build (MPI, Gloo, NCCL,
 CUDA, from Horovod's own ``*_built()`` checks); the MPI library and the thread level it
@@ -150,7 +152,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     pi = sub.add_parser("info", help="what this machine offers hvdcomp")
     pi.add_argument("--json", action="store_true", help="one JSON object")
+    ps = sub.add_parser("selftest", help="a 2-rank exchange of a few compressors through "
+                        "every available transport (starts its own processes), PASS/FAIL "
+                        "per item")
+    ps.add_argument("--timeout", type=float, default=300.0,
+                    help="seconds each launcher's workers may take (default 300)")
     args = p.parse_args(argv)
+    if args.command == "selftest":
+        from .selftest import run
+        return run(timeout=args.timeout)
     if args.command == "info":
         d = info()
         if args.json:

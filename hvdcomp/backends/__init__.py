@@ -17,8 +17,8 @@ is what the op dispatcher calls: the backend, or None to run the PyTorch referen
 here imports CuPy until a CUDA tensor asks for it.
 
 Environment: HVDCOMP_BACKEND = ``auto`` (default: kernels where they can run, else the
-reference with one warning), ``kernels`` (kernels or an error), ``reference`` (never the
-kernels).  The results are those each op's docstring states either way; only the speed
+reference with one warning on the "hvdcomp" logger), ``kernels`` (kernels or an error),
+``reference`` (never the kernels).  The results are those each op's docstring states either way; only the speed
 differs.
 """
 from __future__ import annotations
@@ -27,10 +27,11 @@ import contextlib
 import importlib
 import os
 import threading
-import warnings
 from typing import Optional
 
 import torch
+
+from ..log import logger
 
 __all__ = ["for_device", "kernel_backend", "use"]
 
@@ -58,8 +59,8 @@ def kernel_backend(device) -> Optional[object]:
     """The kernel backend for ``device``, or None where the PyTorch reference should run.
 
     Decided once per (device type, HVDCOMP_BACKEND) and cached.  ``auto``: a backend that
-    cannot be loaded (no C++ compiler; no CuPy or CUDA) gives None and one warning naming the
-    reason; ``kernels``: that raises RuntimeError instead; ``reference``: always None.
+    cannot be loaded (no C++ compiler; no CuPy or CUDA) gives None and one warning (on the
+    "hvdcomp" logger) naming the reason; ``kernels``: that raises RuntimeError instead; ``reference``: always None.
     The first CPU call builds the host library (a few seconds, once per source version).
     """
     mode = os.environ.get("HVDCOMP_BACKEND", "auto").strip().lower() or "auto"
@@ -80,9 +81,8 @@ def kernel_backend(device) -> Optional[object]:
             if mode == "kernels":
                 raise RuntimeError(f"HVDCOMP_BACKEND=kernels but no kernel backend for "
                                    f"{dev.type}: {e}") from e
-            warnings.warn(f"hvdcomp: no kernel backend for {dev.type} ({e}); the ops run "
-                          f"the PyTorch reference (same bytes, slower)", RuntimeWarning,
-                          stacklevel=2)
+            logger.warning(f"no kernel backend for {dev.type} ({e}); the ops run the "
+                           f"PyTorch reference (same bytes, slower)")
             mod = None
         _choice[key] = mod
         return mod

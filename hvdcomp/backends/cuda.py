@@ -42,12 +42,22 @@ _modules: Dict[str, object] = {}      # source file -> cupy.RawModule
 _functions: Dict[str, object] = {}    # kernel name -> cupy.RawKernel
 
 
+def cupy_extra() -> str:
+    """The pip extra of hvdcomp that brings CuPy for this PyTorch's CUDA major version
+    (pyproject.toml: cuda12 = cupy-cuda12x, cuda13 = cupy-cuda13x); cuda12 when PyTorch
+    has no CUDA or another major version."""
+    major = (torch.version.cuda or "").split(".")[0]
+    return f"cuda{major}" if major in ("12", "13") else "cuda12"
+
+
 def _cupy():
     try:
         import cupy
     except ImportError as e:
-        raise ImportError("hvdcomp.backends.cuda needs CuPy for CUDA "
-                          f"(e.g. pip install cupy-cuda13x): {e}") from e
+        extra = cupy_extra()
+        raise ImportError(f"hvdcomp.backends.cuda needs CuPy for CUDA: pip install "
+                          f"'hvdcomp[{extra}]' (CuPy's wheel cupy-{extra}x; the extras "
+                          f"cuda12 and cuda13 match CUDA 12 and 13): {e}") from e
     return cupy
 
 

@@ -134,3 +134,14 @@ class BF16(_Cast):
     # drop-in optimizer sends it through the allgather path and averages in float32.
     summable = False
     wire_dtype = torch.bfloat16
+
+    def compress(self, tensor):
+        """Horovod's contract: refused with this error (Horovod 0.28.1's allreduce rejects
+        bfloat16 tensors), at the first gradient Horovod's DistributedOptimizer or
+        hvd.allreduce would compress.  Raises TypeError."""
+        raise TypeError(
+            "hvdcomp's bf16 cannot go through Horovod's own allreduce (Horovod 0.28.1 "
+            "rejects bfloat16 tensors). Use hvdcomp.torch.DistributedOptimizer(..., "
+            "compression='bf16') (import hvdcomp.torch as hvd), which sends bf16 as wire "
+            "messages and averages in float32, or compression=hvdcomp.get('fp16') with "
+            "Horovod's optimizer.")

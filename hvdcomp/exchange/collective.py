@@ -26,6 +26,7 @@ import torch
 from ..compressors.protocols import AdaptiveLevels, ReportsEvents
 from ..compressors.state import finite as all_finite
 from ..errors import OutOfStep, RankFailure, WireFormatError
+from ..log import warn_limited
 from ..transport import Allreduce, Incoming, Outgoing, Stamp, Transport
 from ..transport.framing import STOP_MARK
 from ..wire import Message
@@ -315,7 +316,11 @@ class Allgather(Collective):
             acc = self.averaging.accumulator(e)
             finite, prescaled = self.averaging.combine(e, msgs, keys, present, acc, joined)
             if isinstance(e.compressor, ReportsEvents):
-                stats.events.extend(f"{e.name}: {ev}" for ev in e.compressor.drain_events())
+                events = [f"{e.name}: {ev}" for ev in e.compressor.drain_events()]
+                stats.events.extend(events)
+                if self.rank == 0:     # every rank decodes the same messages: same events
+                    for ev in events:
+                        warn_limited(ev)
             out[e.name] = self.averaging.finish(e, acc, finite, keys[self.rank], stats, joined,
                                                 prescaled)
         return out

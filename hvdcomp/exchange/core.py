@@ -10,7 +10,6 @@ and the others' averages count only the ranks that have not joined.
 """
 from __future__ import annotations
 
-import sys
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from ..auto import Auto
 from ..compressors import Compressor
 from ..compressors.protocols import AdaptiveLevels, ParamDeltas
+from ..log import logger
 from ..transport import Allreduce, Transport
 from ..transport.mpi import cuda_aware
 from .averaging import Averaging
@@ -29,7 +29,7 @@ from .pipeline import Pipeline
 from .plan import Entry, Plan
 from .stats import StepStats
 
-__all__ = ["Exchange", "refit"]
+__all__ = ["Exchange", "refit", "report_plan"]
 
 
 class Exchange:
@@ -86,6 +86,8 @@ class Exchange:
                               "check_replicas": bool(check_replicas)},
                   self.buckets, self.entries)
         self.cuda_aware = report_cuda(named_params, self.rank)
+        if self.rank == 0:
+            report_plan(self)
         self.averaging = Averaging(self.size, average, predivide, sparse_as_dense)
         self.collective = Allgather(transport, allreduce, self.averaging, self.seed, self.ident)
         self.pipeline = Pipeline(self.buckets, self.entries, self.collective)
@@ -108,6 +110,12 @@ class Exchange:
     def auto(self) -> Optional[Auto]:
         """The Auto that made the plan (its ``model``: the measured costs), or None."""
         return self.plan.auto
+
+    @property
+    def cost_model(self):
+        """With an Auto, its measured :class:`hvdcomp.auto.CostModel` (link and codec
+        costs, ``as_dict()``); None otherwise."""
+        return self.plan.auto.model if self.plan.auto is not None else None
 
     # --- per step -------------------------------------------------------------------
     @property
@@ -190,15 +198,28 @@ def refit(comp: AdaptiveLevels, transport: Transport, step: int) -> None:
 
 
 def report_cuda(named_params: Sequence[Tuple[str, torch.Tensor]], rank: int) -> Optional[bool]:
-    """With CUDA parameters, whether MPI is CUDA-aware (None: unknown), also printed on
-    rank 0; None without.  Their gradients are encoded and decoded on their device; the
-    compressed messages are staged through host memory for the collective."""
+    """With CUDA parameters, whether MPI is CUDA-aware (None: unknown), also logged (INFO,
+    rank 0, :mod:`hvdcomp.log`); None without.  Their gradients are encoded and decoded on
+    their device; the compressed messages are staged through host memory for the
+    collective."""
     if not any(p.is_cuda for _, p in named_params):
         return None
     aware = cuda_aware()
     if rank == 0:
-        print(f"hvdcomp: CUDA parameters; MPI CUDA-aware: "
-              f"{ {True: 'yes', False: 'no', None: 'unknown'}[aware] }; "
-              f"compressed messages are staged through host memory", file=sys.stderr,
-              flush=True)
+        logger.info("CUDA parameters; MPI CUDA-aware: %s; compressed messages are staged "
+                    "through host memory", {True: "yes", False: "no", None: "unknown"}[aware])
     return aware
+
+
+def report_plan(ex: "Exchange") -> None:
+    """Log (INFO) the exchange's start-up facts: transport, buckets, and with an Auto how
+    many tensors go each way and the cost model it measured."""
+    logger.info("exchange: %d tensors in %d buckets, %d ranks, transport %s, compression %s",
+                len(ex.entries), len(ex.buckets), ex.size, ex.transport.name,
+                ex.compression.spec())
+    if ex.auto is not None:
+        counts: Dict[str, int] = {}
+        for e in ex.entries.values():
+            counts[e.compressor.name] = counts.get(e.compressor.name, 0) + 1
+        logger.info("Auto's plan (tensors per path): %s; cost model: %s", counts,
+                    ex.cost_model.as_dict() if ex.cost_model is not None else None)

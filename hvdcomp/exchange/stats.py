@@ -1,8 +1,8 @@
 """What one rank sent in one step."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List
 
 __all__ = ["StepStats"]
 
@@ -40,3 +40,11 @@ class StepStats:
     @property
     def ratio(self) -> float:
         return self.fp32_bytes / self.bytes_sent if self.bytes_sent else float("inf")
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Every field, plus ``ratio`` (None when nothing was sent, instead of inf), as plain
+        Python values (ints, floats, lists, dicts): ready for json.dumps, a CSV row or a
+        metrics logger."""
+        d = asdict(self)
+        d["ratio"] = self.ratio if self.bytes_sent else None
+        return d

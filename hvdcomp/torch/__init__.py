@@ -3,8 +3,16 @@
 ``init()`` that lets mpi4py own MPI (see :func:`init`)."""
 import os
 
-from horovod.torch import *  # noqa: F401,F403  (the whole horovod.torch surface)
-import horovod.torch as _hvd
+try:
+    import horovod.torch as _hvd
+except ImportError as _e:
+    raise ImportError(
+        f"hvdcomp.torch needs Horovod built with PyTorch support (horovod.torch could not be "
+        f"imported: {_e}). Install it with: HOROVOD_WITH_PYTORCH=1 pip install "
+        f"'hvdcomp[horovod]' (Horovod 0.28.1 from source; see the README's 'Installing with "
+        f"pip' and launch/setup, which builds it). The compressors (import hvdcomp) and "
+        f"hvdcomp.exchange work without Horovod.") from _e
+from horovod.torch import *  # noqa: F401,F403,E402  (the whole horovod.torch surface)
 
 from .exchange import Exchange, StepStats
 from .optimizer import DistributedOptimizer, join  # join: hvdcomp's, over Horovod's

@@ -33,7 +33,7 @@ from ..compressors import Compressor
 from ..compressors.protocols import MomentumCorrection
 from ..exchange.buckets import agree_settings
 from ..transport import HorovodTransport
-from ..transport import make as make_transport
+from ..transport import select as select_transport
 from .exchange import Exchange, StepStats
 
 __all__ = ["DistributedOptimizer", "join"]
@@ -127,7 +127,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # collective, so ranks that differ in any setting are reported instead of hanging.
         agree_settings(HorovodTransport(prefix="hvdcomp.agree", numbered=False), {
             "optimizer": type(self).__name__, "optimizer number": self._ident,
-            "transport": transport if isinstance(transport, str) else type(transport).__name__,
+            "transport": (transport if isinstance(transport, str) else "auto" if transport is None
+                          else type(transport).__name__),
             "collective": "allgather", "compression": _raw_spec(compression),
             "backward_passes_per_step": _plain(backward_passes_per_step),
             "op": {hvd.Average: "Average", hvd.Sum: "Sum"}.get(op, repr(op)),
@@ -146,7 +147,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvdcomp.torch.DistributedOptimizer supports op=Average and "
                              "op=Sum (Adasum cannot combine decoded messages)")
-        tp = make_transport(transport) if isinstance(transport, str) else transport
+        tp = select_transport(transport, hvd)
         self._exchange = Exchange(named, compression, tp, hvd=hvd, ident=self._ident,
                                   check_replicas=check_replicas,
                                   fusion_bytes=fusion_bytes,
@@ -289,6 +290,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def plan(self) -> Dict[str, str]:
         """{parameter name: name of the compressor its gradient travels with}."""
         return self._exchange.plan.compressor_names()
+
+    @property
+    def cost_model(self):
+        """With ``compression=hvdcomp.Auto(...)``: the :class:`hvdcomp.CostModel` it measured
+        when the optimizer was built (``as_dict()``: link and codec costs, the same on every
+        rank); None otherwise."""
+        return self._exchange.cost_model
+
+    @property
+    def transport(self) -> str:
+        """The name of the byte carrier in use ("mpi" or "horovod")."""
+        return self._exchange.transport.name
 
     def synchronize(self) -> StepStats:
         """Make sure ``p.grad`` holds the averaged gradients.
@@ -466,7 +479,7 @@ def join(device: int = -1) -> int:
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
-                         *, transport="mpi", fusion_bytes=25 * 2**20, min_compress_numel=1024,
+                         *, transport=None, fusion_bytes=25 * 2**20, min_compress_numel=1024,
                          compress_1d=False, seed=0, check_replicas=True):
     """Wrap ``optimizer`` so that ``p.grad`` holds gradients averaged across ranks, sent with
     ``compression`` as real encoded bytes, when ``loss.backward()`` returns (README,
@@ -487,8 +500,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         rank's indices and values and ``p.grad`` is a sparse average (as in Horovod).
     num_groups, groups: not used (hvdcomp fuses by ``fusion_bytes``); must be left default.
     process_set: only the global process set is supported.
-    transport: "mpi" (mpi4py Allgatherv, default) or "horovod" (hvd.allgather); identical
-        results.
+    transport: the carrier of the wire messages, with identical results either way:
+        None or "auto" (default) picks "mpi" when MPI's world is Horovod's, rank for rank
+        (mpirun, horovodrun's MPI controller), else "horovod" (horovodrun --gloo; no
+        mpi4py); "mpi" (mpi4py Allgatherv; RuntimeError at construction when MPI's world
+        is not Horovod's); "horovod" (hvd.allgather); or a
+        :class:`hvdcomp.transport.Transport`.  ``optimizer.transport`` names the one used
+        (also logged at INFO on rank 0: :mod:`hvdcomp.log`).
     fusion_bytes: gradient bytes per fusion bucket (default 25 MiB).
     min_compress_numel, compress_1d: tensors with fewer elements, and 1-D tensors unless
         compress_1d, are sent uncompressed (fp32).

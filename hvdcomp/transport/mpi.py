@@ -18,13 +18,48 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .base import Transport
 
-__all__ = ["MPITransport", "cuda_aware", "check_thread_level", "horovod_on_mpi"]
+__all__ = ["MPITransport", "cuda_aware", "check_thread_level", "horovod_on_mpi", "mpi4py",
+           "mpi_world", "thread_level_problem"]
+
+
+def mpi4py():
+    """The mpi4py.MPI module (importing it starts MPI, as mpi4py does).  mpi4py is optional:
+    only this transport needs it.  Raises ImportError saying how to install it."""
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise ImportError(
+            f"hvdcomp's 'mpi' transport needs mpi4py, built against the MPI that runs the "
+            f"job: MPICC=mpicc pip install 'hvdcomp[mpi]' (or pip install mpi4py); without "
+            f"it use transport='horovod' (the drop-in optimizer's default then) ({e})") from e
+    return MPI
+
+
+def mpi_world() -> Optional[Tuple[int, int]]:
+    """(rank, size) of MPI.COMM_WORLD, or None when MPI is not initialized (or finalized).
+    ImportError without mpi4py (:func:`mpi4py`)."""
+    MPI = mpi4py()
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return None
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def thread_level_problem() -> Optional[str]:
+    """Why an :class:`MPITransport` built now would refuse MPI's thread level
+    (:func:`check_thread_level`), or None when it would accept it."""
+    MPI = mpi4py()
+    try:
+        check_thread_level(MPI.Query_thread(), horovod_on_mpi(), MPI,
+                           several=MPITransport._built > 0)
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def cuda_aware() -> Optional[bool]:
@@ -78,7 +113,8 @@ class MPITransport(Transport):
     """Allgatherv over a private duplicate of ``comm`` (default MPI.COMM_WORLD), so hvdcomp's
     traffic never matches a user's own mpi4py messages.
 
-    Raises RuntimeError when MPI provides less than MPI_THREAD_SERIALIZED, or less than
+    Raises ImportError without mpi4py (saying how to install it); RuntimeError when MPI
+    provides less than MPI_THREAD_SERIALIZED, or less than
     MPI_THREAD_MULTIPLE while Horovod runs on MPI or for the second transport of a process
     (module docstring); Horovod initialized after the transport is built is not seen.
     """
@@ -88,7 +124,7 @@ class MPITransport(Transport):
 
     def __init__(self, comm=None, max_chunk: int = 0):
         super().__init__(max_chunk)
-        from mpi4py import MPI
+        MPI = mpi4py()
         check_thread_level(MPI.Query_thread(), horovod_on_mpi(), MPI,
                            several=MPITransport._built > 0)
         MPITransport._built += 1

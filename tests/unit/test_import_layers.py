@@ -14,14 +14,14 @@ PKG = os.path.join(ROOT, "hvdcomp")
 
 # Lower layers must not import higher ones (docs/design.md, "Layers"); the same table.
 LAYERS = [  # top first
-    {"hvdcomp.torch", "hvdcomp.ddp", "hvdcomp.cli", "hvdcomp.__main__"},
+    {"hvdcomp.torch", "hvdcomp.ddp", "hvdcomp.cli", "hvdcomp.__main__", "hvdcomp.selftest"},
     {"hvdcomp.exchange", "hvdcomp.auto"},
     {"hvdcomp.transport"},
     {"hvdcomp.compressors"},
     {"hvdcomp.codecs", "hvdcomp.levels"},
     {"hvdcomp.ops"},
     {"hvdcomp.backends"},
-    {"hvdcomp.wire", "hvdcomp.random", "hvdcomp.errors"},   # imported by every layer
+    {"hvdcomp.wire", "hvdcomp.random", "hvdcomp.errors", "hvdcomp.log"},  # every layer's
 ]
 
 

@@ -1,0 +1,69 @@
+"""Horovod's own DistributedOptimizer with hvdcomp's summable cast: compression=
+hvdcomp.get("fp16") gives the average of every rank's gradient (Horovod's contract:
+compress, allreduce, decompress); compression=hvdcomp.get("bf16") raises hvdcomp's
+TypeError on every rank at the first backward pass (Horovod 0.28.1 rejects bfloat16), and
+no rank hangs."""
+import copy
+
+import torch
+
+from common import say
+
+import horovod.torch as hvd
+import hvdcomp
+
+
+def data(rank):
+    g = torch.Generator().manual_seed(50 + rank)
+    return torch.randn(16, 30, generator=g), torch.randint(0, 5, (16,), generator=g)
+
+
+def local_grads(model, rank):
+    m = copy.deepcopy(model)
+    x, y = data(rank)
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+    return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def main():
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.ReLU(), torch.nn.Linear(20, 5))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    # the average, computed independently: every rank's gradient from its own data
+    per_rank = [local_grads(model, r) for r in range(size)]
+    mean = {n: sum(g[n] for g in per_rank) / size for n in per_rank[0]}
+
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvdcomp.get("fp16"))
+    x, y = data(rank)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    for n, p in model.named_parameters():
+        # each rank's share g/size is rounded to fp16 once, then summed in fp16: error below
+        # size ulps of fp16 at the gradients' scale
+        scale = max(float(g[n].abs().max()) for g in per_rank)
+        tol = size * scale * 2.0 ** -10
+        err = float((p.grad - mean[n]).abs().max())
+        assert err <= tol, (n, err, tol)
+    with opt.skip_synchronize():
+        opt.step()
+
+    m2 = copy.deepcopy(model)
+    named = [(f"bf.{n}", p) for n, p in m2.named_parameters()]
+    opt2 = hvd.DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.1),
+                                    named_parameters=named, compression=hvdcomp.get("bf16"))
+    try:
+        torch.nn.functional.cross_entropy(m2(x), y).backward()
+        opt2.synchronize()
+        raise AssertionError("bf16 went through Horovod's allreduce")
+    except TypeError as e:
+        assert "hvdcomp's bf16 cannot go through Horovod's own allreduce" in str(e), e
+    hvd.allreduce(torch.zeros(1), name="done")   # every rank is still in step
+    say(rank, "horovod optimizer OK")
+
+
+if __name__ == "__main__":
+    main()
