@@ -32,6 +32,7 @@ their own code).
 from __future__ import annotations
 
 import atexit
+import logging
 import itertools
 import os
 import sys
@@ -39,6 +40,8 @@ import threading
 import time
 import weakref
 from typing import Optional
+
+from ..log import logger
 
 __all__ = ["register", "exit_timeout", "stop_all"]
 
@@ -127,12 +130,13 @@ def stop_all(exc: Optional[BaseException], timeout: float) -> bool:
 
 
 def _abort(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-    try:
-        sys.stderr.flush()
-        sys.stdout.flush()
-    except Exception:                       # noqa: BLE001
-        pass
+    logger.critical(text)
+    for h in logger.handlers + logging.getLogger().handlers + [logging.lastResort]:
+        try:
+            if h is not None:
+                h.flush()
+        except Exception:                   # noqa: BLE001
+            pass
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None:
         hvd = sys.modules.get("horovod.torch")
