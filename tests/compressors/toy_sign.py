@@ -6,7 +6,7 @@ elements is sent as ``s = mean(|g|)`` (float32) and the bits ``g_i >= 0``; a rec
 Compressed Optimisation for Non-Convex Problems", Alg. 1, with the l1 scale of their Sec. 3;
 biased, which is why hvdcomp's own 1-bit compressor, ``signef``, keeps a residual.)
 
-Wire format: codec 201 (an id for compressors defined outside hvdcomp), bits = 1, two
+Wire format: codec 222 (an id for compressors defined outside hvdcomp), bits = 1, two
 sections: the scale (4 bytes) and ``ceil(n / 8)`` bytes of bits, little-endian bit order.
 """
 import numpy as np
@@ -18,7 +18,7 @@ from hvdcomp.compressors.base import numel_of
 from hvdcomp.errors import WireFormatError
 
 
-@hvdcomp.register("toysign", codec=201)
+@hvdcomp.register("toysign", codec=222)
 class ToySign(Compressor):
     """grad: any shape, floating dtype.  Payload: 4 + ceil(numel / 8) bytes."""
 

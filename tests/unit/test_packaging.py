@@ -71,4 +71,6 @@ def test_installed_command_runs_from_the_install(wheel, tmp_path):
     d = json.loads(p.stdout)
     assert d["kernels"]["dir"] == str(target / "hvdcomp" / "kernels")
     assert d["versions"]["hvdcomp"] == hvdcomp.__version__
-    assert set(d["compressors"]) == set(hvdcomp.available())
+    # (registered by hvdcomp itself: other test modules register compressors of their own)
+    assert set(d["compressors"]) == {n for n in hvdcomp.available()
+                                     if type(hvdcomp.get(n)).__module__.startswith("hvdcomp.")}
