@@ -41,12 +41,13 @@ import torch
 from .errors import WireFormatError
 
 __all__ = ["Message", "MAGIC", "VERSION", "CODECS", "USER_CODECS", "register_codec", "DTYPES", "FLAG_NONFINITE", "FLAG_ENTROPY",
-           "dtype_code", "code_dtype", "HEADER_SIZE", "MAX_NDIM", "MAX_SECTIONS"]
+           "dtype_code", "code_dtype", "HEADER_SIZE", "MAX_NDIM", "MAX_SECTIONS", "MAX_DIM"]
 
 MAGIC = b"HVDC"
 VERSION = 1
 MAX_NDIM = 8
 MAX_SECTIONS = 8
+MAX_DIM = 2**63 - 1          # a shape entry (and the numel) fits a torch size (int64)
 FLAG_NONFINITE = 0x01
 FLAG_ENTROPY = 0x02          # the symbol section is rANS-coded (hvdcomp.codecs.rans)
 _KNOWN_FLAGS = FLAG_NONFINITE | FLAG_ENTROPY
@@ -228,6 +229,9 @@ class Message:
             raise WireFormatError("checksum mismatch: the message is corrupted or truncated")
         shape = struct.unpack_from(f"<{ndim}Q", mv, HEADER_SIZE)
         lengths = struct.unpack_from(f"<{nsec}Q", mv, HEADER_SIZE + 8 * ndim)
+        if numel > MAX_DIM or any(s > MAX_DIM for s in shape):
+            raise WireFormatError(f"numel {numel} or an entry of shape {tuple(shape)} exceeds "
+                                  f"2**63 - 1 (the largest tensor size)")
         prod = 1
         for s in shape:
             prod *= s
@@ -251,13 +255,17 @@ class Message:
                        seed=seed, step=step)
 
     def expect(self, *, codec: Optional[int] = None, shape: Optional[Sequence[int]] = None,
+               dtype: Optional[int] = None,
                tensor_id: Optional[int] = None, step: Optional[int] = None,
                rank: Optional[int] = None, seed: Optional[int] = None,
                bits: Optional[int] = None,
                bucket_size: Optional[int] = None, level_version: Optional[int] = None,
                nsections: Optional[int] = None) -> None:
-        """Check header fields against what the receiver expects; raise WireFormatError."""
-        checks = (("codec", codec, self.codec), ("tensor id", tensor_id, self.tensor_id),
+        """Check header fields against what the receiver expects (None: not checked);
+        ``dtype`` is a dtype code (:func:`dtype_code`).  Raises WireFormatError naming the
+        first field that differs."""
+        checks = (("codec", codec, self.codec), ("dtype", dtype, self.dtype),
+                  ("tensor id", tensor_id, self.tensor_id),
                   ("step", step, self.step), ("rank", rank, self.rank),
                   ("seed", None if seed is None else seed & 0xFFFFFFFF, self.seed),
                   ("bits", bits, self.bits), ("bucket size", bucket_size, self.bucket_size),
@@ -267,6 +275,9 @@ class Message:
                 if what == "codec":
                     want = _CODEC_NAMES.get(want, want)
                     got = _CODEC_NAMES.get(got, got)
+                elif what == "dtype":
+                    want = _DTYPE_OF.get(want, want)
+                    got = _DTYPE_OF.get(got, got)
                 raise WireFormatError(f"{what} mismatch: message has {got}, receiver "
                                       f"expects {want}")
         if shape is not None and tuple(shape) != tuple(self.shape):

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import ConfigError, WireFormatError
-from ..wire import FLAG_NONFINITE, Message, dtype_code, register_codec
+from ..wire import FLAG_ENTROPY, FLAG_NONFINITE, Message, dtype_code, register_codec
 from . import settings
 from .state import finite
 
@@ -52,6 +52,9 @@ class TensorKey:
 
     name: stable parameter name; tensor_id: its index in the fixed (name-sorted) order;
     step: optimizer step; rank / world_size: sender and group size; seed: shared seed.
+    shape / dtype: the parameter's shape and dtype as the receiver knows them; where given,
+    ``decode`` requires the header's shape (every entry, empty tensors included) and dtype
+    code to be these (None: only the numel of the accumulator is checked).
     """
     name: str
     tensor_id: int
@@ -59,6 +62,8 @@ class TensorKey:
     rank: int
     world_size: int
     seed: int = 0
+    shape: Optional[Tuple[int, ...]] = None
+    dtype: Optional[torch.dtype] = None
 
 
 class Compressor:
@@ -80,6 +85,9 @@ class Compressor:
     codec: ClassVar[int] = 0
     summable: ClassVar[bool] = False
     prescaled: ClassVar[bool] = False
+    # The ``entropy`` setting, for compressors that have it (code sections rANS-coded, flag
+    # ENTROPY); decode requires the flag to match it.
+    entropy: bool = False
 
     # --- the contract -----------------------------------------------------------------
     def encode(self, grad: torch.Tensor, key: TensorKey) -> Message:
@@ -111,8 +119,11 @@ class Compressor:
         """Validate ``msg`` against ``key`` and add its contribution to ``out``.
 
         out: flat float32 accumulator with ``numel`` elements (numel of the parameter).
+        key: the sender's key; with ``key.shape`` / ``key.dtype`` (the parameter's) the
+        header's shape and dtype code are checked too.
         Returns False if the message is NONFINITE (nothing added), True otherwise.
-        Raises WireFormatError for any mismatch or malformed section.
+        Raises WireFormatError for any mismatch or malformed section (the header checks:
+        ``_expect_header``).
         """
         if not self._check_header(msg, key, out):
             return False
@@ -121,15 +132,31 @@ class Compressor:
 
     def _check_header(self, msg: Message, key: TensorKey, out: torch.Tensor) -> bool:
         """decode()'s header checks; False for a NONFINITE message (nothing to add)."""
-        hf = self._header_fields()
-        msg.expect(codec=self.codec, tensor_id=key.tensor_id, step=key.step, rank=key.rank,
-                   seed=key.seed,
-                   bits=hf.get("bits"), bucket_size=hf.get("bucket_size"),
-                   level_version=hf.get("level_version"))
-        if msg.numel != out.numel():
-            raise WireFormatError(f"numel mismatch: message has {msg.numel}, receiver "
-                                  f"expects {out.numel()}")
+        self._expect_header(msg, key, out.numel())
         return not msg.flags & FLAG_NONFINITE
+
+    def _expect_header(self, msg: Message, key: TensorKey, numel: int, **fields) -> None:
+        """Check every header field of ``msg`` against this receiver: codec, tensor id,
+        step, rank, seed, shape and dtype (where ``key`` has them), numel, the flags this
+        compressor writes (ENTROPY iff its ``entropy`` setting; a NONFINITE message carries
+        that flag alone) and bits / bucket size / level-table version as
+        ``_header_fields`` gives them, 0 for those it does not use; ``fields`` overrides
+        them (NDQSG: the bits of the sender's group).  Raises WireFormatError naming the
+        field."""
+        hf = {"bits": 0, "bucket_size": 0, "level_version": 0, **self._header_fields(),
+              **fields}
+        msg.expect(codec=self.codec, tensor_id=key.tensor_id, step=key.step, rank=key.rank,
+                   seed=key.seed, shape=key.shape,
+                   dtype=None if key.dtype is None else dtype_code(key.dtype), **hf)
+        if msg.numel != numel:
+            raise WireFormatError(f"numel mismatch: message has {msg.numel}, receiver "
+                                  f"expects {numel}")
+        flags = FLAG_NONFINITE if msg.flags & FLAG_NONFINITE else (
+            FLAG_ENTROPY if self.entropy else 0)
+        if msg.flags != flags:
+            raise WireFormatError(f"{self.name}: flags 0x{msg.flags:02x}, expected "
+                                  f"0x{flags:02x} (ENTROPY is set iff the compressor's "
+                                  f"entropy setting is; NONFINITE stands alone)")
 
     def combine(self, msgs: List[Message], keys: List[TensorKey], out: torch.Tensor) -> bool:
         """Decode every rank's message for one tensor into ``out`` (the sum of the

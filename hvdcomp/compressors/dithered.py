@@ -25,7 +25,7 @@ are sent at fixed width by default; ``entropy=True`` rANS-codes them instead (hv
 
 Wire (sections of hvdcomp.wire.Message; nb = ceil(numel / bucket_size); see each class for
 its header fields):
-  dqsg / ndqsg's DQSG group:  0: Delta_b, float32 LE (nb values, finite, >= 0)
+  dqsg / ndqsg's DQSG group:  0: Delta_b, float32 LE (nb values in [0, Delta_max(bits)])
                               1: codes q_i + M, ``bits`` each, packed LSB-first
                                  (hvdcomp.ops.bitpack); the code 2**bits - 1 is invalid
                               payload: 4*nb + ceil(numel*bits/8) bytes
@@ -103,7 +103,8 @@ class DQSG(Compressor):
       is set).  TypeError for non-floating tensors; NaN/Inf -> NONFINITE message.
     decode(msg, key, out): adds float32 x_hat (numel,) to ``out``; the dither is regenerated
       from ``key`` (whose fields must equal the header's).  WireFormatError for header
-      mismatches, wrong section sizes, non-finite or negative steps, the invalid code
+      mismatches, wrong section sizes, steps outside [0, Delta_max] (non-finite, negative, or
+      too large for a finite decode: hvdcomp.ops.dithered.max_step), the invalid code
       2**bits - 1, or a non-zero code in a bucket with Delta = 0.
     Error: x_hat - x uniform on [-Delta/2, Delta/2], independent of x given Delta (unbiased,
       variance Delta**2/12 per coordinate); the exact arithmetic: hvdcomp.ops.dithered.
@@ -146,11 +147,16 @@ class DQSG(Compressor):
 
     # -- decode ---------------------------------------------------------------------------
     def _parse_steps(self, msg: Message, nb: int) -> torch.Tensor:
-        """Section 0 validated: Delta float32 (nb,) on the CPU."""
+        """Section 0 validated: Delta float32 (nb,) on the CPU, each in
+        [0, dithered.max_step(bits)] (larger steps, which no encoder writes, could decode
+        beyond the float32 range)."""
         msg.section_size_check(0, 4 * nb, "bucket steps")
         delta = _read_f32(msg.sections[0])
-        if not bool(torch.isfinite(delta).all()) or bool((delta < 0).any()):
-            raise WireFormatError(f"{self.name}: bucket steps must be finite and >= 0")
+        top = dithered.max_step(self.bits)
+        if not bool(((delta >= 0) & (delta <= top)).all()):      # NaN fails both
+            raise WireFormatError(f"{self.name}: bucket steps must be in [0, {top:.7g}] "
+                                  f"(finite, and small enough for a finite decode at "
+                                  f"{self.bits} bits)")
         return delta
 
     def _parse_dqsg(self, msg: Message, device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -305,13 +311,12 @@ class NDQSG(ReportsEvents, DQSG):
                                  (_f32_section(delta), residues, _u32_section(check)), flag)
 
     # -- decode ---------------------------------------------------------------------------
-    def _validate(self, msg: Message, key: TensorKey, numel: int) -> None:
-        msg.expect(codec=self.codec, tensor_id=key.tensor_id, step=key.step, rank=key.rank,
-                   seed=key.seed, bits=self._bits_of(key), bucket_size=self.bucket_size,
-                   level_version=0)
-        if msg.numel != numel:
-            raise WireFormatError(f"numel mismatch: message has {msg.numel}, receiver "
-                                  f"expects {numel}")
+    def _validate(self, msg: Optional[Message], key: TensorKey, numel: int) -> None:
+        """The header checks of :meth:`Compressor._expect_header` with the bits of the
+        sender's group; a missing message (``None``: a zero-length entry) is a
+        WireFormatError too."""
+        self._require_message(msg, key)
+        self._expect_header(msg, key, numel, bits=self._bits_of(key))
 
     def _parse_nested(self, msg: Message, device):
         """Validate a nested message's sections; returns (Delta float32 (nb,), residues
@@ -385,11 +390,13 @@ class NDQSG(ReportsEvents, DQSG):
         Returns None if any message is NONFINITE (the tensor is NaN, nothing is resolved),
         else a :class:`NestedResult`.
 
-        Raises WireFormatError for any malformed or mismatched message (all are checked
-        before anything is decoded); ValueError if ``keys`` are not ranks 0..N-1 of one
-        tensor and step.
+        Raises WireFormatError for any malformed, mismatched or missing (None: a zero-length
+        entry) message (all are checked before anything is decoded); ValueError if ``keys``
+        are not ranks 0..N-1 of one tensor and step.
         """
         world = self._check_keys(msgs, keys)
+        if numel is None:
+            self._require_message(msgs[0], keys[0])
         n = msgs[0].numel if numel is None else numel
         parsed = self._parse_all(msgs, keys, n, torch.device("cpu"))
         if parsed is None:

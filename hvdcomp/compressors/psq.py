@@ -68,12 +68,15 @@ import torch
 from ..ops.bitpack import packed_size
 from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
-from ..ops.psq import bhq_dequantize_add, bhq_plan, dequantize_add, quantize_rows, row_variance
+from ..ops.psq import (bhq_dequantize_add, bhq_plan, decode_bounds, dequantize_add,
+                       quantize_rows, row_variance)
 from ..wire import CODECS, Message
 from . import settings
 from .base import Compressor, TensorKey, register
 
 __all__ = ["PSQ", "BHQ", "rows_of"]
+
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def rows_of(shape) -> Tuple[int, int]:
@@ -120,8 +123,8 @@ class _RowQuantizer(Compressor):
         return (_np_bytes(lohi), codes), flags
 
     def _read_rows(self, msg: Message, R: int, D: int, device):
-        """(lohi float32 (R, 2), packed codes uint8) of sections 0 and 1 on ``device``.
-        Raises WireFormatError for wrong sizes, non-finite or inverted ranges."""
+        """(lohi float32 (R, 2) on the CPU, packed codes uint8 on ``device``) of sections 0
+        and 1.  Raises WireFormatError for wrong sizes, non-finite or inverted ranges."""
         msg.section_size_check(0, 8 * R, "row ranges")
         packed = read_codes(msg, 1, R * D, self.bits, device=device)
         lohi = torch.from_numpy(_section(msg, 0, np.float32).copy()).view(R, 2)
@@ -129,7 +132,7 @@ class _RowQuantizer(Compressor):
             raise WireFormatError(f"{self.name}: row ranges must be finite")
         if bool((lohi[:, 1] < lohi[:, 0]).any()):
             raise WireFormatError(f"{self.name}: a row range has max < min")
-        return lohi.to(device), packed
+        return lohi, packed
 
 
 @register("psq")
@@ -181,7 +184,7 @@ class PSQ(_RowQuantizer):
         msg.expect(nsections=2)
         lohi, packed = self._read_rows(msg, R, D, out.device)
         if R * D:
-            dequantize_add(packed, R, D, lohi, self.bits, out)
+            dequantize_add(packed, R, D, lohi.to(out.device), self.bits, out)
 
     def variance(self, grad: torch.Tensor) -> float:
         """Exact expected squared error sum_i E|Q(x_i) - x_i|^2 of encoding ``grad``."""
@@ -247,9 +250,12 @@ class BHQ(_RowQuantizer):
                      scales.numpy().astype("<f4").view(np.uint8))
         return self._new_message(grad, key, sections, flags)
 
-    def read_blocks(self, msg: Message):
-        """Validate sections 2-4 of ``msg``; returns (perm int64 (R,), sizes int64 (G,),
-        scales float32 (G,)).  Raises WireFormatError."""
+    def read_blocks(self, msg: Message, lohi: torch.Tensor):
+        """Validate sections 2-4 of ``msg`` with its row ranges ``lohi`` (float32 (R, 2),
+        validated); returns (perm int64 (R,), sizes int64 (G,), scales float32 (G,)).
+        Raises WireFormatError, also for a block whose values could decode beyond the
+        float32 range (hvdcomp.ops.psq.decode_bounds; an encoder sends such a block as
+        singletons)."""
         R, _ = rows_of(msg.shape)
         msg.section_size_check(2, 4 * R, "row permutation")
         nb = len(msg.sections[3])
@@ -266,21 +272,29 @@ class BHQ(_RowQuantizer):
             raise WireFormatError(f"bhq: block sizes must be in 1..{self.block_size}")
         if int(sizes.sum()) != R:
             raise WireFormatError(f"bhq: block sizes sum to {int(sizes.sum())}, expected {R} rows")
-        if not np.all(np.isfinite(scales)) or not np.all(scales > 0):
-            raise WireFormatError("bhq: block scales must be finite and > 0")
+        if not np.all(np.isfinite(scales)) or not np.all(scales >= np.finfo(np.float32).tiny):
+            raise WireFormatError("bhq: block scales must be finite and > 0 (and normal: "
+                                  "an encoder never writes one below 2**-126)")
         if np.any(scales[sizes == 1] != 1):
             raise WireFormatError("bhq: a block of one row must have scale 1")
-        return (torch.from_numpy(perm), torch.from_numpy(sizes), torch.from_numpy(scales))
+        perm, sizes, scales = torch.from_numpy(perm), torch.from_numpy(sizes), \
+            torch.from_numpy(scales)
+        bound = decode_bounds(lohi.abs().amax(dim=1), sizes, scales)
+        if bool((bound > _F32_MAX).any()):
+            g = int(torch.nonzero(bound > _F32_MAX)[0])
+            raise WireFormatError(f"bhq: block {g} (scale {float(scales[g]):.7g}) would decode "
+                                  f"beyond the float32 range")
+        return perm, sizes, scales
 
     def _decode(self, msg, key, out):
         R, D = rows_of(msg.shape)
         msg.expect(nsections=5)
         lohi, packed = self._read_rows(msg, R, D, out.device)
-        perm, sizes, scales = self.read_blocks(msg)
+        perm, sizes, scales = self.read_blocks(msg, lohi)
         if R * D:
             dev = out.device
-            bhq_dequantize_add(packed, R, D, lohi, self.bits, perm.to(dev), sizes.to(dev),
-                               scales.to(dev), out)
+            bhq_dequantize_add(packed, R, D, lohi.to(dev), self.bits, perm.to(dev),
+                               sizes.to(dev), scales.to(dev), out)
 
     def variance(self, grad: torch.Tensor) -> float:
         """Exact expected squared error sum_i E|Q(x_i) - x_i|^2 of encoding ``grad``

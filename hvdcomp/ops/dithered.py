@@ -11,7 +11,12 @@ messages; this module is the arithmetic.  Everything is float32 unless stated.
 * ``bits`` (2..8) is the whole code width, sign included: M = 2**(bits-1) - 1 positive levels,
   the fine lattice is ``Delta * {-M, ..., M}`` (2**bits - 1 points).
 * Per bucket b of ``bucket_size`` consecutive coordinates of the flat gradient x (the last
-  bucket may be short):  m_b = max_{i in b} |x_i|,  Delta_b = float32(m_b / M).
+  bucket may be short):  m_b = max_{i in b} |x_i|,  Delta_b = min(float32(m_b / M), Delta_max)
+  where Delta_max = :func:`max_step` (bits) is the largest float32 with
+  Delta_max * (M + 1/2) <= the float32 maximum: so every reconstruction (at most
+  Delta (M + 1/2) in magnitude) is finite.  The cap acts only on buckets whose maximum lies
+  within a factor (M + 1/2) / M of the float32 maximum (there the largest values are
+  clamped to q = +-M: biased by at most Delta/2 more); receivers reject larger steps.
 * Dither (Philox, hvdcomp.random, keyed by the tensor's key: seed, step, rank, tensor id and
   the coordinate index i, so a receiver regenerates it bit-exactly from the header):
       s_i = hvdcomp.random.uniform(n, seed, step, rank, tensor_id)[i] - 1/2   in [-1/2, 1/2)
@@ -20,8 +25,8 @@ messages; this module is the arithmetic.  Everything is float32 unless stated.
 * Quantization (``q = round((x + u) / Delta)`` computed as ``x / Delta + s``, so nothing
   overflows next to the float32 maximum; D_b = Delta_b, or 1 where Delta_b = 0):
       q_i = clamp(floor(float32(float32(x_i / D_b) + s_i) + 0.5), -M, M)        (int)
-  In exact arithmetic q_i is already in [-M, M]; the clamp only acts where float32 rounding
-  lands within a few ulps of +-(M + 1/2).
+  In exact arithmetic q_i is already in [-M, M] unless Delta_b was capped; otherwise the
+  clamp only acts where float32 rounding lands within a few ulps of +-(M + 1/2).
 * Reconstruction:  x_hat_i = float32(float64(Delta_b) * q_i - float64(u_i)); x_hat - x is
   uniform on [-Delta_b/2, Delta_b/2] and independent of x given Delta_b (the paper's "SGD
   plus an independent bounded uniform noise").  Buckets with Delta = 0 (all zero, or a
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
+import numpy as np
 import torch
 
 from ..backends._common import (BLOCK, MAX_GRID, check_int, check_tensor, grid_for, packed_size,
@@ -57,7 +63,7 @@ from .bitpack import pack_bits, unpack_bits
 from ..random import random_words, uniform
 from . import op
 
-__all__ = ["CHECK_OFFSET", "dither", "check_weights", "dqsg_quantize", "dqsg_reconstruct",
+__all__ = ["CHECK_OFFSET", "max_step", "dither", "check_weights", "dqsg_quantize", "dqsg_reconstruct",
            "bucket_checksums", "nested_resolve", "bucket_steps", "dqsg_encode", "nested_encode",
            "validate_codes", "dqsg_decode_add", "nested_decode_add"]
 
@@ -81,6 +87,18 @@ def check_weights(n: int, key, device=None) -> torch.Tensor:
     w_i = (Philox word of ``key`` at index CHECK_OFFSET + i) | 1."""
     return random_words(n, seed=key.seed, step=key.step, rank=key.rank,
                         tensor_id=key.tensor_id, offset=CHECK_OFFSET, device=device) | 1
+
+
+def max_step(bits: int) -> float:
+    """Delta_max of ``bits`` (2..8): the largest float32 d with d * (M + 1/2) <= the float32
+    maximum, M = 2**(bits-1) - 1 (in float64, as the reconstruction computes), so that
+    |x_hat| <= Delta (M + 1/2) never exceeds it."""
+    top = float(np.finfo(np.float32).max)
+    half = _levels(bits) + 0.5
+    d = np.float32(top / half)
+    while float(d) * half > top:
+        d = np.nextafter(d, np.float32(0))
+    return float(d)
 
 
 def _nb(n: int, bucket_size: int) -> int:
@@ -194,13 +212,13 @@ def _quantize_pack(be, x, delta, b, bs, nbits, key) -> torch.Tensor:
 
 @op
 def bucket_steps(x: torch.Tensor, bits: int, bucket_size: int) -> torch.Tensor:
-    """Delta_b = float32(max_{i in b} |x_i| / M): float32 (nb,) for a flat finite float32
-    x (n,), nb = ceil(n / bucket_size)."""
+    """Delta_b = min(float32(max_{i in b} |x_i| / M), max_step(bits)): float32 (nb,) for a
+    flat finite float32 x (n,), nb = ceil(n / bucket_size)."""
     n = x.numel()
     nb = _nb(n, bucket_size)
     xp = torch.zeros(nb * bucket_size, dtype=torch.float32, device=x.device)
     xp[:n] = x.abs()
-    return xp.view(nb, bucket_size).amax(dim=1) / _levels(bits)
+    return (xp.view(nb, bucket_size).amax(dim=1) / _levels(bits)).clamp_(max=max_step(bits))
 
 
 @bucket_steps.kernel
@@ -216,7 +234,7 @@ def _(be, x, bits, bucket_size):
     m = torch.empty(nb, dtype=torch.float32, device=x.device)
     if nb:
         be.launch("hvd_bucket_norms_linf", min(nb, MAX_GRID), reduce_block(bs), (x, n, bs, m))
-    return m / _levels(b)
+    return (m / _levels(b)).clamp_(max=max_step(b))
 
 
 @op

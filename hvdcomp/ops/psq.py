@@ -46,9 +46,11 @@ The sender groups rows into blocks by a fixed, deterministic rule (:class:`BhqBl
      k (l1^(2/3) k^(-2/3) + l2^(2/3))^3 ~ l1^2 / k instead of PSQ's l1^2 + (k - 1) l2^2.
      (With s = 1 the model gives k (c + l2)^2 >= l1^2: H alone does not beat PSQ.)
   4. If that is not strictly smaller than the PSQ variance of the block's own rows (or is not
-     finite), the block is sent as k singleton blocks instead (scale 1, no transform).  So
-     BHQ's exact variance never exceeds PSQ's, and each choice depends only on the data,
-     never on the random draws, so the estimator stays unbiased.
+     finite), or if the block's decode bound (:func:`decode_bounds`: the receiver's values
+     could leave the float32 range) exceeds the float32 maximum, the block is sent as k
+     singleton blocks instead (scale 1, no transform).  So BHQ's exact variance never
+     exceeds PSQ's, every message decodes to finite values, and each choice depends only on
+     the data, never on the random draws, so the estimator stays unbiased.
 The receiver dequantizes y (float64), applies H again (H is its own inverse), divides the
 leading row by s, rounds to float32 and puts wire row p back at row ``perm[p]``.
 
@@ -83,7 +85,7 @@ from ..random import uniform
 from . import op
 
 __all__ = ["lohi_of", "steps_of", "round_rows", "dequantize_rows", "householder_blocks",
-           "BhqBlocks", "quantize_rows", "dequantize_add", "row_variance",
+           "decode_bounds", "check_blocks", "BhqBlocks", "quantize_rows", "dequantize_add", "row_variance",
            "householder_forward", "bhq_dequantize_add", "bhq_plan"]
 
 
@@ -186,6 +188,48 @@ def householder_blocks(Y: torch.Tensor, sizes: torch.Tensor, scales: torch.Tenso
     return out
 
 
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def decode_bounds(absmax: torch.Tensor, sizes: torch.Tensor, scales: torch.Tensor
+                  ) -> torch.Tensor:
+    """Per block, a bound on the magnitude of the receiver's decoded values: float64 (G,),
+    CPU; a block decodes to finite float32 values if its bound is <= the float32 maximum.
+
+    absmax: (R,) max |y| of each wire row's values (max(|lo|, |hi|) of its range: every
+    dequantized value lies in it); sizes: int64 (G,) consecutive blocks summing to R;
+    scales: (G,).  With A = the block's sum of absmax and t = 1/sqrt(k): the leading row
+    decodes to t * (sum of the block's rows) / s, every other row to a component of the
+    orthogonal H y (at most ||y||_2 <= A), so |x_hat| <= A * max(1, t / s); for k >= 2 the
+    bound is raised by 2**-20 of itself to cover the float64 rounding of the transform (a
+    singleton decodes to its own values exactly)."""
+    sizes = sizes.to(torch.int64).cpu()
+    bid = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
+    A = torch.zeros(sizes.numel(), dtype=torch.float64).index_add_(
+        0, bid, absmax.cpu().to(torch.float64))
+    k = sizes.to(torch.float64)
+    gain = torch.clamp(k.rsqrt() / scales.cpu().to(torch.float64), min=1.0)
+    return A * gain * torch.where(sizes >= 2, 1.0 + 2.0 ** -20, 1.0)
+
+
+def check_blocks(R0: int, perm: torch.Tensor, sizes: torch.Tensor, scales: torch.Tensor,
+                 permutation: bool) -> None:
+    """The ops' precondition on BHQ's blocks (what keeps every index in bounds): ``perm``
+    (R,) rows in 0..R0-1 (with ``permutation``: R = R0 and each row once), ``sizes`` (G,)
+    >= 1 summing to R, ``scales`` (G,).  Raises ValueError (hvdcomp.compressors.psq
+    validates messages first and raises WireFormatError)."""
+    R = perm.numel()
+    if scales.numel() != sizes.numel() or (permutation and R != R0):
+        raise ValueError(f"perm must have {R0} entries and scales one per block, got "
+                         f"{R} and {scales.numel()} for {sizes.numel()} blocks")
+    if (sizes.numel() and int(sizes.min()) < 1) or int(sizes.sum()) != R:
+        raise ValueError(f"block sizes must be >= 1 and sum to {R}")
+    if R and (int(perm.min()) < 0 or int(perm.max()) >= R0 or (
+            permutation and int(torch.bincount(perm, minlength=R0).max()) != 1)):
+        raise ValueError(f"perm must be {'a permutation of' if permutation else 'rows in'} "
+                         f"0..{R0 - 1}")
+
+
 class BhqBlocks:
     """BHQ's grouping of R rows by their ranges ``mag`` (float64 (R,), CPU), steps 1-3 of the
     module docstring, and the choice of step 4 (:meth:`choose`).
@@ -237,7 +281,9 @@ class BhqBlocks:
         vt = self.weight * self.per_block(var_rows_t)
         vi = self.per_block(var_rows_x)
         fin = self.per_block(~torch.isfinite(yc).all(dim=1), torch.int64) == 0
-        use = (self.sizes >= 2) & fin & (self.a32 > 0) & torch.isfinite(vt) & (vt < vi)
+        bound = decode_bounds(yc.abs().amax(dim=1), self.sizes, self.a32)
+        use = ((self.sizes >= 2) & fin & (self.a32 > 0) & torch.isfinite(vt) & (vt < vi)
+               & (bound <= _F32_MAX))
         use_row = use[self.bid]
         keep = ~use_row | self.lead                 # rows that start a block on the wire
         out_sizes = torch.where(use_row, self.sizes[self.bid], torch.ones_like(self.bid))[keep]
@@ -343,7 +389,7 @@ def row_variance(x: torch.Tensor, bits: int, rows=None, lohi=None) -> torch.Tens
     """Exact expected squared error of PSQ per row of ``x[rows]``, float64 (len(rows),):
     sum over the row of (g_{f+1} - x)(x - g_f) = step^2 p (1 - p), p = r - floor(r).
 
-    x: float32 (R0, D); rows: int64 row indices on x's device (default: all rows in order);
+    x: float32 (R0, D); rows: int64 row indices in 0..R0-1 on x's device (default: all rows);
     lohi: float32 (len(rows), 2), the rows' (min, max) as :func:`lohi_of` gives them
     (default: computed).  Kernel: the per-coordinate terms in kernels/psq.cu, the row sums
     and the scaling as here (torch.sum), so the same bits.
@@ -369,6 +415,8 @@ def _(be, x, bits, rows=None, lohi=None):
         rows = torch.arange(x.shape[0], device=x.device)
     rows = check_tensor(be, rows, "rows", torch.int64, device=xf.device)
     R = rows.numel()
+    if R and (int(rows.min()) < 0 or int(rows.max()) >= x.shape[0]):
+        raise ValueError(f"rows must be in 0..{x.shape[0] - 1}")
     if R * D == 0:
         return torch.zeros(R, dtype=torch.float64, device=x.device)
     if lohi is None:
@@ -388,9 +436,11 @@ def householder_forward(x: torch.Tensor, perm: torch.Tensor, sizes: torch.Tensor
     ``householder_blocks(x[perm] in float64, sizes, scales, inverse=False)`` rounded to
     float32.
 
-    x: float32 (R0, D); perm: int64 (R,) rows of x; sizes: int64 (G,) summing to R; scales:
-    float32 (G,); all on x's device.  A block of one row with scale 1 copies its row exactly.
+    x: float32 (R0, D); perm: int64 (R,) rows of x; sizes: int64 (G,) >= 1 summing to R;
+    scales: float32 (G,); all on x's device (ValueError otherwise: :func:`check_blocks`).
+    A block of one row with scale 1 copies its row exactly.
     """
+    check_blocks(x.shape[0], perm, sizes, scales, permutation=False)
     return householder_blocks(x[perm].to(torch.float64), sizes, scales,
                               inverse=False).to(torch.float32)
 
@@ -406,6 +456,7 @@ def _(be, x, perm, sizes, scales):
     sizes = check_tensor(be, sizes, "sizes", torch.int64, device=dev)
     G = sizes.numel()
     scales = check_tensor(be, scales, "scales", torch.float32, G, device=dev)
+    check_blocks(x.shape[0], perm, sizes, scales, permutation=False)
     y = torch.empty(perm.numel(), D, dtype=torch.float32, device=dev)
     if G * D:
         be.launch("hvd_bhq_forward", grid_for(G * D), BLOCK,
@@ -421,12 +472,14 @@ def bhq_dequantize_add(packed: torch.Tensor, R: int, D: int, lohi: torch.Tensor,
     and xhat = householder_blocks(yhat, sizes, scales, inverse=True) rounded to float32,
     ``out.view(R, D)[perm] += xhat``.
 
-    packed: uint8 (ceil(R*D*bits/8),); lohi: float32 (R, 2); perm: int64 (R,), a permutation
-    (the caller validates it); sizes: int64 (G,) summing to R; scales: float32 (G,);
+    packed: uint8 (ceil(R*D*bits/8),); lohi: float32 (R, 2); perm: int64 (R,), a permutation;
+    sizes: int64 (G,) >= 1 summing to R; scales: float32 (G,) (ValueError otherwise:
+    :func:`check_blocks`);
     out: float32 with R*D elements, updated in place and returned; all on one device.  The
     kernel serves contiguous float32 (R*D,) accumulators; raises TypeError / ValueError for
     arguments of the wrong type, dtype, device or size.
     """
+    check_blocks(R, perm, sizes, scales, permutation=True)
     yhat = dequantize_rows(lohi, unpack_bits(packed, R * D, bits), bits)
     xhat = householder_blocks(yhat, sizes, scales, inverse=True).to(torch.float32)
     full = torch.empty_like(xhat)
@@ -450,6 +503,7 @@ def _(be, packed, R, D, lohi, bits, perm, sizes, scales, out):
     sizes = check_tensor(be, sizes, "sizes", torch.int64, device=dev)
     G = sizes.numel()
     scales = check_tensor(be, scales, "scales", torch.float32, G, device=dev)
+    check_blocks(R, perm, sizes, scales, permutation=True)
     if n:
         steps = steps_of(lohi.view(R, 2), b).contiguous()
         be.launch("hvd_bhq_dequantize_add", grid_for(G * D), BLOCK,

@@ -20,8 +20,11 @@ The cost is the empirical entropy of the symbols under the quantized model plus,
 4 bytes of state, 4 bytes of length and at most 2 bytes of flush, plus 16 + 2A bytes of
 model: within 1 % of n * H for messages of a few thousand symbols or more.
 
-Decoding validates everything: the model must sum to 2**P, every chunk must consume exactly
-its words and end in the encoder's initial state; anything else raises WireFormatError.
+Decoding validates everything: the model must sum to 2**P, every chunk must hold at most one
+word per symbol (a decode step reads at most one), consume exactly its words and end in the
+encoder's initial state; anything else raises WireFormatError.  So a decode iterates and
+allocates within a small multiple of n and of the section's size, whatever its chunk size
+field says (a chunk size above n means one chunk of n symbols).
 
 The ops (hvdcomp.ops: the kernel where a backend serves the device, else the reference; the
 same bytes and the same errors either way):
@@ -179,6 +182,12 @@ def _parse_section(buf: np.ndarray, n_expected: int, alphabet: int):
     off += 4 * K
     if (lengths < 4).any() or (lengths % 2).any() or off + int(lengths.sum()) != buf.size:
         raise WireFormatError("entropy section: chunk lengths do not match its size")
+    # A chunk reads at most one word per symbol: so a decoder's work and memory stay within
+    # a small multiple of n and of the section's size, whatever the chunk size field says.
+    symbols = np.full(K, min(C, n), dtype=np.int64)
+    symbols[-1] = n - (K - 1) * C
+    if ((lengths - 4) // 2 > symbols).any():
+        raise WireFormatError("entropy section: a chunk holds more words than symbols")
     return C, n, freq, K, lengths, off
 
 
@@ -262,6 +271,7 @@ def decode_symbols(section, n_expected: int, alphabet: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     C, n, freq, K, lengths, off = parsed
     A = freq.size
+    steps = min(C, n)                                  # symbols of the longest chunk
     nwords = (lengths - 4) // 2
     W = np.zeros((K, max(int(nwords.max()), 1)), dtype=np.uint64)
     x = np.zeros(K, dtype=np.uint64)
@@ -276,12 +286,12 @@ def decode_symbols(section, n_expected: int, alphabet: int) -> np.ndarray:
     mask = np.uint64((1 << PRECISION) - 1)
     P = np.uint64(PRECISION)
     ptr = np.zeros(K, dtype=np.int64)
-    out = np.zeros((K, C), dtype=np.int64)
+    out = np.zeros((K, steps), dtype=np.int64)
     rows = np.arange(K)
     m_last = n - (K - 1) * C
     if ((x < _L) | (x >= 1 << 32)).any():
         raise WireFormatError(_CHUNK_ERRORS[_STATE])
-    for t in range(C):
+    for t in range(steps):
         act = None if t < m_last else rows < K - 1
         slot = x & mask
         s = slot_sym[slot.astype(np.int64)]

@@ -1,6 +1,7 @@
 """rANS entropy coding: hand-worked bytes, exact round trips, size against the empirical
 entropy, and rejection of malformed sections."""
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 import hvdcomp
 from hvdcomp.codecs.rans import decode_symbols, encode_symbols
+from hvdcomp.ops import rans as rans_ops
 from hvdcomp.ops.rans import PRECISION, quantize_frequencies
 from hvdcomp.errors import WireFormatError
 
@@ -176,3 +178,32 @@ def test_every_quantizer_has_the_entropy_stage(spec):
     ent.decode(m, key, b)
     assert torch.equal(a, b)
     assert len(me) <= len(mp) + 16 + 2 * 256 + 10 * 4
+
+
+@pytest.mark.parametrize("chunk", [2**24, 2**31, 2**32 - 1])
+def test_raised_chunk_size_is_bounded(chunk):
+    """Issue #15: raising the chunk-size field of a one-chunk section made the reference
+    iterate C times (minutes at 2**24) over a K x C array (16-32 GiB at 2**31).  The decode
+    works on min(C, n) symbols per chunk: the same symbols (the stream is still valid),
+    quickly, on the reference and on the default backend."""
+    rng = np.random.default_rng(3)
+    sym = rng.choice(4, 3000, p=[0.7, 0.2, 0.05, 0.05])
+    sec = bytearray(encode_symbols(sym, 4).tobytes())
+    assert struct.unpack_from("<I", sec, 4)[0] == 3000              # one chunk
+    struct.pack_into("<I", sec, 4, chunk)
+    buf = np.frombuffer(bytes(sec), np.uint8)
+    for decode in (rans_ops.decode_symbols.reference, decode_symbols):
+        t0 = time.process_time()
+        assert np.array_equal(decode(buf, 3000, 4), sym)
+        assert time.process_time() - t0 < 1.0
+
+
+def test_chunk_with_more_words_than_symbols_rejected():
+    """A chunk reads at most one word per symbol: a chunk table that claims more is
+    rejected before anything is allocated for it."""
+    sec = bytearray(_section().tobytes())               # 9000 symbols, chunks of 2000
+    struct.pack_into("<I", sec, 4, 1)                   # 9000 chunks of one symbol
+    table = 16 + 8
+    body = bytes(sec[:table]) + struct.pack("<I", 8) * 9000 + b"\0" * 8 * 9000
+    with pytest.raises(WireFormatError, match="more words than symbols"):
+        decode_symbols(np.frombuffer(body, np.uint8), 9000, 4)

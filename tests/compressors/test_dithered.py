@@ -16,6 +16,7 @@ import torch
 import hvdcomp
 from hvdcomp import ConfigError, Message, TensorKey, WireFormatError
 from hvdcomp.compressors.base import REGISTRY
+from hvdcomp.ops import dithered as dithered_ops
 from hvdcomp.wire import CODECS, DTYPES, FLAG_NONFINITE
 
 F32 = np.float32
@@ -818,3 +819,64 @@ def test_ndqsg_missing_side_information_is_nan():
         assert comp.combine(msgs, keys, out) is False
         assert torch.equal(out, torch.zeros(1000)) and comp.drain_events() == []
         assert comp.resolve(msgs, keys) is None
+
+
+# --- hostile messages (issue #15) -----------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["reference", "auto"])
+def test_absurd_step_rejected_not_decoded_to_inf(mode):
+    """A finite but absurd step (3.4e38: -inf in the decode) is rejected: no encoder writes
+    a step above max_step(bits), the largest that keeps every reconstruction finite."""
+    comp = hvdcomp.get("dqsg:bits=4,bucket_size=8")
+    k = key()
+    msg = trip(comp, torch.randn(16), k)
+    d = np.frombuffer(bytes(msg.sections[0]), "<f4").copy()
+    top = dithered_ops.max_step(4)
+    with hvdcomp.backends.use(mode):
+        for bad in (3.4e38, float(np.nextafter(np.float32(top), np.float32(np.inf)))):
+            d2 = d.copy()
+            d2[1] = bad
+            with pytest.raises(WireFormatError, match="bucket steps"):
+                comp.decode(_remade(msg, sections=(_sec(d2.view(np.uint8)), msg.sections[1])),
+                            k, torch.zeros(16))
+        d2 = d.copy()
+        d2[1] = top                                      # the largest step decodes finite
+        out = decode_one(comp, _remade(msg, sections=(_sec(d2.view(np.uint8)),
+                                                      msg.sections[1])), k, 16)
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 8])
+def test_values_at_the_float32_maximum_decode_finite(bits):
+    """The encoder caps the step at max_step(bits): a tensor at the float32 maximum (whose
+    step m / M would decode to Inf for q = M and a negative dither) decodes to finite
+    values, within the capped step's reach of x."""
+    comp = hvdcomp.get("dqsg", bits=bits, bucket_size=4)
+    x = torch.tensor([3.4e38, -3.4e38, 3.0e38, 1.0] * 64)
+    k = key()
+    msg = trip(comp, x, k)
+    assert msg.flags == 0
+    assert np.frombuffer(bytes(msg.sections[0]), "<f4").max() <= dithered_ops.max_step(bits)
+    got = decode_one(comp, msg, k, x.numel())
+    assert torch.isfinite(got).all()
+    M = (1 << (bits - 1)) - 1
+    reach = dithered_ops.max_step(bits) * (M + 0.5)
+    assert float(got.abs().max()) <= reach
+
+
+def test_ndqsg_zero_length_message_is_a_wire_error():
+    """A zero-length entry (None) from one rank: WireFormatError as for DQSG, not
+    AttributeError ('NoneType' object has no attribute 'expect')."""
+    comp = hvdcomp.get("ndqsg:bits=4,nested_bits=2,bucket_size=10")
+    keys = [key(rank=r, world=2) for r in range(2)]
+    x = torch.randn(30)
+    msgs = [trip(comp, x, kk) for kk in keys]
+    for bad in (0, 1):
+        case = list(msgs)
+        case[bad] = None
+        with pytest.raises(WireFormatError, match=f"rank {bad} sent an empty message"):
+            comp.combine(case, keys, torch.zeros(30))
+        with pytest.raises(WireFormatError, match="empty message"):
+            comp.resolve(case, keys)
+    with pytest.raises(WireFormatError, match="empty message"):
+        hvdcomp.get("dqsg").combine([None], [key()], torch.zeros(30))

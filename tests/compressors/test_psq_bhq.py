@@ -25,7 +25,7 @@ import torch
 import hvdcomp
 from hvdcomp import ConfigError, Message, WireFormatError
 from hvdcomp.compressors.psq import BHQ, PSQ
-from hvdcomp.ops.psq import householder_blocks
+from hvdcomp.ops.psq import decode_bounds, householder_blocks
 from hvdcomp.random import uniform
 from hvdcomp.wire import CODECS, DTYPES, FLAG_NONFINITE
 
@@ -784,3 +784,57 @@ def test_bhq_malformed_messages(rng):
                        "bucket size")
     short = Message.from_bytes(dataclasses.replace(msg, sections=msg.sections[:4]).to_bytes())
     _expect_wire_error(c, short, "sections")
+
+
+# --- hostile messages (issue #15) -----------------------------------------------------------
+
+def _transformed_block(msg):
+    sizes = np.frombuffer(bytes(msg.sections[3]), "<u4")
+    assert (sizes > 1).any()
+    return int(np.argmax(sizes > 1))
+
+
+@pytest.mark.parametrize("mode", ["reference", "auto"])
+def test_bhq_absurd_block_scales_rejected(rng, mode):
+    """A block scale of 1e-45 (subnormal: 15 of 105 outputs non-finite before) or a normal
+    one too small for the block's values (the leading row divided by it leaves the float32
+    range) is rejected; the message with its own scales decodes finite."""
+    c = BHQ(bits=3, block_size=4)
+    msg = c.encode(torch.from_numpy(heavy_rows(rng, 15, 7)), KEY)
+    g = _transformed_block(msg)
+    scales = np.frombuffer(bytes(msg.sections[4]), "<f4").copy()
+    sizes = np.frombuffer(bytes(msg.sections[3]), "<u4")
+    lead = int(sizes[:g].sum())                          # the block's first wire row
+    lohi = np.frombuffer(bytes(msg.sections[0]), "<f4").copy()
+    lohi[2 * lead:2 * lead + 2] = (-1e3, 1e3)            # a wide but valid range
+    wide = _with(msg, 0, lohi.tobytes())
+    with hvdcomp.backends.use(mode):
+        for bad, match in ((1e-45, "normal"), (1e-40, "normal")):
+            sc = scales.copy()
+            sc[g] = bad
+            _expect_wire_error(c, _with(msg, 4, sc.tobytes()), match)
+        sc = scales.copy()
+        sc[g] = 2e-38                                    # normal, but 1e3 / 2e-38 > 3.4e38
+        _expect_wire_error(c, _with(wide, 4, sc.tobytes()), f"block {g} .* float32 range")
+        acc = torch.zeros(msg.numel)
+        assert c.decode(msg, KEY, acc) and torch.isfinite(acc).all()
+
+
+@pytest.mark.parametrize("top", [3.0e38, 3.4e38, 3.4028e38])
+def test_bhq_rows_near_the_float32_maximum_decode_finite(rng, top):
+    """Every block an encoder transforms has a decode bound within the float32 range (step
+    4 sends the others as singletons): honest messages decode to finite values, here with a
+    leading row at the float32 maximum, over several steps (several roundings)."""
+    x = rng.standard_normal((8, 6)).astype(F32)
+    x[0] = np.linspace(0.97 * top, top, 6, dtype=F32)
+    c = BHQ(bits=3, block_size=4)
+    for step in range(4):
+        msg = Message.from_bytes(c.encode(torch.from_numpy(x), key_at(step)).to_bytes())
+        lohi = torch.from_numpy(np.frombuffer(bytes(msg.sections[0]), "<f4").copy())
+        sizes = np.frombuffer(bytes(msg.sections[3]), "<u4").astype(np.int64)
+        scales = np.frombuffer(bytes(msg.sections[4]), "<f4").copy()
+        assert (sizes > 1).any()
+        assert (decode_bounds(lohi.view(-1, 2).abs().amax(dim=1), torch.from_numpy(sizes),
+                              torch.from_numpy(scales)) <= float(np.finfo(F32).max)).all()
+        acc = torch.zeros(msg.numel)
+        assert c.decode(msg, key_at(step), acc) and torch.isfinite(acc).all()

@@ -6,6 +6,7 @@ quantizers' entropy path are checked against HVDCOMP_BACKEND=reference end to en
 GPU tests (requires_cuda) repeat the comparisons with the CUDA backend.
 """
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -184,6 +185,26 @@ def test_corrupted_sections_same_errors(host):
     struct.pack_into("<I", sec, table + 4, struct.unpack_from("<I", sec, table + 4)[0] + 2)
     kinds.add(_both(host, np.frombuffer(bytes(sec), np.uint8), 9000, 4)[1][:30])
     assert len(kinds) >= 3                 # several distinct errors were exercised
+
+
+def test_chunk_size_field_bounded_on_both_paths(host):
+    """Issue #15: a raised chunk-size field (one chunk: the stream stays valid) decodes to
+    the same symbols on both paths within a second, where the reference used to iterate C
+    times over a K x C array; a chunk table claiming more words than symbols is the same
+    WireFormatError on both paths."""
+    sym = _symbols(3000, 4, "skewed", 5)
+    base = rans.encode_symbols.reference(sym, 4)
+    for chunk in (2**24, 2**31, 2**32 - 1):
+        sec = bytearray(base.tobytes())
+        struct.pack_into("<I", sec, 4, chunk)
+        t0 = time.process_time()
+        assert _both(host, np.frombuffer(bytes(sec), np.uint8), 3000, 4) == ("ok", sym.tolist())
+        assert time.process_time() - t0 < 2.0
+    sec = bytearray(_section().tobytes())
+    struct.pack_into("<I", sec, 4, 1)                    # 9000 chunks of one symbol each
+    body = bytes(sec[:24]) + struct.pack("<I", 8) * 9000 + b"\0" * 8 * 9000
+    got = _both(host, np.frombuffer(body, np.uint8), 9000, 4)
+    assert got[0] == "error" and "more words than symbols" in got[1]
 
 
 def test_public_entry_points_equal_reference(host, monkeypatch):

@@ -3,16 +3,18 @@
 Expected bytes are built here with struct.pack straight from the layout table in the
 hvdcomp.wire docstring (and zlib.crc32), independently of Message.to_bytes.
 """
+import dataclasses
 import itertools
 import struct
 import zlib
 
 import numpy as np
 import pytest
+import torch
 
 import hvdcomp
 from hvdcomp.errors import WireFormatError
-from hvdcomp.wire import FLAG_NONFINITE, Message
+from hvdcomp.wire import DTYPES, FLAG_ENTROPY, FLAG_NONFINITE, Message
 
 # codec / dtype numbers used below (docstring: hvdcomp.wire.CODECS / DTYPES)
 NONE, FP16, QSGD, ALQ = 1, 2, 10, 13
@@ -244,6 +246,9 @@ FIELD_CASES = {
     "numel too big": (dict(numel=7), "numel"),
     "numel zero": (dict(numel=0), "numel"),
     "numel of empty shape": (dict(shape=(2, 0), numel=2), "numel"),
+    "empty shape entry 2**63": (dict(shape=(2**63, 0), sections=()), "exceeds 2\\*\\*63"),
+    "empty shape entry 2**64-1": (dict(shape=(0, 2**64 - 1), sections=()), "exceeds"),
+    "numel 2**63": (dict(shape=(2**32, 2**31), sections=()), "exceeds"),
     "lengths sum short": (dict(lengths=(8, 2)), "section lengths"),
     "lengths sum long": (dict(lengths=(8, 4)), "section lengths"),
     "lengths huge": (dict(lengths=(2**63, 3)), "section lengths"),
@@ -312,6 +317,7 @@ def test_expect_all_matching_passes():
     ("bits", 4, r"bits mismatch"),
     ("bucket_size", 8, r"bucket size mismatch"),
     ("level_version", 3, r"level-table version mismatch"),
+    ("dtype", 2, r"dtype mismatch.*float32.*float16"),
     ("nsections", 1, r"sections"),
     ("nsections", 3, r"sections"),
 ])
@@ -319,7 +325,7 @@ def test_expect_mismatch(field, wrong, pattern):
     msg = Message.from_bytes(sample_message().to_bytes())
     with pytest.raises(WireFormatError, match=pattern) as ei:
         msg.expect(**dict(GOOD, **{field: wrong}))
-    if field not in ("shape", "nsections", "codec"):
+    if field not in ("shape", "nsections", "codec", "dtype"):
         # the text shows both values: what the message has and what the receiver expects
         assert str(getattr(msg, field)) in str(ei.value)
         assert str(wrong) in str(ei.value)
@@ -336,3 +342,67 @@ def test_section_size_check():
     msg.section_size_check(0, 8, "norms")
     with pytest.raises(WireFormatError, match=r"section 1 \(codes\) has 3 bytes, expected 4"):
         msg.section_size_check(1, 4, "codes")
+
+
+# --- the receiver's header checks (Compressor.decode; issue #15) ------------------------------
+
+def _key(**kw):
+    return hvdcomp.TensorKey(**dict(dict(name="w", tensor_id=4, step=6, rank=1, world_size=2,
+                                         seed=9), **kw))
+
+
+def _decode(comp, msg, key):
+    return comp.decode(Message.from_bytes(msg.to_bytes()), key, torch.zeros(msg.numel))
+
+
+def test_dtype_byte_checked_against_the_receivers_parameter():
+    """``none`` with its dtype byte changed from float32 to int32 decoded the bytes as
+    integers (off by up to 1e9): with the parameter's dtype in the key it is rejected."""
+    comp = hvdcomp.get("none")
+    x = torch.randn(6)
+    msg = comp.encode(x, _key())
+    forged = dataclasses.replace(msg, dtype=DTYPES[torch.int32])
+    with pytest.raises(WireFormatError, match="dtype mismatch.*int32.*float32"):
+        _decode(comp, forged, _key(dtype=torch.float32))
+    assert _decode(comp, msg, _key(dtype=torch.float32))
+    assert _decode(comp, forged, _key())           # no dtype in the key: not checked
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "psq:bits=3", "laq:bits=2", "signef",
+                                  "dqsg:bits=3", "topk:density=0.5"])
+@pytest.mark.parametrize("field,pattern", [("level_version", "level-table version"),
+                                           ("bucket_size", "bucket size"), ("bits", "bits")])
+def test_unused_header_fields_must_be_zero(spec, field, pattern):
+    """Level-table version and bucket size (and bits) of codecs that do not use them must be
+    0 (or the receiver's own value where they do)."""
+    comp = hvdcomp.get(spec)
+    msg = comp.encode(torch.randn(5, 4), _key())
+    assert msg is not None
+    forged = dataclasses.replace(msg, **{field: getattr(msg, field) + 1})
+    with pytest.raises(WireFormatError, match=pattern):
+        _decode(comp, forged, _key())
+
+
+def test_every_shape_entry_of_an_empty_tensor_checked():
+    """An empty tensor's shape entries beside the 0 were never checked (numel is 0 either
+    way): with the parameter's shape in the key every entry is."""
+    comp = hvdcomp.get("psq:bits=3")
+    msg = comp.encode(torch.zeros(0, 3), _key())
+    for shape in ((0, 2**40), (3, 0), (0,), (0, 3, 1)):
+        with pytest.raises(WireFormatError, match="shape mismatch"):
+            _decode(comp, dataclasses.replace(msg, shape=shape), _key(shape=(0, 3)))
+    assert _decode(comp, msg, _key(shape=(0, 3)))
+
+
+@pytest.mark.parametrize("spec,flags", [("psq:bits=3", FLAG_ENTROPY),
+                                        ("psq:bits=3,entropy=True", 0),
+                                        ("none", FLAG_ENTROPY),
+                                        ("psq:bits=3", FLAG_ENTROPY | FLAG_NONFINITE)])
+def test_flags_must_be_the_receivers(spec, flags):
+    """ENTROPY is set iff the receiver's entropy setting is; NONFINITE stands alone."""
+    comp = hvdcomp.get(spec)
+    msg = comp.encode(torch.randn(3, 4), _key())
+    forged = dataclasses.replace(msg, flags=flags,
+                                 sections=() if flags & FLAG_NONFINITE else msg.sections)
+    with pytest.raises(WireFormatError, match="flags"):
+        _decode(comp, forged, _key())
