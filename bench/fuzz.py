@@ -226,10 +226,12 @@ def _rans(rng, sec: bytearray) -> None:
         sec[int(rng.integers(2))] = int(rng.integers(256))
     elif what == 4 and len(sec) >= 16 + 2 * A:     # one model entry
         off = 16 + 2 * int(rng.integers(A))
-        struct.pack_into("<H", sec, off, _interesting(rng, 16, struct.unpack_from("<H", sec, off)[0]))
+        orig = struct.unpack_from("<H", sec, off)[0]
+        struct.pack_into("<H", sec, off, _interesting(rng, 16, orig))
     elif what == 5 and len(sec) >= 16 + 2 * A + 4:  # the chunk table or a state
         off = 16 + 2 * A + 4 * int(rng.integers((len(sec) - 16 - 2 * A) // 4))
-        struct.pack_into("<I", sec, off, _interesting(rng, 32, struct.unpack_from("<I", sec, off)[0]))
+        orig = struct.unpack_from("<I", sec, off)[0]
+        struct.pack_into("<I", sec, off, _interesting(rng, 32, orig))
     else:
         _set_word(rng, sec)
 
@@ -284,8 +286,9 @@ def mutate(rng, buf: bytes, donors: Sequence[bytes]) -> Tuple[bytes, str]:
     if kind == "word" and secs:
         _set_word(rng, secs[int(rng.integers(len(secs)))])
         return _pack(h, shape, secs), kind
-    if kind == "rans" and len(secs) >= 2:
-        _rans(rng, secs[1] if len(secs[1]) >= 16 or len(secs) < 3 else secs[int(rng.integers(1, 3))])
+    if kind == "rans" and len(secs) >= 2:    # the code section (1; NDQSG's residues: 1 or 2)
+        i = 1 if len(secs[1]) >= 16 or len(secs) < 3 else int(rng.integers(1, 3))
+        _rans(rng, secs[i])
         return _pack(h, shape, secs), kind
     if kind == "resize" and secs:
         s = secs[int(rng.integers(len(secs)))]
@@ -299,7 +302,8 @@ def mutate(rng, buf: bytes, donors: Sequence[bytes]) -> Tuple[bytes, str]:
         if secs and rng.random() < 0.5:
             del secs[int(rng.integers(len(secs)))]
         else:
-            secs.insert(int(rng.integers(len(secs) + 1)), bytearray(rng.bytes(int(rng.integers(0, 17)))))
+            at = int(rng.integers(len(secs) + 1))
+            secs.insert(at, bytearray(rng.bytes(int(rng.integers(0, 17)))))
         h["nsec"] = len(secs)
         return _pack(h, shape, secs), kind
     if kind == "reshape":
@@ -402,7 +406,8 @@ def decode(case: Case, frames: Sequence[bytes], hang_s: float = 10.0, device="cp
                   f"({os.path.relpath(tb.filename, ROOT)}:{tb.lineno})")
     cpu1, rss1 = _usage()
     cpu, grew = cpu1 - cpu0, rss1 - rss0
-    if outcome in ("accepted", "nonfinite-flag") and (out.shape != (n,) or out.dtype != torch.float32):
+    decoded = outcome in ("accepted", "nonfinite-flag")
+    if decoded and (out.shape != (n,) or out.dtype != torch.float32):
         outcome, detail = "shape", f"accumulator became {tuple(out.shape)} {out.dtype}"
     elif outcome == "accepted" and not bool(torch.isfinite(out).all()):
         bad = int((~torch.isfinite(out)).sum())
@@ -533,7 +538,8 @@ def main(argv=None) -> int:
                progress=progress)
     total = sum(rep.trials.values())
     fails = rep.failure_count()
-    cmd = "python bench/fuzz.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    args = argv if argv is not None else sys.argv[1:]
+    cmd = ".venv/bin/python bench/fuzz.py " + " ".join(args)
     totals = Counter()
     for c in rep.outcomes.values():
         totals.update(c)

@@ -63,9 +63,10 @@ from .bitpack import pack_bits, unpack_bits
 from ..random import random_words, uniform
 from . import op
 
-__all__ = ["CHECK_OFFSET", "max_step", "dither", "check_weights", "dqsg_quantize", "dqsg_reconstruct",
-           "bucket_checksums", "nested_resolve", "bucket_steps", "dqsg_encode", "nested_encode",
-           "validate_codes", "dqsg_decode_add", "nested_decode_add"]
+__all__ = ["CHECK_OFFSET", "max_step", "dither", "check_weights", "dqsg_quantize",
+           "dqsg_reconstruct", "bucket_checksums", "nested_resolve", "bucket_steps",
+           "dqsg_encode", "nested_encode", "validate_codes", "dqsg_decode_add",
+           "nested_decode_add"]
 
 #: Philox index offset of the check weights (the dither uses indices 0 .. numel-1).
 CHECK_OFFSET = 1 << 60

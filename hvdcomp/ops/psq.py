@@ -85,8 +85,8 @@ from ..random import uniform
 from . import op
 
 __all__ = ["lohi_of", "steps_of", "round_rows", "dequantize_rows", "householder_blocks",
-           "decode_bounds", "check_blocks", "BhqBlocks", "quantize_rows", "dequantize_add", "row_variance",
-           "householder_forward", "bhq_dequantize_add", "bhq_plan"]
+           "decode_bounds", "check_blocks", "BhqBlocks", "quantize_rows", "dequantize_add",
+           "row_variance", "householder_forward", "bhq_dequantize_add", "bhq_plan"]
 
 
 # --- the specification: plain PyTorch ----------------------------------------------------
@@ -222,10 +222,16 @@ def check_blocks(R0: int, perm: torch.Tensor, sizes: torch.Tensor, scales: torch
     if scales.numel() != sizes.numel() or (permutation and R != R0):
         raise ValueError(f"perm must have {R0} entries and scales one per block, got "
                          f"{R} and {scales.numel()} for {sizes.numel()} blocks")
-    if (sizes.numel() and int(sizes.min()) < 1) or int(sizes.sum()) != R:
+    if sizes.numel() == 0 or R == 0:
+        if sizes.numel() or R:
+            raise ValueError(f"block sizes must be >= 1 and sum to {R}")
+        return
+    lo_size, total, lo_row, hi_row = torch.stack(
+        [sizes.min(), sizes.sum(), perm.min(), perm.max()]).tolist()   # one device sync
+    if lo_size < 1 or total != R:
         raise ValueError(f"block sizes must be >= 1 and sum to {R}")
-    if R and (int(perm.min()) < 0 or int(perm.max()) >= R0 or (
-            permutation and int(torch.bincount(perm, minlength=R0).max()) != 1)):
+    if lo_row < 0 or hi_row >= R0 or (
+            permutation and int(torch.bincount(perm, minlength=R0).max()) != 1):
         raise ValueError(f"perm must be {'a permutation of' if permutation else 'rows in'} "
                          f"0..{R0 - 1}")
 

@@ -157,6 +157,30 @@ def test_argument_checks(host):
     assert psq.quantize_rows.kernels(be, torch.zeros(0, 3), 3, **KEY)[1].numel() == 0
 
 
+def test_block_argument_checks(host):
+    """The BHQ ops check the indices their kernels follow (issue #15): a perm that is not a
+    permutation (or rows out of range), block sizes that do not cover the rows, one scale
+    per block; ValueError on both paths, never an out-of-bounds access."""
+    be = host.backend
+    x = matrix(6, 5, seed=3)
+    perm, sizes, scales, y, _ = bhq_plan(x, 3, 3)
+    lohi, codes = round_rows(y, 3, _u(y.numel()))
+    packed = pack_bits(codes, 3)
+    bad = [(torch.full_like(perm, 6), sizes, scales),                 # rows out of range
+           (torch.cat([perm[:-1], perm[:1]]), sizes, scales),        # a row twice
+           (perm, torch.cat([sizes, sizes[:1]]), torch.cat([scales, scales[:1]])),
+           (perm, sizes.clamp(max=0), scales), (perm, sizes, scales[:-1])]
+    for p, sz, sc in bad:
+        for run in (lambda *a: psq.bhq_dequantize_add.kernels(be, *a),
+                    psq.bhq_dequantize_add.reference):
+            with pytest.raises(ValueError):
+                run(packed, 6, 5, lohi, 3, p, sz, sc, torch.zeros(30))
+    with pytest.raises(ValueError, match="rows in"):
+        psq.householder_forward.kernels(be, x, perm + 1, sizes, scales)
+    with pytest.raises(ValueError, match="rows must be in"):
+        psq.row_variance.kernels(be, x, 3, perm - 1)
+
+
 # ---- end to end through the compressors ------------------------------------------------------
 
 def _use(monkeypatch, mode):
