@@ -39,7 +39,10 @@ def encode(grad: torch.Tensor, key: TensorKey) -> Message:
 
 def _decode(msg: Message, key: TensorKey, shape: Sequence[int], dtype: torch.dtype):
     msg.expect(codec=CODEC, tensor_id=key.tensor_id, step=key.step, rank=key.rank,
-               seed=key.seed, shape=shape, nsections=2)
+               seed=key.seed, shape=shape, nsections=2, bits=0, level_version=0)
+    if msg.flags:
+        raise WireFormatError(f"coo: flags 0x{msg.flags:02x}, expected 0 (a coo message "
+                              f"carries its values, NaN included, and no flag)")
     d = msg.bucket_size
     if not 1 <= d <= len(shape):
         raise WireFormatError(f"coo: {d} sparse dimensions for a tensor of shape "

@@ -41,8 +41,10 @@ class Entry:
     allreduce: bool
 
     def key(self, step: int, rank: int, size: int, seed: int) -> TensorKey:
-        """The tensor's key for ``rank``'s message of ``step``."""
-        return TensorKey(self.name, self.tensor_id, step, rank, size, seed)
+        """The tensor's key for ``rank``'s message of ``step``, with the parameter's shape
+        and dtype (a gradient has them), so that decode checks the header's against them."""
+        return TensorKey(self.name, self.tensor_id, step, rank, size, seed,
+                         shape=tuple(self.param.shape), dtype=self.param.dtype)
 
 
 def route(p: torch.Tensor, compression: Compressor, min_numel: int,

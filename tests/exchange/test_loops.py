@@ -333,6 +333,12 @@ def test_coo_messages_are_validated():
     with pytest.raises(hvdcomp.WireFormatError, match="step"):
         coo.combine([msg], [hvdcomp.TensorKey("emb", 3, 8, 1, 2, 5)], (6, 2),
                     torch.float32, 1.0, "cpu")
+    # fields coo does not use must be zero (#15 item 4)
+    for field, value, match in (("bits", 3, "bits"), ("level_version", 1, "level"),
+                                ("flags", 1, "flags"), ("flags", 2, "flags")):
+        with pytest.raises(hvdcomp.WireFormatError, match=match):
+            coo.combine([Message(**{**msg.__dict__, field: value})], [key], (6, 2),
+                        torch.float32, 1.0, "cpu")
     nan = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([[float("nan"), 1.0]]),
                                   (6, 2), check_invariants=True)
     res, finite = coo.combine([coo.encode(nan, key)], [key], (6, 2), torch.float32, 1.0, "cpu")
