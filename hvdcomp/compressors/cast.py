@@ -9,8 +9,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import WireFormatError
 from ..wire import CODECS, code_dtype
 from .base import Compressor, TensorKey, numel_of, register
+from .state import finite
 
 __all__ = ["NoneCompressor", "FP16", "BF16"]
 
@@ -29,11 +31,23 @@ def _from_raw(sec: np.ndarray, dtype: torch.dtype, n: int) -> torch.Tensor:
     return buf.view(dtype)[:n] if n else torch.empty(0, dtype=dtype)
 
 
+def _finite_values(name: str, values: torch.Tensor) -> torch.Tensor:
+    """``values`` as float32, checked finite: an encoder sends a tensor that is not finite
+    (in float32) as a NONFINITE message, so NaN or Inf in a payload is a WireFormatError."""
+    x = values.to(torch.float32)
+    if not finite(x):
+        raise WireFormatError(f"{name}: the values hold NaN or Inf (in float32) although the "
+                              f"message is not flagged NONFINITE")
+    return x
+
+
 @register("none")
 class NoneCompressor(Compressor):
     """No compression: the gradient's own bytes.
 
     grad: any shape and dtype.  Message payload: numel * itemsize bytes.
+    decode: WireFormatError for a payload of the wrong size, or one holding values that are
+    not finite in float32 (the encoder sends those as NONFINITE).
     """
     codec = CODECS["none"]
     summable = True
@@ -48,7 +62,8 @@ class NoneCompressor(Compressor):
         dt = code_dtype(msg.dtype)
         msg.expect(nsections=1)
         msg.section_size_check(0, msg.numel * torch.empty(0, dtype=dt).element_size(), "values")
-        out.add_(_from_raw(msg.sections[0], dt, msg.numel).to(out.device, torch.float32))
+        out.add_(_finite_values(self.name, _from_raw(msg.sections[0], dt, msg.numel))
+                 .to(out.device))
 
     def compress(self, tensor):
         return tensor, None
@@ -58,6 +73,10 @@ class NoneCompressor(Compressor):
 
 
 class _Cast(Compressor):
+    """A cast to ``wire_dtype``: a finite gradient whose cast is not finite (fp16's range)
+    is sent as a NONFINITE message (the NaN policy; the exchange sends such a tensor
+    uncompressed instead, hvdcomp.exchange.averaging.cast_fallback).  decode: WireFormatError
+    for a payload of the wrong size or holding NaN or Inf."""
     wire_dtype: torch.dtype
 
     def __init__(self):
@@ -77,13 +96,16 @@ class _Cast(Compressor):
         s = self._scale(key)
         if s != 1.0:
             x = x.to(torch.float32) / s     # divide before the cast so sums cannot overflow
-        return self._new_message(grad, key, (_raw(x.to(self.wire_dtype)),))
+        y = x.to(self.wire_dtype)
+        if not finite(y):                   # the cast overflowed: the NaN policy
+            return self._nonfinite(grad, key)
+        return self._new_message(grad, key, (_raw(y),))
 
     def _decode(self, msg, key, out):
         msg.expect(nsections=1)
         msg.section_size_check(0, 2 * msg.numel, "values")
-        out.add_(_from_raw(msg.sections[0], self.wire_dtype, msg.numel).to(out.device,
-                                                                            torch.float32))
+        out.add_(_finite_values(self.name, _from_raw(msg.sections[0], self.wire_dtype,
+                                                     msg.numel)).to(out.device))
 
     # Horovod's contract (hvd.allreduce / horovod.torch.DistributedOptimizer): the cast
     # is summable, so this works there too.

@@ -121,13 +121,44 @@ def test_fp16_rounding_hand_worked(make_key):
     #   1 + 2**-11       is halfway between 1 and 1 + 2**-10       -> ties to even -> 1
     #   1 + 3 * 2**-11   is halfway between 1 + 2**-10 and 1 + 2**-9 -> even -> 1 + 2**-9
     #   3 / 3 (ws = 3) would be exact; here ws = 1, no division
-    #   70000 > 65504 (fp16 max) -> inf
+    #   70000 > 65504 (fp16 max) -> inf: the tensor is sent NONFINITE (the NaN policy,
+    #   #15 item 3: an unflagged message decodes to finite values)
     x = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, -2.0, 70000.0], dtype=torch.float32)
     c = hvdcomp.get("fp16")
     key = make_key(world_size=1)
+    acc = torch.zeros(3)
+    assert c.decode(wire_round_trip(c, x[:3], key)[1], key, acc)
+    assert acc.tolist() == [1.0, 1 + 2**-9, -2.0]
+    m = wire_round_trip(c, x, key)[1]
+    assert m.flags == FLAG_NONFINITE and not m.sections
     acc = torch.zeros(4)
-    assert c.decode(wire_round_trip(c, x, key)[1], key, acc)
-    assert acc.tolist() == [1.0, 1 + 2**-9, -2.0, float("inf")]
+    assert c.decode(m, key, acc) is False and acc.tolist() == [0.0] * 4
+
+
+@pytest.mark.parametrize("name,dtype", [("none", torch.float32), ("none", torch.float64),
+                                        ("fp16", torch.float32), ("bf16", torch.float32)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e300])
+def test_unflagged_nonfinite_values_are_rejected(name, dtype, bad, make_key):
+    """A payload value that is not finite in float32 (which no encoder sends unflagged: it
+    sends NONFINITE) is a WireFormatError, the accumulator untouched (#15 item 3)."""
+    if bad == 1e300 and dtype != torch.float64:
+        pytest.skip("1e300 is finite only in float64")
+    c = hvdcomp.get(name)
+    key = make_key(world_size=1)
+    m = Message.from_bytes(c.encode(torch.tensor([1.0, 2.0, 3.0], dtype=dtype),
+                                    key).to_bytes())
+    raw = np.array(m.sections[0], dtype=np.uint8)
+    wire = {"none": dtype, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+    vals = torch.from_numpy(raw.copy()).view(wire)
+    vals[1] = bad
+    bad_msg = Message(**{**m.__dict__, "sections": (vals.view(torch.uint8).numpy(),)})
+    acc = torch.full((3,), 5.0)
+    with pytest.raises(hvdcomp.WireFormatError, match="NaN or Inf"):
+        c.decode(Message.from_bytes(bad_msg.to_bytes()), key, acc)
+    assert acc.tolist() == [5.0] * 3
+    # and no encoder sends such a value unflagged: a float64 1e300 is Inf in float32
+    sent = c.encode(torch.tensor([1.0, bad, 3.0], dtype=dtype), key)
+    assert sent.flags == FLAG_NONFINITE
 
 
 def test_fp16_divides_before_the_cast(make_key):
