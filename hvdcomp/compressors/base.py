@@ -80,11 +80,18 @@ class Compressor:
                    may travel through Horovod's allreduce instead of the allgather path.
       prescaled -- encode already divides by the world size (fp16), so the average is the
                    plain sum of the decoded contributions.
+    Instance attribute (may depend on the settings):
+      keeps_state -- the compressor carries state from step to step that a checkpoint must
+                   hold (error-feedback residuals, fitted levels, momentum, lazy-upload
+                   records: what ``state_dict`` returns); the drop-in optimizer refuses to
+                   load a checkpoint without hvdcomp's part into such a compressor unless
+                   told to (``load_state_dict(..., allow_missing_hvdcomp=True)``).
     """
     name: ClassVar[str] = "?"
     codec: ClassVar[int] = 0
     summable: ClassVar[bool] = False
     prescaled: ClassVar[bool] = False
+    keeps_state: bool = False
     # The ``entropy`` setting, for compressors that have it (code sections rANS-coded, flag
     # ENTROPY); decode requires the flag to match it.
     entropy: bool = False

@@ -172,6 +172,7 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
     named_parameters=model.named_parameters(), compression="laq:bits=4,alpha=0.2")``.
     """
     codec = CODECS["laq"]
+    keeps_state = True          # Qprev, aggregates, history of parameter changes
 
     def __init__(self, bits: int = 4, alpha: float = 0.1, xi: float = 0.8, history: int = 10,
                  t_max: int = 100, stochastic: bool = False, slaq_err: float = 0.5,

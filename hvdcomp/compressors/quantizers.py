@@ -204,6 +204,7 @@ class _Adaptive(AdaptiveLevels, BucketQuantizer):
     0 fits, and the new table is broadcast, so every rank holds an identical table with a new
     version number.
     """
+    keeps_state = True          # the fitted levels and their version
 
     def __init__(self, bits: int = 3, bucket_size: int = 8192, entropy: bool = False,
                  refit_steps: tuple = (100, 2000), refit_every: int = 10000,

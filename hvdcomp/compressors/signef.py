@@ -98,6 +98,7 @@ class SignEF(TensorBuckets, Compressor):
       are negative or not finite.
     """
     codec = CODECS["signef"]
+    keeps_state = True          # the residuals
     code_bits = _BITS
 
     def __init__(self, bucket_size: int = 0, entropy: bool = False):

@@ -242,6 +242,11 @@ def _scatter_add(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, s: fl
 class _Residuals(_Sparse):
     """Per-name error-feedback residuals (top-k, random-k)."""
 
+    @property
+    def keeps_state(self) -> bool:
+        """The residuals are state (with error feedback)."""
+        return self.error_feedback
+
     def _init_state(self):
         self._residuals = _State(self.name, "residual")
 
@@ -462,6 +467,7 @@ class DGC(MomentumCorrection, _Sparse):
                                                    "warmup_epochs=4,steps_per_epoch=390")
     """
     codec = CODECS["dgc"]
+    keeps_state = True          # u, v and the warm-up's step
 
     def __init__(self, density: float = 0.001, values: str = "fp32",
                  sample_ratio: float = 0.01, exact_k: bool = True, accumulate: bool = True,

@@ -20,6 +20,7 @@ import itertools
 import os
 import sys
 import threading
+import warnings
 import weakref
 from typing import Dict, Optional
 
@@ -402,17 +403,58 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                           "compressor_state": self._compression.state_dict()}
         return sd
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict, *, allow_missing_hvdcomp: bool = False):
+        """The wrapped optimizer's ``load_state_dict``, plus hvdcomp's part (the key
+        ``"hvdcomp"`` that :meth:`state_dict` adds: hvdcomp's step, the compression's spec
+        and the compressor's state), restored bit-exactly.
+
+        A state_dict without hvdcomp's part (saved by a plain torch optimizer or by
+        horovod.torch's DistributedOptimizer) carries no residuals, levels or step: where
+        the compressor keeps state (``compression.keeps_state``: error feedback, ALQ/AMQ,
+        DGC, LAQ) loading it raises ValueError on every rank, naming what is missing, unless
+        ``allow_missing_hvdcomp`` (then it loads the rest and warns, on every rank, that
+        hvdcomp's step and the compressor's state stay as they are).  A stateless
+        compressor loads it silently (its step only keys the random streams).
+        Raises ValueError for an hvdcomp part saved with another compressor, or malformed.
+        """
         state_dict = dict(state_dict)
         mine = state_dict.pop(_STATE_KEY, None)
+        if mine is None:
+            self._missing_hvdcomp(allow_missing_hvdcomp)
+        elif (not isinstance(mine, dict)
+              or not {"step", "compression", "compressor_state"} <= set(mine)):
+            raise ValueError(f"state_dict[{_STATE_KEY!r}] must be a dict with 'step', "
+                             f"'compression' and 'compressor_state' (as state_dict() saves "
+                             f"it), got {mine!r:.200}")
+        elif str(mine["compression"]).split(":")[0] != self._compression.name:
+            raise ValueError(f"checkpoint was saved with compression "
+                             f"{mine['compression']!r}, this optimizer uses "
+                             f"{self._compression.spec()!r}")
         super(self.__class__, self).load_state_dict(state_dict)
         if mine is not None:
-            if mine["compression"].split(":")[0] != self._compression.name:
-                raise ValueError(f"checkpoint was saved with compression "
-                                 f"{mine['compression']!r}, this optimizer uses "
-                                 f"{self._compression.spec()!r}")
-            self._hvdcomp_step = int(mine["step"])
             self._compression.load_state_dict(mine["compressor_state"])
+            self._hvdcomp_step = int(mine["step"])
+
+    def _missing_hvdcomp(self, allow: bool) -> None:
+        """load_state_dict of a state_dict without hvdcomp's part: ValueError (or, with
+        ``allow``, a warning) where the compressor keeps state."""
+        comp = self._compression
+        if not comp.keeps_state:
+            return
+        held = ", ".join(repr(k) for k in sorted(comp.state_dict())) or "its state"
+        what = (f"the state_dict has no {_STATE_KEY!r} entry (it was saved by a plain torch "
+                f"optimizer or by horovod.torch's DistributedOptimizer, not by hvdcomp's), "
+                f"so it lacks hvdcomp's step and the state of compressor {comp.spec()!r} "
+                f"({held}: kept from step to step)")
+        if not allow:
+            raise ValueError(f"rank {self._exchange.rank}: {what}. Load the state_dict that "
+                             f"this DistributedOptimizer's state_dict() saved, or pass "
+                             f"load_state_dict(..., allow_missing_hvdcomp=True) to load it "
+                             f"anyway (hvdcomp's step and the compressor's state then stay "
+                             f"as they are: empty in a new optimizer)")
+        warnings.warn(f"hvdcomp rank {self._exchange.rank}: {what}; hvdcomp's step stays at "
+                      f"{self._hvdcomp_step} and the compressor's state as it is "
+                      f"(allow_missing_hvdcomp=True)", UserWarning, stacklevel=3)
 
     # --- join ------------------------------------------------------------------------------
     def _join_rounds(self) -> int:

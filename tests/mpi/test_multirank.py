@@ -42,6 +42,7 @@ def run_ranks(n: int, script: str, outdir: str, timeout: int = 300) -> str:
     ("worker_loops.py", "loops a OK"),
     ("worker_loops_b.py", "loops b OK"),
     ("worker_mismatch.py", "mismatch OK"),
+    ("worker_checkpoint.py", "checkpoint OK"),
 ])
 def test_workers(n, script, marker, tmp_path):
     out = run_ranks(n, script, str(tmp_path))
