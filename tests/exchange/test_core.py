@@ -66,6 +66,30 @@ def test_plan_routes_and_chooses_the_path():
              min_compress_numel=16, compress_1d=False)
 
 
+@pytest.mark.parametrize("spec", ["none", "qsgd:bits=4,bucket_size=64", "fp16"])
+def test_keys_carry_the_parameter_so_decode_checks_dtype_and_shape(spec):
+    """#15 item 4: a message whose dtype byte or shape differs from the receiver's parameter
+    (same numel) is a WireFormatError; for ``none`` a float32 payload read as int32 would
+    otherwise decode to integers off by up to 1e9."""
+    from hvdcomp.wire import DTYPES, Message
+    plan = Plan(_params(), hvdcomp.get(spec), OneRank(), None, min_compress_numel=16,
+                compress_1d=False)
+    e = plan.entries["fc.weight"]                       # float32 (50, 30)
+    key = e.key(4, 0, 1, 9)
+    assert key.shape == (50, 30) and key.dtype == torch.float32
+    msg = e.compressor.encode(torch.randn(50, 30), key)
+    acc = torch.zeros(1500)
+    assert e.compressor.decode(Message.from_bytes(msg.to_bytes()), key, acc)
+    for field, value, match in (("dtype", DTYPES[torch.int32], "dtype mismatch"),
+                                ("dtype", DTYPES[torch.float64], "dtype mismatch"),
+                                ("shape", (30, 50), "shape"), ("shape", (1500,), "shape")):
+        bad = Message.from_bytes(Message(**{**msg.__dict__, field: value}).to_bytes())
+        out = torch.zeros(1500)
+        with pytest.raises(hvdcomp.WireFormatError, match=match):
+            e.compressor.decode(bad, key, out)
+        assert not out.any()
+
+
 def test_fusion_order_is_reverse_registration():
     p = _params()          # bytes: 12800, 6000, 200, 36, 128
     assert fuse(p, 6000) == [["steps", "small.weight", "fc.bias", "fc.weight"], ["emb.weight"]]
