@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from common import say
 
 import hvdcomp
+from hvdcomp.compressors.protocols import MomentumCorrection
 import hvdcomp.torch as hvd
 from hvdcomp.codecs.sparse import decode_indices
 from hvdcomp.torch.exchange import Exchange
@@ -180,7 +181,8 @@ def local_grads(model, rank, step):
 def make_twins(spec, size, compressed):
     twins = [hvdcomp.get(spec) for _ in range(size)]
     for t in twins:
-        t.set_momentum({n: MOM for n in compressed})   # what SGD(momentum=0.9) hands over
+        if isinstance(t, MomentumCorrection):           # what SGD(momentum=0.9) hands over
+            t.set_momentum({n: MOM for n in compressed})
     return twins
 
 
