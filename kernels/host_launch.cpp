@@ -15,6 +15,10 @@
 //                               void** args)          0 ok, 1 kernel error, 2 bad k / geometry
 //   const char* hvd_host_last_error(void)
 //   int         hvd_host_openmp(void)                  OpenMP version macro, 0 without OpenMP
+//   int         hvd_host_simd(void)                    SIMD level in use (host_shim.h)
+//   int         hvd_host_max_simd(void)                the best level this CPU supports
+//   int         hvd_host_set_simd(int level)           use min(level, max) (-1: the best);
+//                                                      returns the level now in use
 #include "host_shim.h"
 
 #include "hvd_host_kernels.h"
@@ -63,4 +67,14 @@ HVD_EXPORT int hvd_host_openmp(void) {
 #else
   return 0;
 #endif
+}
+
+HVD_EXPORT int hvd_host_simd(void) { return hvd_host::simd_level(); }
+
+HVD_EXPORT int hvd_host_max_simd(void) { return hvd_host::max_simd(); }
+
+HVD_EXPORT int hvd_host_set_simd(int level) {
+  const int m = hvd_host::max_simd();
+  hvd_host::simd_setting.store(level < 0 ? -1 : (level < m ? level : m));
+  return hvd_host::simd_level();
 }

@@ -7,7 +7,11 @@
 //   * threadIdx / blockIdx / blockDim / gridDim are per-OS-thread variables set by the
 //     launcher before each (block, thread) call;
 //   * __shared__ is per OS thread (static thread_local): it persists from one thread of a
-//     block to the next, like shared memory, and is not initialized, like shared memory.
+//     block to the next, like shared memory, and is not initialized, like shared memory;
+//   * a thread may declare that it has done the work of its whole block (block_done, set by
+//     kernels/hvdcomp.cuh's host_block_groups): the block's later threads are then not run.
+//     The host's bulk paths use this to process a block's elements in one loop that the
+//     compiler vectorizes, with Philox in SIMD registers (hvdcomp.cuh, section 1b).
 //
 // Not provided, on purpose: __syncthreads(), warp shuffles and votes, atomics.  Sequentially
 // run threads cannot wait for each other; block cooperation goes through hvd::block_reduce
@@ -25,6 +29,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstddef>
 #include <cstring>
 #include <tuple>
@@ -33,6 +38,20 @@
 
 #if defined(__FAST_MATH__)
 #error "hvdcomp kernels must not be built with -ffast-math (results must be IEEE, bit for bit)"
+#endif
+
+// x86-64 with GCC or Clang: the bulk paths have SSE2 (the x86-64 baseline), AVX2 and AVX-512
+// versions, compiled here with function target attributes (no -m flags) and chosen at run
+// time from the CPU (hvd_host::simd_level).  Elsewhere: one portable version.
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+#define HVD_HOST_X86 1
+#include <immintrin.h>
+#define HVD_TARGET_AVX2 __attribute__((target("avx2")))
+#define HVD_TARGET_AVX512 __attribute__((target("avx2,avx512f,avx512bw,avx512vl,avx512dq")))
+#endif
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the hvdcomp host build assumes a little-endian CPU"
 #endif
 
 struct uint3 {
@@ -65,6 +84,7 @@ struct Context {
   dim3 block_dim;
   dim3 grid_dim;
   LaunchStatus* status;  // the launch this OS thread is running blocks for
+  bool block_done;       // the current thread did its whole block's work: skip the rest
 };
 
 // initial-exec: one %fs-relative load per access instead of a __tls_get_addr call (the
@@ -81,6 +101,37 @@ inline void report_error(const char* msg) {
     std::strncpy(s->message, msg, sizeof(s->message) - 1);
     s->message[sizeof(s->message) - 1] = '\0';
   }
+}
+
+// ---- SIMD level of the bulk paths ------------------------------------------------------------
+//
+// 0: none: every kernel runs its device code, thread by thread (what the GPU runs);
+// 1: bulk paths, baseline instruction set (x86-64: SSE2; elsewhere: portable C++);
+// 2: bulk paths with AVX2;  3: bulk paths with AVX-512 (F, BW, VL, DQ).
+// All levels give the same bits (integer Philox; the same IEEE float operations in the same
+// order, one rounding each).  Default: the best the CPU (and OS) supports, detected once;
+// hvd_host_set_simd (host_launch.cpp) lowers it, for tests and measurements.
+inline int detect_simd() {
+#if defined(HVD_HOST_X86)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return 3;
+  if (__builtin_cpu_supports("avx2")) return 2;
+#endif
+  return 1;
+}
+
+inline int max_simd() {
+  static const int level = detect_simd();
+  return level;
+}
+
+inline std::atomic<int> simd_setting{-1};  // -1: max_simd()
+
+inline int simd_level() {
+  const int s = simd_setting.load(std::memory_order_relaxed);
+  return s < 0 ? max_simd() : s;
 }
 
 // ---- launching a grid -----------------------------------------------------------------------
@@ -115,9 +166,11 @@ int launch(void (*kernel)(A...), unsigned grid, unsigned block, int nthreads, vo
     c.block_dim = dim3{block, 1, 1};
     c.block_idx = uint3{(unsigned)b, 0, 0};
     c.status = status;
+    c.block_done = false;
     for (unsigned t = 0; t < block; ++t) {
       c.thread_idx = uint3{t, 0, 0};
       std::apply(kernel, a);
+      if (c.block_done) break;
     }
   }
   ctx.status = nullptr;

@@ -31,6 +31,11 @@ typedef long long i64;
 //    key = (seed, rank); counter = (block lo, block hi, tensor_id, step), block = index / 4;
 //    element `index` takes output word index % 4.
 // ---------------------------------------------------------------------------------------------
+#define HVD_PHILOX_M0 0xD2511F53u  // round multipliers
+#define HVD_PHILOX_M1 0xCD9E8D57u
+#define HVD_PHILOX_W0 0x9E3779B9u  // Weyl increments of the key
+#define HVD_PHILOX_W1 0xBB67AE85u
+
 struct Philox4 {
   u32 w[4];
 };
@@ -45,12 +50,12 @@ __device__ __forceinline__ Philox4 philox4x32_10(u32 c0, u32 c1, u32 c2, u32 c3,
                                                  u32 k1) {
   for (int r = 0; r < 10; ++r) {
     if (r) {
-      k0 += 0x9E3779B9u;  // Weyl increments of the key between rounds
-      k1 += 0xBB67AE85u;
+      k0 += HVD_PHILOX_W0;  // Weyl increments of the key between rounds
+      k1 += HVD_PHILOX_W1;
     }
     u32 hi0, lo0, hi1, lo1;
-    mulhilo32(0xD2511F53u, c0, hi0, lo0);
-    mulhilo32(0xCD9E8D57u, c2, hi1, lo1);
+    mulhilo32(HVD_PHILOX_M0, c0, hi0, lo0);
+    mulhilo32(HVD_PHILOX_M1, c2, hi1, lo1);
     const u32 n0 = hi1 ^ c1 ^ k0;
     const u32 n2 = hi0 ^ c3 ^ k1;
     c0 = n0;
@@ -74,9 +79,174 @@ __device__ __forceinline__ Philox4 philox_block(i64 block, u32 seed, u32 rank, u
 }
 
 // Uniform float32 in [0, 1): the top 24 bits of the word times 2^-24 (exact in float32).
+// (int): the value is below 2^24, so the signed conversion is the same number, and one
+// instruction wide on the CPU (unsigned int -> float has no SSE2/AVX2 instruction).
 __device__ __forceinline__ float uniform01(u32 word) {
-  return (float)(word >> 8) * 5.9604644775390625e-08f;
+  return (float)(int)(word >> 8) * 5.9604644775390625e-08f;
 }
+
+#if defined(HVD_HOST_BUILD)
+// ---------------------------------------------------------------------------------------------
+// 1b. Host only: many Philox blocks at once, the same bits as philox_block.
+//
+//    philox_words<SIMD>(first, count, seed, rank, tensor_id, step, out):
+//        out[4*j + w] = philox_block(first + j, ...).w[w]  for j < count
+//    (so out[k] is the word of element 4*first + k, hvdcomp/random.py's order).
+//
+//    The scalar round costs two 32x32->64 multiplies and a dependent chain of ten rounds; the
+//    vector versions run 2 (SSE2), 4 (AVX2) or 8 (AVX-512) blocks per register, each word in
+//    the low half of a 64-bit lane, which is what the unsigned 32x32->64 multiply
+//    (pmuludq) reads and writes: lo = the lane (its high half is never read), hi = lane >> 32.
+//    Several registers in flight hide the multiply latency.  SIMD is the level of
+//    hvd_host::simd_level (host_shim.h); each level's version is compiled for its target.
+// ---------------------------------------------------------------------------------------------
+__forceinline__ void philox_words_scalar(u64 first, int count, u32 seed, u32 rank,
+                                         u32 tensor_id, u32 step, u32* __restrict__ out) {
+  for (int j = 0; j < count; ++j) {
+    const Philox4 r = philox_block((i64)(first + (u64)j), seed, rank, tensor_id, step);
+    out[4 * j] = r.w[0];
+    out[4 * j + 1] = r.w[1];
+    out[4 * j + 2] = r.w[2];
+    out[4 * j + 3] = r.w[3];
+  }
+}
+
+#if defined(HVD_HOST_X86)
+// One round on V registers: c0 = hi(M1*c2) ^ c1 ^ k0, c1 = lo(M1*c2), c2 = hi(M0*c0) ^ c3 ^ k1,
+// c3 = lo(M0*c0) (philox4x32_10).  MUL: 32x32->64 of the low halves; SRL: 64-bit shift.
+#define HVD_PHILOX_ROUNDS(V, T, SET1, MUL, SRL, XOR)                                   \
+  {                                                                                 \
+    const T m0 = SET1((long long)HVD_PHILOX_M0), m1 = SET1((long long)HVD_PHILOX_M1); \
+    for (int r = 0; r < 10; ++r) {                                                  \
+      if (r) {                                                                      \
+        k0 += HVD_PHILOX_W0;                                                        \
+        k1 += HVD_PHILOX_W1;                                                        \
+      }                                                                             \
+      const T K0 = SET1((long long)k0), K1 = SET1((long long)k1);                   \
+      for (int v = 0; v < V; ++v) {                                                 \
+        const T p0 = MUL(c0[v], m0), p1 = MUL(c2[v], m1);                           \
+        c0[v] = XOR(XOR(SRL(p1, 32), c1[v]), K0);                                   \
+        c1[v] = p1;                                                                 \
+        c2[v] = XOR(XOR(SRL(p0, 32), c3[v]), K1);                                   \
+        c3[v] = p0;                                                                 \
+      }                                                                             \
+    }                                                                               \
+  }
+
+// SSE2: 2 blocks per register, 8 registers (16 blocks) per pass.  (The pass sizes of the three
+// versions were the fastest in a sweep on a Zen 5 core: AVX-512's 8 x 4 registers spill.)
+inline void philox_words_sse2(u64 first, int count, u32 seed, u32 rank, u32 tensor_id,
+                              u32 step, u32* __restrict__ out) {
+  constexpr int V = 8;
+  int j = 0;
+  for (; j + 2 * V <= count; j += 2 * V) {
+    __m128i c0[V], c1[V], c2[V], c3[V];
+    for (int v = 0; v < V; ++v) {
+      const u64 b0 = first + (u64)(j + 2 * v), b1 = b0 + 1;
+      c0[v] = _mm_set_epi64x((long long)(b1 & 0xFFFFFFFFu), (long long)(b0 & 0xFFFFFFFFu));
+      c1[v] = _mm_set_epi64x((long long)(b1 >> 32), (long long)(b0 >> 32));
+      c2[v] = _mm_set1_epi64x((long long)tensor_id);
+      c3[v] = _mm_set1_epi64x((long long)step);
+    }
+    u32 k0 = seed, k1 = rank;
+    HVD_PHILOX_ROUNDS(V, __m128i, _mm_set1_epi64x, _mm_mul_epu32, _mm_srli_epi64,
+                      _mm_xor_si128)
+    const __m128i lo = _mm_set1_epi64x(0xFFFFFFFFll);
+    for (int v = 0; v < V; ++v) {
+      // (a0 . b0 .), (a1 . b1 .) -> (a0 a1 b0 b1); same for words 2, 3; then per block
+      const __m128i t01 = _mm_or_si128(_mm_and_si128(c0[v], lo), _mm_slli_epi64(c1[v], 32));
+      const __m128i t23 = _mm_or_si128(_mm_and_si128(c2[v], lo), _mm_slli_epi64(c3[v], 32));
+      _mm_storeu_si128((__m128i*)(out + 4 * (j + 2 * v)), _mm_unpacklo_epi64(t01, t23));
+      _mm_storeu_si128((__m128i*)(out + 4 * (j + 2 * v) + 4), _mm_unpackhi_epi64(t01, t23));
+    }
+  }
+  philox_words_scalar(first + (u64)j, count - j, seed, rank, tensor_id, step, out + 4 * j);
+}
+
+// AVX2: 4 blocks per register, 8 registers (32 blocks) per pass.
+HVD_TARGET_AVX2 inline void philox_words_avx2(u64 first, int count, u32 seed, u32 rank,
+                                              u32 tensor_id, u32 step, u32* __restrict__ out) {
+  constexpr int V = 8;
+  int j = 0;
+  const __m256i iota = _mm256_set_epi64x(3, 2, 1, 0);
+  for (; j + 4 * V <= count; j += 4 * V) {
+    __m256i c0[V], c1[V], c2[V], c3[V];
+    for (int v = 0; v < V; ++v) {
+      const __m256i b = _mm256_add_epi64(_mm256_set1_epi64x((long long)(first + (u64)(j + 4 * v))), iota);
+      c0[v] = b;                         // the high halves are never read by the multiply
+      c1[v] = _mm256_srli_epi64(b, 32);
+      c2[v] = _mm256_set1_epi64x((long long)tensor_id);
+      c3[v] = _mm256_set1_epi64x((long long)step);
+    }
+    u32 k0 = seed, k1 = rank;
+    HVD_PHILOX_ROUNDS(V, __m256i, _mm256_set1_epi64x, _mm256_mul_epu32, _mm256_srli_epi64,
+                      _mm256_xor_si256)
+    for (int v = 0; v < V; ++v) {
+      // per 128-bit half: (a0 a1 b0 b1), (a2 a3 b2 b3) -> blocks a | c and b | d
+      const __m256i t01 = _mm256_blend_epi32(c0[v], _mm256_slli_epi64(c1[v], 32), 0xAA);
+      const __m256i t23 = _mm256_blend_epi32(c2[v], _mm256_slli_epi64(c3[v], 32), 0xAA);
+      const __m256i ac = _mm256_unpacklo_epi64(t01, t23), bd = _mm256_unpackhi_epi64(t01, t23);
+      u32* o = out + 4 * (j + 4 * v);
+      _mm256_storeu_si256((__m256i*)o, _mm256_permute2x128_si256(ac, bd, 0x20));
+      _mm256_storeu_si256((__m256i*)(o + 8), _mm256_permute2x128_si256(ac, bd, 0x31));
+    }
+  }
+  philox_words_scalar(first + (u64)j, count - j, seed, rank, tensor_id, step, out + 4 * j);
+}
+
+// AVX-512: 8 blocks per register, 4 registers (32 blocks) per pass.  (GCC 12's AVX-512
+// intrinsics start from _mm512_undefined_epi32(), which -Wmaybe-uninitialized flags: GCC bug
+// 105593, fixed in 12.3.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+HVD_TARGET_AVX512 inline void philox_words_avx512(u64 first, int count, u32 seed, u32 rank,
+                                                  u32 tensor_id, u32 step,
+                                                  u32* __restrict__ out) {
+  constexpr int V = 4;
+  int j = 0;
+  const __m512i iota = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i pick0 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i pick1 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  for (; j + 8 * V <= count; j += 8 * V) {
+    __m512i c0[V], c1[V], c2[V], c3[V];
+    for (int v = 0; v < V; ++v) {
+      const __m512i b = _mm512_add_epi64(_mm512_set1_epi64((long long)(first + (u64)(j + 8 * v))), iota);
+      c0[v] = b;
+      c1[v] = _mm512_srli_epi64(b, 32);
+      c2[v] = _mm512_set1_epi64((long long)tensor_id);
+      c3[v] = _mm512_set1_epi64((long long)step);
+    }
+    u32 k0 = seed, k1 = rank;
+    HVD_PHILOX_ROUNDS(V, __m512i, _mm512_set1_epi64, _mm512_mul_epu32, _mm512_srli_epi64,
+                      _mm512_xor_si512)
+    for (int v = 0; v < V; ++v) {
+      const __m512i t01 = _mm512_mask_blend_epi32(0xAAAA, c0[v], _mm512_slli_epi64(c1[v], 32));
+      const __m512i t23 = _mm512_mask_blend_epi32(0xAAAA, c2[v], _mm512_slli_epi64(c3[v], 32));
+      // 128-bit lanes: even = blocks 0 2 4 6, odd = blocks 1 3 5 7
+      const __m512i even = _mm512_unpacklo_epi64(t01, t23), odd = _mm512_unpackhi_epi64(t01, t23);
+      u32* o = out + 4 * (j + 8 * v);
+      _mm512_storeu_si512((void*)o, _mm512_permutex2var_epi64(even, pick0, odd));
+      _mm512_storeu_si512((void*)(o + 16), _mm512_permutex2var_epi64(even, pick1, odd));
+    }
+  }
+  philox_words_scalar(first + (u64)j, count - j, seed, rank, tensor_id, step, out + 4 * j);
+}
+#pragma GCC diagnostic pop
+#undef HVD_PHILOX_ROUNDS
+#endif  // HVD_HOST_X86
+
+template <int SIMD>
+__forceinline__ void philox_words(u64 first, int count, u32 seed, u32 rank, u32 tensor_id,
+                                  u32 step, u32* __restrict__ out) {
+#if defined(HVD_HOST_X86)
+  if (SIMD >= 3) return philox_words_avx512(first, count, seed, rank, tensor_id, step, out);
+  if (SIMD == 2) return philox_words_avx2(first, count, seed, rank, tensor_id, step, out);
+  return philox_words_sse2(first, count, seed, rank, tensor_id, step, out);
+#else
+  philox_words_scalar(first, count, seed, rank, tensor_id, step, out);
+#endif
+}
+#endif  // HVD_HOST_BUILD
 
 // ---------------------------------------------------------------------------------------------
 // 2. Small per-thread helpers.
@@ -91,19 +261,31 @@ __device__ __forceinline__ float uniform01(u32 word) {
 
 __device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
 
-// -v when neg is 1, v when 0: IEEE negation is a flip of the sign bit, done here on the bits
-// so that no data-dependent branch is taken (random signs mispredict half the time).
-__device__ __forceinline__ float negate_if(float v, u32 neg) {
+// The bits of a float32 and back.
+__device__ __forceinline__ u32 float_bits(float v) {
 #if defined(HVD_HOST_BUILD)
   u32 b;
   __builtin_memcpy(&b, &v, sizeof b);
-  b ^= neg << 31;
-  float r;
-  __builtin_memcpy(&r, &b, sizeof r);
-  return r;
+  return b;
 #else
-  return __uint_as_float(__float_as_uint(v) ^ (neg << 31));
+  return __float_as_uint(v);
 #endif
+}
+
+__device__ __forceinline__ float bits_float(u32 b) {
+#if defined(HVD_HOST_BUILD)
+  float v;
+  __builtin_memcpy(&v, &b, sizeof v);
+  return v;
+#else
+  return __uint_as_float(b);
+#endif
+}
+
+// -v when neg is 1, v when 0: IEEE negation is a flip of the sign bit, done here on the bits
+// so that no data-dependent branch is taken (random signs mispredict half the time).
+__device__ __forceinline__ float negate_if(float v, u32 neg) {
+  return bits_float(float_bits(v) ^ (neg << 31));
 }
 
 // Packed streams (hvdcomp/codecs/bitpack.py): code i occupies bits [i*BITS, (i+1)*BITS) of
@@ -274,6 +456,58 @@ __device__ __forceinline__ i64 global_thread() {
   return (i64)blockIdx.x * (i64)blockDim.x + (i64)threadIdx.x;
 }
 __device__ __forceinline__ i64 grid_threads() { return (i64)gridDim.x * (i64)blockDim.x; }
+
+#if defined(HVD_HOST_BUILD)
+// ---------------------------------------------------------------------------------------------
+// 5. Host only: bulk paths.
+//
+//    An element-wise kernel whose thread t handles groups g = global_thread() + k *
+//    grid_threads() may, on the host, do the work of its whole block in thread 0 instead:
+//    host_block_groups hands it the block's groups as contiguous runs (their union is exactly
+//    the set its threads would handle) and marks the block done (host_shim.h), so the other
+//    threads are not run.  A run is then processed in chunks whose Philox words come from
+//    philox_words (section 1b) and whose per-coordinate arithmetic, the very __device__
+//    functions the GPU runs (same operations, same order), sits in plain loops that the
+//    compiler vectorizes.  The output bits are the device code's; every kernel that has a bulk
+//    path still runs its device code when hvd_host::simd_level() is 0 (tests compare both).
+//
+//    simd_call<Body>(level, args...) runs Body::run<level>(args...) compiled for that level's
+//    instruction set (Body::run is __forceinline__, so it takes on the target of the caller
+//    compiled here once per level).
+// ---------------------------------------------------------------------------------------------
+template <class F>
+inline void host_block_groups(i64 groups, F&& run) {
+  const i64 bd = (i64)blockDim.x;
+  const i64 stride = grid_threads();
+  for (i64 g0 = (i64)blockIdx.x * bd; g0 < groups; g0 += stride) run(g0, min64(g0 + bd, groups));
+  hvd_host::ctx.block_done = true;
+}
+
+template <class Body, class... A>
+__attribute__((noinline)) void simd_call1(A... a) {
+  Body::template run<1>(a...);
+}
+#if defined(HVD_HOST_X86)
+template <class Body, class... A>
+HVD_TARGET_AVX2 __attribute__((noinline)) void simd_call2(A... a) {
+  Body::template run<2>(a...);
+}
+template <class Body, class... A>
+HVD_TARGET_AVX512 __attribute__((noinline)) void simd_call3(A... a) {
+  Body::template run<3>(a...);
+}
+#endif
+
+template <class Body, class... A>
+inline void simd_call(int level, A... a) {
+#if defined(HVD_HOST_X86)
+  if (level >= 3) return simd_call3<Body>(a...);
+  if (level == 2) return simd_call2<Body>(a...);
+#endif
+  (void)level;
+  simd_call1<Body>(a...);
+}
+#endif  // HVD_HOST_BUILD
 
 }  // namespace hvd
 

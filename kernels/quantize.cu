@@ -49,6 +49,24 @@ __device__ __forceinline__ int upper_bound_pow2(const float* __restrict__ levels
   return pos + (!(levels[pos] > r) ? 1 : 0);     // pos <= COUNT - 1 here
 }
 
+// t[j] for 0 <= j < COUNT.  The GPU indexes.  The host selects over the whole table when it
+// is small: the same value, and a loop over coordinates then vectorizes, where an indexed
+// load would be a gather (emulated one element at a time on most x86 CPUs).
+template <int COUNT>
+__device__ __forceinline__ float table_at(const float* __restrict__ t, int j) {
+#if defined(HVD_HOST_BUILD)
+  if (COUNT <= 8) {   // bit masks, not ?: (GCC turns a ?: chain on j into a many-way branch)
+    u32 v = float_bits(t[0]);
+    for (int k = 1; k < COUNT; ++k) {
+      const u32 m = 0u - (u32)(j >= k);                     // all ones while k <= j
+      v = (float_bits(t[k]) & m) | (v & ~m);
+    }
+    return bits_float(v);
+  }
+#endif
+  return t[j];
+}
+
 // The code of one coordinate: sign << (BITS - 1) | level index (quantize_reference).
 //   u: this coordinate's Philox uniform.
 template <int BITS>
@@ -60,8 +78,8 @@ __device__ __forceinline__ u32 quantize_one(float x, float norm, const float* __
   r = r > 1.0f ? 1.0f : r;                         // clamp_(max=1.0); NaN stays NaN
   int j = upper_bound_pow2<S + 1>(levels, r) - 1;
   j = j < 0 ? 0 : (j > S - 1 ? S - 1 : j);         // .clamp_(0, s - 1)
-  const float lo = levels[j];
-  const float hi = levels[j + 1];
+  const float lo = table_at<S>(levels, j);        // levels[j], levels[j + 1]: j < S
+  const float hi = table_at<S>(levels + 1, j);
   const float p = (r - lo) / (hi - lo);
   const u32 idx = (u32)j + (u < p ? 1u : 0u);
   const u32 sign = x < 0.0f ? 1u : 0u;             // -0.0 and NaN: sign 0
@@ -105,6 +123,75 @@ __device__ __forceinline__ u64 quantize_group(const float* __restrict__ x, i64 n
   return word;
 }
 
+#if defined(HVD_HOST_BUILD)
+// Host: the words of groups g .. g + cg - 1 from their codes (codes[8k + c]: code c of group
+// g + k), stored as store_group stores them.  Up to 4 bits a group's word fits 32 bits: the
+// words are built in a loop that vectorizes, then stored 4 bytes at a time in increasing
+// order (the bytes past a group's own are rewritten by the next group), the chunk's last
+// group exactly (its successor may belong to another block, written by another thread).
+template <int BITS, int CG>
+__forceinline__ void pack_store(const u32* __restrict__ codes, int cg, i64 g, i64 nbytes,
+                                unsigned char* __restrict__ out) {
+  if (BITS <= 4) {
+    u32 words[CG];
+    for (int k = 0; k < cg; ++k) {
+      u32 w = 0;
+      for (int c = 0; c < 8; ++c) w |= codes[8 * k + c] << (c * BITS);
+      words[k] = w;
+    }
+    int k = 0;
+    if ((g + cg - 1) * BITS + 4 <= nbytes) {
+      for (; k < cg - 1; ++k) __builtin_memcpy(out + (g + k) * BITS, &words[k], 4);
+    }
+    for (; k < cg; ++k) store_group<BITS>(out, g + k, nbytes, words[k]);
+  } else {
+    for (int k = 0; k < cg; ++k) {
+      u64 word = 0;
+      HVD_UNROLL8
+      for (int c = 0; c < 8; ++c) word |= (u64)codes[8 * k + c] << (c * BITS);
+      store_group<BITS>(out, g + k, nbytes, word);
+    }
+  }
+}
+
+// Host bulk path (hvdcomp.cuh, section 5): groups [g0, g1) in chunks of CG groups; per chunk
+// the Philox words in one call, quantize_one over each run of coordinates of one bucket (a
+// loop the compiler vectorizes), then the codes packed and stored as quantize_pack_loop does.
+template <int BITS>
+struct QuantizePackBulk {
+  template <int SIMD>
+  static __forceinline__ void run(const float* __restrict__ x, i64 n,
+                                  const float* __restrict__ norms, i64 bucket_size,
+                                  const float* __restrict__ levels, u32 seed, u32 rank,
+                                  u32 tensor_id, u32 step, unsigned char* __restrict__ out,
+                                  i64 g0, i64 g1) {
+    constexpr int CG = 32;                     // 256 coordinates, 64 Philox blocks
+    const i64 nbytes = (n * BITS + 7) / 8;
+    u32 words[8 * CG];
+    u32 codes[8 * CG];
+    for (i64 g = g0; g < g1; g += CG) {
+      const int cg = (int)min64(CG, g1 - g);
+      philox_words<SIMD>(2 * (u64)g, 2 * cg, seed, rank, tensor_id, step, words);
+      const i64 e0 = 8 * g;
+      const i64 e1 = min64(8 * (g + cg), n);
+      for (i64 s = e0; s < e1;) {              // runs of one bucket
+        const i64 b = s / bucket_size;
+        const i64 t = min64(e1, (b + 1) * bucket_size);
+        const float norm = norms[b];
+        const float* __restrict__ xs = x + s;
+        const u32* __restrict__ ws = words + (s - e0);
+        u32* __restrict__ cs = codes + (s - e0);
+        const int len = (int)(t - s);
+        for (int i = 0; i < len; ++i) cs[i] = quantize_one<BITS>(xs[i], norm, levels, uniform01(ws[i]));
+        s = t;
+      }
+      for (i64 e = e1; e < 8 * (g + cg); ++e) codes[e - e0] = 0;   // past the end: no code
+      pack_store<BITS, CG>(codes, cg, g, nbytes, out);
+    }
+  }
+};
+#endif
+
 template <int BITS>
 __device__ inline void quantize_pack_loop(const float* __restrict__ x, i64 n,
                                           const float* __restrict__ norms, i64 bucket_size,
@@ -113,6 +200,15 @@ __device__ inline void quantize_pack_loop(const float* __restrict__ x, i64 n,
                                           unsigned char* __restrict__ out) {
   const i64 groups = (n + 7) / 8;
   const i64 nbytes = (n * BITS + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  if (const int simd = hvd_host::simd_level()) {
+    host_block_groups(groups, [&](i64 g0, i64 g1) {
+      simd_call<QuantizePackBulk<BITS>>(simd, x, n, norms, bucket_size, levels, seed, rank,
+                                        tensor_id, step, out, g0, g1);
+    });
+    return;
+  }
+#endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
     const u64 word = quantize_group<BITS>(x, n, norms, bucket_size, levels, seed, rank,
                                           tensor_id, step, g);

@@ -1,0 +1,257 @@
+"""Speed of the host build's element-wise kernels (kernels/*.cu compiled with g++), per thread,
+two versions of the sources side by side in one process.
+
+    .venv/bin/python bench/host_kernels.py --old main --n 25000000 --reps 7
+    .venv/bin/python bench/host_kernels.py --n 25000000            # the current sources alone
+
+Each version (``--old``: a git ref whose kernels/ is extracted, or a folder of sources;
+``--new``: default the checkout's kernels/) is built with the host build's own flags
+(hvdcomp/backends/host.py: BASE_FLAGS + OpenMP + $HVDCOMP_HOST_CXXFLAGS) into a temporary
+folder and loaded with ctypes; the operations are hvdcomp's own launchers (the Ops of
+backends/_common.py and the k_<family> functions), given a launch object bound to that
+library.  For every operation the versions are timed alternately (old, new, old, new, ...),
+so that a busy neighbour slows both alike, and the median of --reps is reported, with the
+ratio old / new.  The outputs of the two versions are compared byte for byte.
+
+GB/s: 4n bytes (the float32 gradient read once) per second: the figure the issue's targets
+use (1 GB/s per thread for an encode: 25M coordinates in 100 ms).  --threads (default 1):
+OpenMP threads per launch.
+
+Only the two libraries are loaded (not hvdcomp's own, host.load()): each takes a slot of
+glibc's static TLS surplus (host_shim.h's initial-exec TLS), which holds about two.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import hashlib
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from hvdcomp import levels as L  # noqa: E402
+from hvdcomp.backends import _common, host  # noqa: E402
+from hvdcomp.backends import k_dithered, k_psq, k_ternary  # noqa: E402
+
+_CTYPES = {"q": ctypes.c_longlong, "i": ctypes.c_int, "I": ctypes.c_uint,
+           "f": ctypes.c_float, "d": ctypes.c_double}
+
+
+def sources(ref: str, tmp: str) -> str:
+    """A folder holding the kernel sources of ``ref`` (a folder, or a git ref of this repo)."""
+    if os.path.isdir(ref):
+        return os.path.abspath(ref)
+    d = os.path.join(tmp, "src-" + ref.replace("/", "_"))
+    os.makedirs(d)
+    arc = subprocess.run(["git", "-C", ROOT, "archive", ref, "kernels"], check=True,
+                         capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", d], input=arc, check=True)
+    return os.path.join(d, "kernels")
+
+
+def build(src: str, out: str) -> str:
+    """Build the host library from the sources in ``src`` with host.py's flags (kept in
+    host.cache_dir()/bench-<hash>.so, keyed by the sources and flags)."""
+    flags = [*host.BASE_FLAGS, *host.OPENMP_FLAGS, *host._extra_flags()]
+    h = hashlib.sha256(" ".join([host.compiler(), *flags]).encode())
+    for f in sorted(os.listdir(src)):
+        if f.endswith((".cu", ".cuh", ".h", ".cpp")):
+            with open(os.path.join(src, f), "rb") as fh:
+                h.update(f.encode() + b"\0" + fh.read())
+    cached = os.path.join(host.cache_dir(), f"bench-{h.hexdigest()[:20]}.so")
+    if os.path.exists(cached):
+        return cached
+    _, kernel_source, _ = _common.discover(src)
+    reg = out + ".d"
+    os.makedirs(reg, exist_ok=True)
+    files = sorted(set(kernel_source.values()))
+    lines = ["#pragma once"] + [f'#include "{f}"' for f in files]
+    lines.append("#define HVD_HOST_KERNEL_TABLE \\")
+    lines += [f"  HVD_HOST_KERNEL({k}), \\" for f in files
+              for k in kernel_source if kernel_source[k] == f]
+    with open(os.path.join(reg, "hvd_host_kernels.h"), "w") as fh:
+        fh.write("\n".join(lines) + "\n\n")
+    cmd = [host.compiler(), *flags, "-I", reg, "-I", src, "-o", out,
+           os.path.join(src, "host_launch.cpp")]
+    subprocess.run(cmd, check=True)
+    os.makedirs(os.path.dirname(cached), exist_ok=True)
+    shutil.copyfile(out, cached + ".tmp")
+    os.replace(cached + ".tmp", cached)
+    return cached
+
+
+class Lib:
+    """A launch object (as host.backend) bound to one built library."""
+    device_type = "cpu"
+    name = "host"
+
+    def __init__(self, path: str, threads: int):
+        lib = ctypes.CDLL(path)
+        lib.hvd_host_kernel_count.restype = ctypes.c_int
+        lib.hvd_host_kernel_name.restype = ctypes.c_char_p
+        lib.hvd_host_kernel_name.argtypes = [ctypes.c_int]
+        lib.hvd_host_kernel_signature.restype = ctypes.c_char_p
+        lib.hvd_host_kernel_signature.argtypes = [ctypes.c_int]
+        lib.hvd_host_launch.restype = ctypes.c_int
+        lib.hvd_host_launch.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint,
+                                        ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+        lib.hvd_host_last_error.restype = ctypes.c_char_p
+        self.lib = lib
+        self.threads = threads
+        self.kernels = {lib.hvd_host_kernel_name(k).decode():
+                        (k, lib.hvd_host_kernel_signature(k).decode())
+                        for k in range(lib.hvd_host_kernel_count())}
+        self.ops = _common.Ops(self)
+
+    def launch(self, kernel, grid, block, args):
+        index, sig = self.kernels[kernel]
+        vals = []
+        for code, a in zip(sig, args):
+            vals.append(ctypes.c_void_p(a.data_ptr()) if code == "P" else _CTYPES[code](a))
+        argv = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+        if self.lib.hvd_host_launch(index, grid, block, self.threads, argv):
+            raise RuntimeError(f"{kernel}: {self.lib.hvd_host_last_error().decode()}")
+
+
+def cases(n: int, ref: "Lib"):
+    """(name, fn(lib) -> output tensor(s)) for the timed operations; inputs made with ``ref``."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(n, generator=gen) * 1e-3
+    key = dict(seed=1234, rank=1, tensor_id=3, step=5)
+    bs = 8192
+    nb = (n + bs - 1) // bs
+    lv4 = torch.tensor(L.uniform_levels(4), dtype=torch.float32)
+    # ALQ-like non-uniform 3-bit table (the level search does not care about the values)
+    lv3 = torch.tensor([0.0, 0.1, 0.35, 1.0], dtype=torch.float32)
+    ops = ref.ops
+    norms_l2 = ops.bucket_norms(x, bs, "l2")
+    norms_inf = ops.bucket_norms(x, bs, "linf")
+    p3 = ops.quantize_pack(x, norms_l2, lv3, 3, bs, **key)
+    p4 = ops.quantize_pack(x, norms_l2, lv4, 4, bs, **key)
+    msgs = [ops.quantize_pack(x, norms_l2, lv3, 3, bs, seed=1234, rank=r, tensor_id=3, step=5)
+            for r in range(4)]
+    acc = torch.zeros(n)
+    thr = float(torch.tensor(2.5e-3, dtype=torch.float32))
+    scales_t = ops.bucket_norms(x.clamp(-thr, thr), bs, "linf")
+    delta = k_dithered.steps(ref, x, 4, bs)
+    D = 512
+    lohi = k_psq.lohi_of(x[: (n // D) * D].view(-1, D))
+    xr = x[: (n // D) * D].contiguous()
+
+    bufs = {}
+
+    def buf(lib, tag, like):
+        """One output buffer per (library, case), allocated once: page faults of a fresh
+        allocation would otherwise be timed too."""
+        k = (id(lib), tag)
+        if k not in bufs:
+            bufs[k] = like.clone()
+        return bufs[k]
+
+    def qp(lib, tag, norms, lv, bits):
+        out = buf(lib, tag, torch.empty(_common.packed_size(n, bits), dtype=torch.uint8))
+        return lib.ops.quantize_pack(x, norms, lv, bits, bs, out=out, **key)
+
+    def dq(lib, tag, packed, bits, lv):
+        # out accumulates over the repetitions: both versions get the same number of calls,
+        # so their buffers stay comparable bit for bit
+        return lib.ops.dequantize_add(packed, n, norms_l2, lv, bits, bs, buf(lib, tag, acc))
+
+    def dqm(lib, tag):
+        return lib.ops.dequantize_add_many(msgs, n, [norms_l2] * 4, lv3, 3, bs,
+                                           buf(lib, tag, acc))
+
+    return [
+        ("bucket_norms l2 (bucket 8192)", lambda lib: lib.ops.bucket_norms(x, bs, "l2")),
+        ("quantize_pack 3 bits (ALQ/AMQ)", lambda lib: qp(lib, "q3", norms_l2, lv3, 3)),
+        ("quantize_pack 4 bits (QSGD/NUQSGD)", lambda lib: qp(lib, "q4", norms_l2, lv4, 4)),
+        ("quantize_pack 4 bits, linf norms (QSGDinf)",
+         lambda lib: qp(lib, "q4i", norms_inf, lv4, 4)),
+        ("dequantize_add 3 bits", lambda lib: dq(lib, "d3", p3, 3, lv3)),
+        ("dequantize_add 4 bits", lambda lib: dq(lib, "d4", p4, 4, lv4)),
+        ("dequantize_add_many 3 bits, 4 messages (per message)", lambda lib: dqm(lib, "dm")),
+        ("terngrad_pack", lambda lib: k_ternary.terngrad_pack(lib, x, scales_t, bs, thr, **key)),
+        ("dqsg quantize_pack 4 bits",
+         lambda lib: k_dithered.quantize_pack(lib, x, delta, 4, bs, **key)),
+        ("psq quantize_pack 4 bits (rows of 512)",
+         lambda lib: k_psq.quantize_pack(lib, xr, D, lohi, 4, **key)),
+        ("random_words (Philox, int64 out)",
+         lambda lib: lib.ops.random_words(n, **{k: key[k] for k in
+                                                ("seed", "step", "rank", "tensor_id")})),
+    ]
+
+
+def per(name: str) -> int:
+    return 4 if "4 messages" in name else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--old", default=None, help="git ref or folder of the baseline sources")
+    ap.add_argument("--new", default=None, help="folder of the sources (default kernels/)")
+    ap.add_argument("--n", type=int, default=25_000_000)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", default="", help="comma-separated substrings of case names")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="hvd-host-bench-")
+    try:
+        versions = []
+        if args.old:
+            versions.append(("old", build(sources(args.old, tmp), os.path.join(tmp, "old.so"))))
+        new_src = os.path.abspath(args.new) if args.new else _common.kernel_dir()
+        versions.append(("new", build(new_src, os.path.join(tmp, "new.so"))))
+        libs = [(name, Lib(path, args.threads)) for name, path in versions]
+        n = args.n
+        print(f"# host kernels, n = {n:,}, {args.threads} thread(s), median of {args.reps}, "
+              f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.processor() or platform.machine()}, "
+              f"{os.cpu_count()} CPUs; versions: " + ", ".join(
+                  f"{nm} = {args.old if nm == 'old' else (args.new or 'kernels/')}"
+                  for nm, _ in versions))
+        if len(libs) == 2:
+            print("\n| operation | old ms | new ms | old GB/s | new GB/s | old / new | identical |")
+            print("|---|---|---|---|---|---|---|")
+        else:
+            print("\n| operation | ms | GB/s |")
+            print("|---|---|---|")
+        only = [s for s in args.only.split(",") if s]
+        for name, fn in cases(n, libs[0][1]):
+            if only and not any(s in name for s in only):
+                continue
+            times = {nm: [] for nm, _ in libs}
+            outs = {}
+            for nm, lib in libs:           # warm-up (and the outputs compared)
+                outs[nm] = fn(lib)
+            for _ in range(args.reps):
+                for nm, lib in libs:
+                    t0 = time.perf_counter()
+                    fn(lib)
+                    times[nm].append(time.perf_counter() - t0)
+            med = {nm: statistics.median(t) for nm, t in times.items()}
+            gbs = {nm: per(name) * 4 * n / med[nm] / 1e9 for nm in med}
+            if len(libs) == 2:
+                same = torch.equal(outs["old"], outs["new"])
+                print(f"| {name} | {med['old'] * 1e3:.1f} | {med['new'] * 1e3:.1f} | "
+                      f"{gbs['old']:.2f} | {gbs['new']:.2f} | "
+                      f"{med['old'] / med['new']:.2f}x | {same} |", flush=True)
+            else:
+                print(f"| {name} | {med['new'] * 1e3:.1f} | {gbs['new']:.2f} |", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
