@@ -377,6 +377,15 @@ __device__ inline bool check_reduce_block() {
 
 #if defined(HVD_HOST_BUILD)
 
+// The tree of block_reduce over v[0 .. n), n a power of two; v is overwritten.
+template <class T, class Op>
+__forceinline__ T tree_reduce(Op op, T* __restrict__ v, u32 n) {
+  for (u32 w = n >> 1; w > 0; w >>= 1) {
+    for (u32 t = 0; t < w; ++t) v[t] = op(v[t], v[t + w]);
+  }
+  return v[0];
+}
+
 // Host: blockDim.x calls of the kernel per block, in thread order, on one OS thread.
 template <class T, class Op, class F>
 __device__ inline T block_reduce(Op op, F f) {
@@ -385,10 +394,7 @@ __device__ inline T block_reduce(Op op, F f) {
     T v[HVD_MAX_BLOCK];
     const u32 n = blockDim.x;
     for (u32 t = 0; t < n; ++t) v[t] = f(t);
-    for (u32 w = n >> 1; w > 0; w >>= 1) {
-      for (u32 t = 0; t < w; ++t) v[t] = op(v[t], v[t + w]);
-    }
-    result = v[0];
+    result = tree_reduce(op, v, n);
   }
   return result;
 }
@@ -449,6 +455,63 @@ __device__ inline float absmax_partial(const float* __restrict__ xb, i64 len, i6
   return m;
 }
 
+#if defined(HVD_HOST_BUILD)
+// Host: v[t] = sumsq_partial(xb, len, t, stride) for every t < stride (<= HVD_MAX_BLOCK), and
+// v[t] = absmax_partial(...): each t's operations exactly as there, in the same order, but the
+// threads in lockstep (a loop over t with contiguous loads, which vectorizes): first the
+// rounds that every t completes, then each t's remaining steps as sumsq_partial takes them.
+__forceinline__ void sumsq_partials(const float* __restrict__ xb, i64 len, int stride,
+                                    double* __restrict__ v) {
+  double a0[HVD_MAX_BLOCK], a1[HVD_MAX_BLOCK], a2[HVD_MAX_BLOCK], a3[HVD_MAX_BLOCK];
+  for (int t = 0; t < stride; ++t) a0[t] = a1[t] = a2[t] = a3[t] = 0.0;
+  i64 base = 0;
+  for (; base + 4 * (i64)stride <= len; base += 4 * (i64)stride) {  // i + 3 stride < len, all t
+    const float* __restrict__ p = xb + base;
+    for (int t = 0; t < stride; ++t) {
+      const double v0 = (double)p[t];
+      const double v1 = (double)p[t + stride];
+      const double v2 = (double)p[t + 2 * stride];
+      const double v3 = (double)p[t + 3 * stride];
+      a0[t] = a0[t] + v0 * v0;
+      a1[t] = a1[t] + v1 * v1;
+      a2[t] = a2[t] + v2 * v2;
+      a3[t] = a3[t] + v3 * v3;
+    }
+  }
+  for (int t = 0; t < stride; ++t) {
+    double b0 = a0[t], b1 = a1[t], b2 = a2[t], b3 = a3[t];
+    i64 i = base + t;
+    for (; i + 3 * (i64)stride < len; i += 4 * (i64)stride) {
+      const double v0 = (double)xb[i];
+      const double v1 = (double)xb[i + stride];
+      const double v2 = (double)xb[i + 2 * stride];
+      const double v3 = (double)xb[i + 3 * stride];
+      b0 = b0 + v0 * v0;
+      b1 = b1 + v1 * v1;
+      b2 = b2 + v2 * v2;
+      b3 = b3 + v3 * v3;
+    }
+    for (; i < len; i += stride) {
+      const double v0 = (double)xb[i];
+      b0 = b0 + v0 * v0;
+    }
+    v[t] = (b0 + b1) + (b2 + b3);
+  }
+}
+
+__forceinline__ void absmax_partials(const float* __restrict__ xb, i64 len, int stride,
+                                     float* __restrict__ v) {
+  const MaxNanOp op;
+  for (int t = 0; t < stride; ++t) v[t] = 0.0f;
+  i64 base = 0;
+  for (; base + stride <= len; base += stride) {
+    const float* __restrict__ p = xb + base;
+    for (int t = 0; t < stride; ++t) v[t] = op(v[t], fabsf(p[t]));
+  }
+  for (int t = 0; base + t < len; ++t) v[t] = op(v[t], fabsf(xb[base + t]));
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // 4. Grid-stride loops with 64-bit indices.
 // ---------------------------------------------------------------------------------------------
@@ -475,12 +538,15 @@ __device__ __forceinline__ i64 grid_threads() { return (i64)gridDim.x * (i64)blo
 //    instruction set (Body::run is __forceinline__, so it takes on the target of the caller
 //    compiled here once per level).
 // ---------------------------------------------------------------------------------------------
+// The calling thread has done its whole block's work: the block's later threads are skipped.
+__forceinline__ void host_block_done() { hvd_host::ctx.block_done = true; }
+
 template <class F>
 inline void host_block_groups(i64 groups, F&& run) {
   const i64 bd = (i64)blockDim.x;
   const i64 stride = grid_threads();
   for (i64 g0 = (i64)blockIdx.x * bd; g0 < groups; g0 += stride) run(g0, min64(g0 + bd, groups));
-  hvd_host::ctx.block_done = true;
+  host_block_done();
 }
 
 template <class Body, class... A>

@@ -24,6 +24,32 @@ namespace hvd {
 
 // sumsq_partial and absmax_partial (kernels/hvdcomp.cuh): the per-thread shares of the norms.
 
+#if defined(HVD_HOST_BUILD)
+// Host bulk path of the norm kernels: buckets b0, b0 + bstep, ... < nb, each as the kernel
+// below computes it (the partials of every thread, then block_reduce's tree), by thread 0.
+template <bool L2>
+struct BucketNormsBulk {
+  template <int SIMD>
+  static __forceinline__ void run(const float* __restrict__ x, i64 n, i64 bucket_size,
+                                  float* __restrict__ norms, i64 b0, i64 bstep, int stride) {
+    const i64 nb = (n + bucket_size - 1) / bucket_size;
+    for (i64 b = b0; b < nb; b += bstep) {
+      const i64 base = b * bucket_size;
+      const i64 len = min64(bucket_size, n - base);
+      if (L2) {
+        double v[HVD_MAX_BLOCK];
+        sumsq_partials(x + base, len, stride, v);
+        norms[b] = (float)sqrt(tree_reduce(SumOp(), v, (u32)stride));
+      } else {
+        float v[HVD_MAX_BLOCK];
+        absmax_partials(x + base, len, stride, v);
+        norms[b] = tree_reduce(MaxNanOp(), v, (u32)stride);
+      }
+    }
+  }
+};
+#endif
+
 // ---- per-thread work: one coordinate ------------------------------------------------------
 //
 // The code width is a template parameter (the kernels dispatch on bits once), so that the
@@ -300,6 +326,15 @@ extern "C" __global__ void hvd_bucket_norms_l2(const float* __restrict__ x, long
                                                float* __restrict__ norms) {
   if (!hvd::check_reduce_block()) return;
   const long long nb = (n + bucket_size - 1) / bucket_size;
+#if defined(HVD_HOST_BUILD)
+  if (const int simd = hvd_host::simd_level()) {   // thread 0 does the block's buckets
+    hvd::simd_call<hvd::BucketNormsBulk<true>>(simd, x, n, bucket_size, norms,
+                                               (long long)blockIdx.x, (long long)gridDim.x,
+                                               (int)blockDim.x);
+    hvd::host_block_done();
+    return;
+  }
+#endif
   for (long long b = blockIdx.x; b < nb; b += gridDim.x) {
     const long long base = b * bucket_size;
     const long long len = hvd::min64(bucket_size, n - base);
@@ -317,6 +352,15 @@ extern "C" __global__ void hvd_bucket_norms_linf(const float* __restrict__ x, lo
                                                  float* __restrict__ norms) {
   if (!hvd::check_reduce_block()) return;
   const long long nb = (n + bucket_size - 1) / bucket_size;
+#if defined(HVD_HOST_BUILD)
+  if (const int simd = hvd_host::simd_level()) {
+    hvd::simd_call<hvd::BucketNormsBulk<false>>(simd, x, n, bucket_size, norms,
+                                                (long long)blockIdx.x, (long long)gridDim.x,
+                                                (int)blockDim.x);
+    hvd::host_block_done();
+    return;
+  }
+#endif
   for (long long b = blockIdx.x; b < nb; b += gridDim.x) {
     const long long base = b * bucket_size;
     const long long len = hvd::min64(bucket_size, n - base);
