@@ -279,6 +279,72 @@ __device__ __forceinline__ void dequantize_add_group(u64 word, i64 n,
   }
 }
 
+#if defined(HVD_HOST_BUILD)
+// Host: the codes of groups g .. g + cg - 1 (codes[8k + c]: code c of group g + k), read as
+// load_group reads them (whole 4-byte words up to 4 bits, except where they would run past
+// the stream's end).
+template <int BITS, int CG>
+__forceinline__ void load_unpack(const unsigned char* __restrict__ packed, int cg, i64 g,
+                                 i64 nbytes, u32* __restrict__ codes) {
+  constexpr u32 CODE_MASK = (1u << BITS) - 1u;
+  if (BITS <= 4) {
+    u32 words[CG];
+    int k = 0;
+    for (; k < cg && (g + k) * BITS + 4 <= nbytes; ++k)
+      __builtin_memcpy(&words[k], packed + (g + k) * BITS, 4);
+    for (; k < cg; ++k) words[k] = (u32)load_group<BITS>(packed, g + k, nbytes);
+    for (int e = 0; e < 8 * cg; ++e) codes[e] = (words[e >> 3] >> ((e & 7) * BITS)) & CODE_MASK;
+  } else {
+    for (int k = 0; k < cg; ++k) {
+      const u64 word = load_group<BITS>(packed, g + k, nbytes);
+      HVD_UNROLL8
+      for (int c = 0; c < 8; ++c) codes[8 * k + c] = (u32)(word >> (c * BITS)) & CODE_MASK;
+    }
+  }
+}
+
+// Host bulk path of dequantize_add(_many)_loop: groups [g0, g1) in chunks; per chunk every
+// message's codes are unpacked and added into out (message order, as the device code), each
+// coordinate as dequantize_add_group computes it, in loops that vectorize.
+template <int BITS>
+struct DequantizeAddBulk {
+  template <int SIMD>
+  static __forceinline__ void run(const unsigned char* const* packed, const float* const* norms,
+                                  int count, i64 n, i64 bucket_size,
+                                  const float* __restrict__ levels, float* __restrict__ out,
+                                  i64 g0, i64 g1) {
+    constexpr int CG = 32;
+    constexpr u32 INDEX_MASK = (1u << (BITS - 1)) - 1u;
+    constexpr int COUNT = 1 << (BITS - 1);
+    const i64 nbytes = (n * BITS + 7) / 8;
+    u32 codes[8 * CG];
+    for (i64 g = g0; g < g1; g += CG) {
+      const int cg = (int)min64(CG, g1 - g);
+      const i64 e0 = 8 * g;
+      const i64 e1 = min64(8 * (g + cg), n);
+      for (int m = 0; m < count; ++m) {
+        load_unpack<BITS, CG>(packed[m], cg, g, nbytes, codes);
+        const float* __restrict__ nm = norms[m];
+        for (i64 s = e0; s < e1;) {              // runs of one bucket
+          const i64 b = s / bucket_size;
+          const i64 t = min64(e1, (b + 1) * bucket_size);
+          const float norm = nm[b];
+          const u32* __restrict__ cs = codes + (s - e0);
+          float* __restrict__ os = out + s;
+          const int len = (int)(t - s);
+          for (int i = 0; i < len; ++i) {
+            const u32 code = cs[i];
+            const float v = table_at<COUNT>(levels, (int)(code & INDEX_MASK)) * norm;
+            os[i] = os[i] + negate_if(v, code >> (BITS - 1));   // where(neg, -v, v)
+          }
+          s = t;
+        }
+      }
+    }
+  }
+};
+#endif
+
 template <int BITS>
 __device__ inline void dequantize_add_loop(const unsigned char* __restrict__ packed, i64 n,
                                            const float* __restrict__ norms, i64 bucket_size,
@@ -286,6 +352,18 @@ __device__ inline void dequantize_add_loop(const unsigned char* __restrict__ pac
                                            float* __restrict__ out) {
   const i64 groups = (n + 7) / 8;
   const i64 nbytes = (n * BITS + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  if (const int simd = hvd_host::simd_level()) {
+    const unsigned char* pk[1] = {packed};
+    const float* nm[1] = {norms};
+    host_block_groups(groups, [&](i64 g0, i64 g1) {
+      simd_call<DequantizeAddBulk<BITS>>(simd, (const unsigned char* const*)pk,
+                                         (const float* const*)nm, 1, n, bucket_size, levels,
+                                         out, g0, g1);
+    });
+    return;
+  }
+#endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
     const u64 word = load_group<BITS>(packed, g, nbytes);
     dequantize_add_group<BITS>(word, n, norms, bucket_size, levels, out, g);
@@ -304,6 +382,16 @@ __device__ inline void dequantize_add_many_loop(const unsigned long long* __rest
                                                 float* __restrict__ out) {
   const i64 groups = (n + 7) / 8;
   const i64 nbytes = (n * BITS + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  if (const int simd = hvd_host::simd_level()) {
+    host_block_groups(groups, [&](i64 g0, i64 g1) {
+      simd_call<DequantizeAddBulk<BITS>>(
+          simd, (const unsigned char* const*)packed_ptrs, (const float* const*)norms_ptrs, count,
+          n, bucket_size, levels, out, g0, g1);
+    });
+    return;
+  }
+#endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
     for (int m = 0; m < count; ++m) {
       const unsigned char* packed = (const unsigned char*)packed_ptrs[m];
