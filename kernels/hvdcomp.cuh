@@ -525,53 +525,182 @@ __device__ __forceinline__ i64 grid_threads() { return (i64)gridDim.x * (i64)blo
 // 5. Host only: bulk paths.
 //
 //    An element-wise kernel whose thread t handles groups g = global_thread() + k *
-//    grid_threads() may, on the host, do the work of its whole block in thread 0 instead:
-//    host_block_groups hands it the block's groups as contiguous runs (their union is exactly
-//    the set its threads would handle) and marks the block done (host_shim.h), so the other
-//    threads are not run.  A run is then processed in chunks whose Philox words come from
-//    philox_words (section 1b) and whose per-coordinate arithmetic, the very __device__
-//    functions the GPU runs (same operations, same order), sits in plain loops that the
-//    compiler vectorizes.  The output bits are the device code's; every kernel that has a bulk
-//    path still runs its device code when hvd_host::simd_level() is 0 (tests compare both).
+//    grid_threads() (8 coordinates each) may, on the host, do the work of its whole block in
+//    thread 0 instead: host_bulk_groups hands it the block's groups as contiguous runs (their
+//    union is exactly the set its threads would handle) and marks the block done (host_shim.h),
+//    so the other threads are not run.  A run is processed in chunks of HVD_BULK_GROUPS groups
+//    whose Philox words come from philox_words (section 1b) in one call and whose
+//    per-coordinate arithmetic, the very __device__ functions the GPU runs (same operations,
+//    same order), sits in plain loops over the coordinates that the compiler vectorizes.  The
+//    output bits are the device code's; at hvd_host::simd_level() 0 every kernel runs its
+//    device code instead (the tests compare the two).
 //
-//    simd_call<Body>(level, args...) runs Body::run<level>(args...) compiled for that level's
-//    instruction set (Body::run is __forceinline__, so it takes on the target of the caller
-//    compiled here once per level).
+//    The code inside is compiled once per SIMD level: simd_call(level, f) calls
+//    f(SimdLevel<level>()) from a function compiled for that level's instruction set, and f
+//    (a lambda marked HVD_INLINE, as are the lambdas it calls) is inlined there.
 // ---------------------------------------------------------------------------------------------
+#define HVD_INLINE __attribute__((always_inline))
+#define HVD_BULK_GROUPS 32   // groups per chunk: 256 coordinates, 64 Philox blocks, 1 KiB of words
+
+template <int L>
+struct SimdLevel {
+  static constexpr int value = L;
+};
+
+template <class F>
+__attribute__((noinline)) void simd_call1(F& f) {
+  f(SimdLevel<1>());
+}
+#if defined(HVD_HOST_X86)
+template <class F>
+HVD_TARGET_AVX2 __attribute__((noinline)) void simd_call2(F& f) {
+  f(SimdLevel<2>());
+}
+template <class F>
+HVD_TARGET_AVX512 __attribute__((noinline)) void simd_call3(F& f) {
+  f(SimdLevel<3>());
+}
+#endif
+
+template <class F>
+inline void simd_call(int level, F&& f) {
+#if defined(HVD_HOST_X86)
+  if (level >= 3) return simd_call3(f);
+  if (level == 2) return simd_call2(f);
+#endif
+  (void)level;
+  simd_call1(f);
+}
+
 // The calling thread has done its whole block's work: the block's later threads are skipped.
 __forceinline__ void host_block_done() { hvd_host::ctx.block_done = true; }
 
+// At SIMD level 0: false, nothing run.  Else f(SimdLevel<L>(), g0, g1) for the block's runs
+// of groups [g0, g1) (of 0 .. groups - 1), compiled for L = the level; the block is done.
 template <class F>
-inline void host_block_groups(i64 groups, F&& run) {
+inline bool host_bulk_groups(i64 groups, F&& f) {
+  const int level = hvd_host::simd_level();
+  if (!level) return false;
   const i64 bd = (i64)blockDim.x;
   const i64 stride = grid_threads();
-  for (i64 g0 = (i64)blockIdx.x * bd; g0 < groups; g0 += stride) run(g0, min64(g0 + bd, groups));
+  for (i64 g0 = (i64)blockIdx.x * bd; g0 < groups; g0 += stride) {
+    const i64 g1 = min64(g0 + bd, groups);
+    simd_call(level, [&](auto L) HVD_INLINE { f(L, g0, g1); });
+  }
   host_block_done();
+  return true;
 }
 
-template <class Body, class... A>
-__attribute__((noinline)) void simd_call1(A... a) {
-  Body::template run<1>(a...);
+// The words of groups g .. g + cg - 1 from their codes (codes[8k + c]: code c of group g + k),
+// stored as store_group stores them.  Up to 4 bits a group's word fits 32 bits: the words are
+// built in a loop that vectorizes, then stored 4 bytes at a time in increasing order (the
+// bytes past a group's own are rewritten by the next group), the chunk's last group exactly
+// (its successor may belong to another block, written by another thread).
+template <int BITS>
+__forceinline__ void pack_store(const u32* __restrict__ codes, int cg, i64 g, i64 nbytes,
+                                unsigned char* __restrict__ out) {
+  if (BITS <= 4) {
+    u32 words[HVD_BULK_GROUPS];
+    for (int k = 0; k < cg; ++k) {
+      u32 w = 0;
+      for (int c = 0; c < 8; ++c) w |= codes[8 * k + c] << (c * BITS);
+      words[k] = w;
+    }
+    int k = 0;
+    if ((g + cg - 1) * BITS + 4 <= nbytes) {
+      for (; k < cg - 1; ++k) __builtin_memcpy(out + (g + k) * BITS, &words[k], 4);
+    }
+    for (; k < cg; ++k) store_group<BITS>(out, g + k, nbytes, words[k]);
+  } else {
+    for (int k = 0; k < cg; ++k) {
+      u64 word = 0;
+      HVD_UNROLL8
+      for (int c = 0; c < 8; ++c) word |= (u64)codes[8 * k + c] << (c * BITS);
+      store_group<BITS>(out, g + k, nbytes, word);
+    }
+  }
 }
-#if defined(HVD_HOST_X86)
-template <class Body, class... A>
-HVD_TARGET_AVX2 __attribute__((noinline)) void simd_call2(A... a) {
-  Body::template run<2>(a...);
-}
-template <class Body, class... A>
-HVD_TARGET_AVX512 __attribute__((noinline)) void simd_call3(A... a) {
-  Body::template run<3>(a...);
-}
-#endif
 
-template <class Body, class... A>
-inline void simd_call(int level, A... a) {
-#if defined(HVD_HOST_X86)
-  if (level >= 3) return simd_call3<Body>(a...);
-  if (level == 2) return simd_call2<Body>(a...);
-#endif
-  (void)level;
-  simd_call1<Body>(a...);
+// The codes of groups g .. g + cg - 1 (codes[8k + c]: code c of group g + k), read as
+// load_group reads them (up to 4 bits: whole 4-byte words, except where one would run past
+// the stream's end).
+template <int BITS>
+__forceinline__ void load_unpack(const unsigned char* __restrict__ packed, int cg, i64 g,
+                                 i64 nbytes, u32* __restrict__ codes) {
+  constexpr u32 CODE_MASK = (1u << BITS) - 1u;
+  if (BITS <= 4) {
+    u32 words[HVD_BULK_GROUPS];
+    int k = 0;
+    for (; k < cg && (g + k) * BITS + 4 <= nbytes; ++k)
+      __builtin_memcpy(&words[k], packed + (g + k) * BITS, 4);
+    for (; k < cg; ++k) words[k] = (u32)load_group<BITS>(packed, g + k, nbytes);
+    for (int e = 0; e < 8 * cg; ++e) codes[e] = (words[e >> 3] >> ((e & 7) * BITS)) & CODE_MASK;
+  } else {
+    for (int k = 0; k < cg; ++k) {
+      const u64 word = load_group<BITS>(packed, g + k, nbytes);
+      HVD_UNROLL8
+      for (int c = 0; c < 8; ++c) codes[8 * k + c] = (u32)(word >> (c * BITS)) & CODE_MASK;
+    }
+  }
+}
+
+// Calls run(s, len, b) for the runs [s, s + len) of coordinates e0 <= s < e1 that lie in one
+// bucket b (of bucket_size coordinates).
+template <class Run>
+__forceinline__ void bucket_runs(i64 e0, i64 e1, i64 bucket_size, Run&& run) {
+  for (i64 s = e0; s < e1;) {
+    const i64 b = s / bucket_size;
+    const i64 t = min64(e1, (b + 1) * bucket_size);
+    run(s, (int)(t - s), b);
+    s = t;
+  }
+}
+
+// The encoders: groups [g0, g1) of a BITS-bit packed stream of n codes; coordinate i takes
+// Philox word i (blocks 2g, 2g + 1 for group g).  code_run(s, len, b, ws, cs) fills cs[k]
+// with the code of coordinate s + k (k < len, all in bucket b), ws[k] its Philox word.
+template <int BITS, int SIMD, class CodeRun>
+__forceinline__ void bulk_encode(i64 n, i64 bucket_size, u32 seed, u32 rank, u32 tensor_id,
+                                 u32 step, unsigned char* __restrict__ out, i64 g0, i64 g1,
+                                 CodeRun&& code_run) {
+  constexpr int CG = HVD_BULK_GROUPS;
+  const i64 nbytes = (n * BITS + 7) / 8;
+  u32 words[8 * CG];
+  u32 codes[8 * CG];
+  for (i64 g = g0; g < g1; g += CG) {
+    const int cg = (int)min64(CG, g1 - g);
+    philox_words<SIMD>(2 * (u64)g, 2 * cg, seed, rank, tensor_id, step, words);
+    const i64 e0 = 8 * g;
+    const i64 e1 = min64(8 * (g + cg), n);
+    bucket_runs(e0, e1, bucket_size, [&](i64 s, int len, i64 b) HVD_INLINE {
+      code_run(s, len, b, (const u32*)words + (s - e0), codes + (s - e0));
+    });
+    for (i64 e = e1; e < 8 * (g + cg); ++e) codes[e - e0] = 0;   // past the end: no code
+    pack_store<BITS>(codes, cg, g, nbytes, out);
+  }
+}
+
+// The decoders: groups [g0, g1) of a BITS-bit packed stream of n codes.
+// value_run(s, len, b, cs, ws) gets the codes cs[k] of coordinates s + k (k < len, all in
+// bucket b) and, if WORDS, their Philox words ws[k] (else ws is null).
+template <int BITS, int SIMD, bool WORDS, class ValueRun>
+__forceinline__ void bulk_decode(const unsigned char* __restrict__ packed, i64 n,
+                                 i64 bucket_size, u32 seed, u32 rank, u32 tensor_id, u32 step,
+                                 i64 g0, i64 g1, ValueRun&& value_run) {
+  constexpr int CG = HVD_BULK_GROUPS;
+  const i64 nbytes = (n * BITS + 7) / 8;
+  u32 words[WORDS ? 8 * CG : 1];
+  u32 codes[8 * CG];
+  for (i64 g = g0; g < g1; g += CG) {
+    const int cg = (int)min64(CG, g1 - g);
+    if (WORDS) philox_words<SIMD>(2 * (u64)g, 2 * cg, seed, rank, tensor_id, step, words);
+    load_unpack<BITS>(packed, cg, g, nbytes, codes);
+    const i64 e0 = 8 * g;
+    bucket_runs(e0, min64(8 * (g + cg), n), bucket_size, [&](i64 s, int len, i64 b) HVD_INLINE {
+      value_run(s, len, b, (const u32*)codes + (s - e0),
+                WORDS ? (const u32*)words + (s - e0) : (const u32*)nullptr);
+    });
+  }
 }
 #endif  // HVD_HOST_BUILD
 

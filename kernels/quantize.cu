@@ -26,14 +26,16 @@ namespace hvd {
 
 #if defined(HVD_HOST_BUILD)
 // Host bulk path of the norm kernels: buckets b0, b0 + bstep, ... < nb, each as the kernel
-// below computes it (the partials of every thread, then block_reduce's tree), by thread 0.
+// computes it (the partials of every thread, then block_reduce's tree), all by thread 0.
 template <bool L2>
-struct BucketNormsBulk {
-  template <int SIMD>
-  static __forceinline__ void run(const float* __restrict__ x, i64 n, i64 bucket_size,
-                                  float* __restrict__ norms, i64 b0, i64 bstep, int stride) {
-    const i64 nb = (n + bucket_size - 1) / bucket_size;
-    for (i64 b = b0; b < nb; b += bstep) {
+inline bool bucket_norms_bulk(const float* __restrict__ x, i64 n, i64 bucket_size,
+                              float* __restrict__ norms) {
+  const int level = hvd_host::simd_level();
+  if (!level) return false;
+  const int stride = (int)blockDim.x;
+  const i64 nb = (n + bucket_size - 1) / bucket_size;
+  simd_call(level, [&](auto) HVD_INLINE {
+    for (i64 b = blockIdx.x; b < nb; b += gridDim.x) {
       const i64 base = b * bucket_size;
       const i64 len = min64(bucket_size, n - base);
       if (L2) {
@@ -46,8 +48,10 @@ struct BucketNormsBulk {
         norms[b] = tree_reduce(MaxNanOp(), v, (u32)stride);
       }
     }
-  }
-};
+  });
+  host_block_done();
+  return true;
+}
 #endif
 
 // ---- per-thread work: one coordinate ------------------------------------------------------
@@ -149,75 +153,6 @@ __device__ __forceinline__ u64 quantize_group(const float* __restrict__ x, i64 n
   return word;
 }
 
-#if defined(HVD_HOST_BUILD)
-// Host: the words of groups g .. g + cg - 1 from their codes (codes[8k + c]: code c of group
-// g + k), stored as store_group stores them.  Up to 4 bits a group's word fits 32 bits: the
-// words are built in a loop that vectorizes, then stored 4 bytes at a time in increasing
-// order (the bytes past a group's own are rewritten by the next group), the chunk's last
-// group exactly (its successor may belong to another block, written by another thread).
-template <int BITS, int CG>
-__forceinline__ void pack_store(const u32* __restrict__ codes, int cg, i64 g, i64 nbytes,
-                                unsigned char* __restrict__ out) {
-  if (BITS <= 4) {
-    u32 words[CG];
-    for (int k = 0; k < cg; ++k) {
-      u32 w = 0;
-      for (int c = 0; c < 8; ++c) w |= codes[8 * k + c] << (c * BITS);
-      words[k] = w;
-    }
-    int k = 0;
-    if ((g + cg - 1) * BITS + 4 <= nbytes) {
-      for (; k < cg - 1; ++k) __builtin_memcpy(out + (g + k) * BITS, &words[k], 4);
-    }
-    for (; k < cg; ++k) store_group<BITS>(out, g + k, nbytes, words[k]);
-  } else {
-    for (int k = 0; k < cg; ++k) {
-      u64 word = 0;
-      HVD_UNROLL8
-      for (int c = 0; c < 8; ++c) word |= (u64)codes[8 * k + c] << (c * BITS);
-      store_group<BITS>(out, g + k, nbytes, word);
-    }
-  }
-}
-
-// Host bulk path (hvdcomp.cuh, section 5): groups [g0, g1) in chunks of CG groups; per chunk
-// the Philox words in one call, quantize_one over each run of coordinates of one bucket (a
-// loop the compiler vectorizes), then the codes packed and stored as quantize_pack_loop does.
-template <int BITS>
-struct QuantizePackBulk {
-  template <int SIMD>
-  static __forceinline__ void run(const float* __restrict__ x, i64 n,
-                                  const float* __restrict__ norms, i64 bucket_size,
-                                  const float* __restrict__ levels, u32 seed, u32 rank,
-                                  u32 tensor_id, u32 step, unsigned char* __restrict__ out,
-                                  i64 g0, i64 g1) {
-    constexpr int CG = 32;                     // 256 coordinates, 64 Philox blocks
-    const i64 nbytes = (n * BITS + 7) / 8;
-    u32 words[8 * CG];
-    u32 codes[8 * CG];
-    for (i64 g = g0; g < g1; g += CG) {
-      const int cg = (int)min64(CG, g1 - g);
-      philox_words<SIMD>(2 * (u64)g, 2 * cg, seed, rank, tensor_id, step, words);
-      const i64 e0 = 8 * g;
-      const i64 e1 = min64(8 * (g + cg), n);
-      for (i64 s = e0; s < e1;) {              // runs of one bucket
-        const i64 b = s / bucket_size;
-        const i64 t = min64(e1, (b + 1) * bucket_size);
-        const float norm = norms[b];
-        const float* __restrict__ xs = x + s;
-        const u32* __restrict__ ws = words + (s - e0);
-        u32* __restrict__ cs = codes + (s - e0);
-        const int len = (int)(t - s);
-        for (int i = 0; i < len; ++i) cs[i] = quantize_one<BITS>(xs[i], norm, levels, uniform01(ws[i]));
-        s = t;
-      }
-      for (i64 e = e1; e < 8 * (g + cg); ++e) codes[e - e0] = 0;   // past the end: no code
-      pack_store<BITS, CG>(codes, cg, g, nbytes, out);
-    }
-  }
-};
-#endif
-
 template <int BITS>
 __device__ inline void quantize_pack_loop(const float* __restrict__ x, i64 n,
                                           const float* __restrict__ norms, i64 bucket_size,
@@ -227,13 +162,20 @@ __device__ inline void quantize_pack_loop(const float* __restrict__ x, i64 n,
   const i64 groups = (n + 7) / 8;
   const i64 nbytes = (n * BITS + 7) / 8;
 #if defined(HVD_HOST_BUILD)
-  if (const int simd = hvd_host::simd_level()) {
-    host_block_groups(groups, [&](i64 g0, i64 g1) {
-      simd_call<QuantizePackBulk<BITS>>(simd, x, n, norms, bucket_size, levels, seed, rank,
-                                        tensor_id, step, out, g0, g1);
-    });
+  // host bulk path (hvdcomp.cuh, section 5): quantize_one over runs of one bucket
+  if (host_bulk_groups(groups, [&](auto L, i64 g0, i64 g1) HVD_INLINE {
+        bulk_encode<BITS, decltype(L)::value>(
+            n, bucket_size, seed, rank, tensor_id, step, out, g0, g1,
+            [&](i64 s, int len, i64 b, const u32* __restrict__ ws, u32* __restrict__ cs)
+                HVD_INLINE {
+                  const float* __restrict__ xs = x + s;
+                  const float* __restrict__ lv = levels;
+                  const float norm = norms[b];
+                  for (int i = 0; i < len; ++i)
+                    cs[i] = quantize_one<BITS>(xs[i], norm, lv, uniform01(ws[i]));
+                });
+      }))
     return;
-  }
 #endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
     const u64 word = quantize_group<BITS>(x, n, norms, bucket_size, levels, seed, rank,
@@ -280,69 +222,38 @@ __device__ __forceinline__ void dequantize_add_group(u64 word, i64 n,
 }
 
 #if defined(HVD_HOST_BUILD)
-// Host: the codes of groups g .. g + cg - 1 (codes[8k + c]: code c of group g + k), read as
-// load_group reads them (whole 4-byte words up to 4 bits, except where they would run past
-// the stream's end).
-template <int BITS, int CG>
-__forceinline__ void load_unpack(const unsigned char* __restrict__ packed, int cg, i64 g,
-                                 i64 nbytes, u32* __restrict__ codes) {
-  constexpr u32 CODE_MASK = (1u << BITS) - 1u;
-  if (BITS <= 4) {
-    u32 words[CG];
-    int k = 0;
-    for (; k < cg && (g + k) * BITS + 4 <= nbytes; ++k)
-      __builtin_memcpy(&words[k], packed + (g + k) * BITS, 4);
-    for (; k < cg; ++k) words[k] = (u32)load_group<BITS>(packed, g + k, nbytes);
-    for (int e = 0; e < 8 * cg; ++e) codes[e] = (words[e >> 3] >> ((e & 7) * BITS)) & CODE_MASK;
-  } else {
-    for (int k = 0; k < cg; ++k) {
-      const u64 word = load_group<BITS>(packed, g + k, nbytes);
-      HVD_UNROLL8
-      for (int c = 0; c < 8; ++c) codes[8 * k + c] = (u32)(word >> (c * BITS)) & CODE_MASK;
-    }
-  }
-}
-
 // Host bulk path of dequantize_add(_many)_loop: groups [g0, g1) in chunks; per chunk every
 // message's codes are unpacked and added into out (message order, as the device code), each
 // coordinate as dequantize_add_group computes it, in loops that vectorize.
-template <int BITS>
-struct DequantizeAddBulk {
-  template <int SIMD>
-  static __forceinline__ void run(const unsigned char* const* packed, const float* const* norms,
-                                  int count, i64 n, i64 bucket_size,
-                                  const float* __restrict__ levels, float* __restrict__ out,
-                                  i64 g0, i64 g1) {
-    constexpr int CG = 32;
-    constexpr u32 INDEX_MASK = (1u << (BITS - 1)) - 1u;
-    constexpr int COUNT = 1 << (BITS - 1);
-    const i64 nbytes = (n * BITS + 7) / 8;
-    u32 codes[8 * CG];
-    for (i64 g = g0; g < g1; g += CG) {
-      const int cg = (int)min64(CG, g1 - g);
-      const i64 e0 = 8 * g;
-      const i64 e1 = min64(8 * (g + cg), n);
-      for (int m = 0; m < count; ++m) {
-        load_unpack<BITS, CG>(packed[m], cg, g, nbytes, codes);
-        const float* __restrict__ nm = norms[m];
-        for (i64 s = e0; s < e1;) {              // runs of one bucket
-          const i64 b = s / bucket_size;
-          const i64 t = min64(e1, (b + 1) * bucket_size);
-          const float norm = nm[b];
-          const u32* __restrict__ cs = codes + (s - e0);
-          float* __restrict__ os = out + s;
-          const int len = (int)(t - s);
-          for (int i = 0; i < len; ++i) {
-            const u32 code = cs[i];
-            const float v = table_at<COUNT>(levels, (int)(code & INDEX_MASK)) * norm;
-            os[i] = os[i] + negate_if(v, code >> (BITS - 1));   // where(neg, -v, v)
-          }
-          s = t;
+template <int BITS, int SIMD>
+__forceinline__ void dequantize_add_bulk(const unsigned char* const* packed,
+                                         const float* const* norms, int count, i64 n,
+                                         i64 bucket_size, const float* __restrict__ levels,
+                                         float* __restrict__ out, i64 g0, i64 g1) {
+  constexpr int CG = HVD_BULK_GROUPS;
+  constexpr u32 INDEX_MASK = (1u << (BITS - 1)) - 1u;
+  constexpr int COUNT = 1 << (BITS - 1);
+  const i64 nbytes = (n * BITS + 7) / 8;
+  u32 codes[8 * CG];
+  for (i64 g = g0; g < g1; g += CG) {
+    const int cg = (int)min64(CG, g1 - g);
+    const i64 e0 = 8 * g;
+    for (int m = 0; m < count; ++m) {
+      load_unpack<BITS>(packed[m], cg, g, nbytes, codes);
+      const float* __restrict__ nm = norms[m];
+      bucket_runs(e0, min64(8 * (g + cg), n), bucket_size, [&](i64 s, int len, i64 b) HVD_INLINE {
+        const u32* __restrict__ cs = codes + (s - e0);
+        float* __restrict__ os = out + s;
+        const float norm = nm[b];
+        for (int i = 0; i < len; ++i) {
+          const u32 code = cs[i];
+          const float v = table_at<COUNT>(levels, (int)(code & INDEX_MASK)) * norm;
+          os[i] = os[i] + negate_if(v, code >> (BITS - 1));   // where(neg, -v, v)
         }
-      }
+      });
     }
   }
-};
+}
 #endif
 
 template <int BITS>
@@ -353,16 +264,13 @@ __device__ inline void dequantize_add_loop(const unsigned char* __restrict__ pac
   const i64 groups = (n + 7) / 8;
   const i64 nbytes = (n * BITS + 7) / 8;
 #if defined(HVD_HOST_BUILD)
-  if (const int simd = hvd_host::simd_level()) {
-    const unsigned char* pk[1] = {packed};
-    const float* nm[1] = {norms};
-    host_block_groups(groups, [&](i64 g0, i64 g1) {
-      simd_call<DequantizeAddBulk<BITS>>(simd, (const unsigned char* const*)pk,
-                                         (const float* const*)nm, 1, n, bucket_size, levels,
-                                         out, g0, g1);
-    });
+  const unsigned char* pk[1] = {packed};
+  const float* nm[1] = {norms};
+  if (host_bulk_groups(groups, [&](auto L, i64 g0, i64 g1) HVD_INLINE {
+        dequantize_add_bulk<BITS, decltype(L)::value>(pk, nm, 1, n, bucket_size, levels, out,
+                                                      g0, g1);
+      }))
     return;
-  }
 #endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
     const u64 word = load_group<BITS>(packed, g, nbytes);
@@ -383,14 +291,12 @@ __device__ inline void dequantize_add_many_loop(const unsigned long long* __rest
   const i64 groups = (n + 7) / 8;
   const i64 nbytes = (n * BITS + 7) / 8;
 #if defined(HVD_HOST_BUILD)
-  if (const int simd = hvd_host::simd_level()) {
-    host_block_groups(groups, [&](i64 g0, i64 g1) {
-      simd_call<DequantizeAddBulk<BITS>>(
-          simd, (const unsigned char* const*)packed_ptrs, (const float* const*)norms_ptrs, count,
-          n, bucket_size, levels, out, g0, g1);
-    });
+  if (host_bulk_groups(groups, [&](auto L, i64 g0, i64 g1) HVD_INLINE {
+        dequantize_add_bulk<BITS, decltype(L)::value>(
+            (const unsigned char* const*)packed_ptrs, (const float* const*)norms_ptrs, count, n,
+            bucket_size, levels, out, g0, g1);
+      }))
     return;
-  }
 #endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
     for (int m = 0; m < count; ++m) {
@@ -415,13 +321,7 @@ extern "C" __global__ void hvd_bucket_norms_l2(const float* __restrict__ x, long
   if (!hvd::check_reduce_block()) return;
   const long long nb = (n + bucket_size - 1) / bucket_size;
 #if defined(HVD_HOST_BUILD)
-  if (const int simd = hvd_host::simd_level()) {   // thread 0 does the block's buckets
-    hvd::simd_call<hvd::BucketNormsBulk<true>>(simd, x, n, bucket_size, norms,
-                                               (long long)blockIdx.x, (long long)gridDim.x,
-                                               (int)blockDim.x);
-    hvd::host_block_done();
-    return;
-  }
+  if (hvd::bucket_norms_bulk<true>(x, n, bucket_size, norms)) return;
 #endif
   for (long long b = blockIdx.x; b < nb; b += gridDim.x) {
     const long long base = b * bucket_size;
@@ -441,13 +341,7 @@ extern "C" __global__ void hvd_bucket_norms_linf(const float* __restrict__ x, lo
   if (!hvd::check_reduce_block()) return;
   const long long nb = (n + bucket_size - 1) / bucket_size;
 #if defined(HVD_HOST_BUILD)
-  if (const int simd = hvd_host::simd_level()) {
-    hvd::simd_call<hvd::BucketNormsBulk<false>>(simd, x, n, bucket_size, norms,
-                                                (long long)blockIdx.x, (long long)gridDim.x,
-                                                (int)blockDim.x);
-    hvd::host_block_done();
-    return;
-  }
+  if (hvd::bucket_norms_bulk<false>(x, n, bucket_size, norms)) return;
 #endif
   for (long long b = blockIdx.x; b < nb; b += gridDim.x) {
     const long long base = b * bucket_size;
