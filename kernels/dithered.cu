@@ -38,7 +38,7 @@ __device__ __forceinline__ float dither_of(u32 word) { return uniform01(word) - 
 __device__ __forceinline__ int quantize_q(float x, float delta, float s, int M) {
   const float safe = delta > 0.0f ? delta : 1.0f;
   const float y = x / safe + s;
-  float q = floorf(y + 0.5f);
+  float q = floor_f32(y + 0.5f);
   const float fm = (float)M;
   q = q < -fm ? -fm : q;
   q = q > fm ? fm : q;
@@ -112,6 +112,24 @@ __device__ inline void quantize_pack_loop(const float* __restrict__ x, i64 n,
                                           u32 step, unsigned char* __restrict__ out) {
   const i64 groups = (n + 7) / 8;
   const i64 nbytes = (n * WIDTH + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  // host bulk path (hvdcomp.cuh, section 5): quantize_q over runs of one bucket
+  if (host_bulk_groups(groups, [&](auto L, i64 g0, i64 g1) HVD_INLINE {
+        bulk_encode<WIDTH, decltype(L)::value, true>(
+            n, bucket_size, seed, rank, tensor_id, step, out, g0, g1,
+            [&](i64 s, int len, i64 b, const u32* __restrict__ ws, u32* __restrict__ cs)
+                HVD_INLINE {
+                  constexpr u32 MASK = (1u << WIDTH) - 1u;
+                  const float* __restrict__ xs = x + s;
+                  const float d = delta[b];
+                  const int m = M;
+                  const int offset = nested ? 0 : M;
+                  for (int i = 0; i < len; ++i)
+                    cs[i] = (u32)(quantize_q(xs[i], d, dither_of(ws[i]), m) + offset) & MASK;
+                });
+      }))
+    return;
+#endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
     store_group<WIDTH>(out, g, nbytes,
                        quantize_group<WIDTH>(x, n, delta, bucket_size, M, nested, seed, rank,
@@ -266,6 +284,20 @@ __device__ inline void decode_add_loop(const unsigned char* __restrict__ packed,
   constexpr int M = (1 << (BITS - 1)) - 1;
   const i64 groups = (n + 7) / 8;
   const i64 nbytes = (n * BITS + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  if (host_bulk_groups(groups, [&](auto L, i64 g0, i64 g1) HVD_INLINE {
+        bulk_decode<BITS, decltype(L)::value, true>(
+            packed, n, bucket_size, seed, rank, tensor_id, step, g0, g1,
+            [&](i64 s, int len, i64 b, const u32* __restrict__ cs, const u32* __restrict__ ws)
+                HVD_INLINE {
+                  float* __restrict__ os = out + s;
+                  const float d = delta[b];
+                  for (int i = 0; i < len; ++i)
+                    os[i] = os[i] + reconstruct(d, (int)cs[i] - M, dither_of(ws[i]));
+                });
+      }))
+    return;
+#endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
     const u64 word = load_group<BITS>(packed, g, nbytes);
     const Philox4 ra = philox_block(2 * g, seed, rank, tensor_id, step);

@@ -282,6 +282,33 @@ __device__ __forceinline__ float bits_float(u32 b) {
 #endif
 }
 
+// floorf / floor, bit for bit for every input (signed zeros, infinities and NaN included).
+// The GPU calls them.  The host rounds to an integer by adding and subtracting 2^23 (2^52):
+// one rounding, exact, to an integer next to y whatever the rounding mode, corrected to the
+// one below; the sign of a zero result is y's.  This form vectorizes (GCC vectorizes the
+// library floor only without -ftrapping-math).  |y| >= 2^23 (2^52), inf, NaN: y itself.
+__device__ __forceinline__ float floor_f32(float y) {
+#if defined(HVD_HOST_BUILD)
+  const float big = 8388608.0f;
+  const float r = y < 0.0f ? (y - big) + big : (y + big) - big;
+  const float f = r > y ? r - 1.0f : r;
+  return fabsf(y) < big ? copysignf(f, y) : y;
+#else
+  return floorf(y);
+#endif
+}
+
+__device__ __forceinline__ double floor_f64(double y) {
+#if defined(HVD_HOST_BUILD)
+  const double big = 4503599627370496.0;
+  const double r = y < 0.0 ? (y - big) + big : (y + big) - big;
+  const double f = r > y ? r - 1.0 : r;
+  return fabs(y) < big ? copysign(f, y) : y;
+#else
+  return floor(y);
+#endif
+}
+
 // -v when neg is 1, v when 0: IEEE negation is a flip of the sign bit, done here on the bits
 // so that no data-dependent branch is taken (random signs mispredict half the time).
 __device__ __forceinline__ float negate_if(float v, u32 neg) {
@@ -644,6 +671,25 @@ __forceinline__ void load_unpack(const unsigned char* __restrict__ packed, int c
   }
 }
 
+// out[k] = conv(word of Philox stream index first + k) for k < count (random.cu's kernels).
+template <int SIMD, class T, class Conv>
+__forceinline__ void bulk_stream(i64 first, i64 count, u32 seed, u32 rank, u32 tensor_id,
+                                 u32 step, T* __restrict__ out, Conv&& conv) {
+  constexpr int NB = 2 * HVD_BULK_GROUPS;
+  u32 words[4 * NB];
+  for (i64 k = 0; k < count;) {
+    const i64 index = first + k;
+    const int skip = (int)(index % 4);
+    const int take = (int)min64(4 * NB - skip, count - k);
+    philox_words<SIMD>((u64)(index / 4), (skip + take + 3) / 4, seed, rank, tensor_id, step,
+                       words);
+    T* __restrict__ o = out + k;
+    const u32* __restrict__ w = words + skip;
+    for (int j = 0; j < take; ++j) o[j] = conv(w[j]);
+    k += take;
+  }
+}
+
 // Calls run(s, len, b) for the runs [s, s + len) of coordinates e0 <= s < e1 that lie in one
 // bucket b (of bucket_size coordinates).
 template <class Run>
@@ -656,24 +702,26 @@ __forceinline__ void bucket_runs(i64 e0, i64 e1, i64 bucket_size, Run&& run) {
   }
 }
 
-// The encoders: groups [g0, g1) of a BITS-bit packed stream of n codes; coordinate i takes
-// Philox word i (blocks 2g, 2g + 1 for group g).  code_run(s, len, b, ws, cs) fills cs[k]
-// with the code of coordinate s + k (k < len, all in bucket b), ws[k] its Philox word.
-template <int BITS, int SIMD, class CodeRun>
+// The encoders: groups [g0, g1) of a BITS-bit packed stream of n codes.
+// code_run(s, len, b, ws, cs) fills cs[k] with the code of coordinate s + k (k < len, all in
+// bucket b); if WORDS, ws[k] is its Philox word (coordinate i takes word i: blocks 2g, 2g + 1
+// for group g), else ws is null.
+template <int BITS, int SIMD, bool WORDS, class CodeRun>
 __forceinline__ void bulk_encode(i64 n, i64 bucket_size, u32 seed, u32 rank, u32 tensor_id,
                                  u32 step, unsigned char* __restrict__ out, i64 g0, i64 g1,
                                  CodeRun&& code_run) {
   constexpr int CG = HVD_BULK_GROUPS;
   const i64 nbytes = (n * BITS + 7) / 8;
-  u32 words[8 * CG];
+  u32 words[WORDS ? 8 * CG : 1];
   u32 codes[8 * CG];
   for (i64 g = g0; g < g1; g += CG) {
     const int cg = (int)min64(CG, g1 - g);
-    philox_words<SIMD>(2 * (u64)g, 2 * cg, seed, rank, tensor_id, step, words);
+    if (WORDS) philox_words<SIMD>(2 * (u64)g, 2 * cg, seed, rank, tensor_id, step, words);
     const i64 e0 = 8 * g;
     const i64 e1 = min64(8 * (g + cg), n);
     bucket_runs(e0, e1, bucket_size, [&](i64 s, int len, i64 b) HVD_INLINE {
-      code_run(s, len, b, (const u32*)words + (s - e0), codes + (s - e0));
+      code_run(s, len, b, WORDS ? (const u32*)words + (s - e0) : (const u32*)nullptr,
+               codes + (s - e0));
     });
     for (i64 e = e1; e < 8 * (g + cg); ++e) codes[e - e0] = 0;   // past the end: no code
     pack_store<BITS>(codes, cg, g, nbytes, out);

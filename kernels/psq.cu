@@ -48,8 +48,8 @@ __device__ __forceinline__ double grid_pos(float x, const Row& row, double L) {
 // index = floor(r) + (u < r - floor(r)).
 __device__ __forceinline__ u32 code_of(float x, const Row& row, double L, float u) {
   const double r = grid_pos(x, row, L);
-  const double f = floor(r);
-  return (u32)f + ((double)u < r - f ? 1u : 0u);
+  const double f = floor_f64(r);
+  return (u32)(int)f + ((double)u < r - f ? 1u : 0u);   // 0 <= f <= L < 2^31
 }
 
 // Codes of coordinates 8g .. 8g+7 (those < n), code k at bits [k*BITS, (k+1)*BITS).
@@ -94,6 +94,22 @@ __device__ inline void quantize_pack_loop(const float* __restrict__ x, i64 n, i6
                                           unsigned char* __restrict__ out) {
   const i64 groups = (n + 7) / 8;
   const i64 nbytes = (n * BITS + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  // host bulk path (hvdcomp.cuh, section 5): code_of over runs of one row
+  if (host_bulk_groups(groups, [&](auto L, i64 g0, i64 g1) HVD_INLINE {
+        bulk_encode<BITS, decltype(L)::value, true>(
+            n, D, seed, rank, tensor_id, step, out, g0, g1,
+            [&](i64 s, int len, i64 row, const u32* __restrict__ ws, u32* __restrict__ cs)
+                HVD_INLINE {
+                  const double Lv = (double)((1 << BITS) - 1);
+                  const float* __restrict__ xs = x + s;
+                  const Row rw = row_of(lohi, row);
+                  for (int i = 0; i < len; ++i)
+                    cs[i] = code_of(xs[i], rw, Lv, uniform01(ws[i]));
+                });
+      }))
+    return;
+#endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
     store_group<BITS>(out, g, nbytes,
                       quantize_group<BITS>(x, n, D, lohi, seed, rank, tensor_id, step, g));
@@ -109,6 +125,19 @@ __device__ inline void dequantize_add_loop(const unsigned char* __restrict__ pac
   constexpr u32 MASK = (1u << BITS) - 1u;
   const i64 groups = (n + 7) / 8;
   const i64 nbytes = (n * BITS + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  if (host_bulk_groups(groups, [&](auto L, i64 g0, i64 g1) HVD_INLINE {
+        bulk_decode<BITS, decltype(L)::value, false>(
+            packed, n, D, 0u, 0u, 0u, 0u, g0, g1,
+            [&](i64 s, int len, i64 row, const u32* __restrict__ cs, const u32*) HVD_INLINE {
+              float* __restrict__ os = out + s;
+              const double lo = (double)lohi[2 * row];
+              const double st = steps[row];
+              for (int i = 0; i < len; ++i) os[i] = os[i] + (float)(lo + (double)cs[i] * st);
+            });
+      }))
+    return;
+#endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
     const u64 word = load_group<BITS>(packed, g, nbytes);
     const i64 i0 = 8 * g;

@@ -164,7 +164,7 @@ __device__ inline void quantize_pack_loop(const float* __restrict__ x, i64 n,
 #if defined(HVD_HOST_BUILD)
   // host bulk path (hvdcomp.cuh, section 5): quantize_one over runs of one bucket
   if (host_bulk_groups(groups, [&](auto L, i64 g0, i64 g1) HVD_INLINE {
-        bulk_encode<BITS, decltype(L)::value>(
+        bulk_encode<BITS, decltype(L)::value, true>(
             n, bucket_size, seed, rank, tensor_id, step, out, g0, g1,
             [&](i64 s, int len, i64 b, const u32* __restrict__ ws, u32* __restrict__ cs)
                 HVD_INLINE {

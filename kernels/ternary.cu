@@ -449,6 +449,22 @@ extern "C" __global__ void hvd_terngrad_pack(const float* __restrict__ x, long l
                                              unsigned char* __restrict__ out) {
   const long long groups = (n + 7) / 8;
   const long long nbytes = (n * 2 + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  // host bulk path (hvdcomp.cuh, section 5): terngrad_code over runs of one bucket
+  if (hvd::host_bulk_groups(groups, [&](auto L, long long g0, long long g1) HVD_INLINE {
+        hvd::bulk_encode<2, decltype(L)::value, true>(
+            n, bs, seed, rank, tensor_id, step, out, g0, g1,
+            [&](long long s, int len, long long b, const hvd::u32* __restrict__ ws,
+                hvd::u32* __restrict__ cs) HVD_INLINE {
+              const float* __restrict__ xs = x + s;
+              const float sc = scales[b];
+              const float t = T;
+              for (int i = 0; i < len; ++i)
+                cs[i] = hvd::terngrad_code(xs[i], sc, t, hvd::uniform01(ws[i]));
+            });
+      }))
+    return;
+#endif
   for (long long g = hvd::global_thread(); g < groups; g += hvd::grid_threads()) {
     const hvd::u32 word = hvd::terngrad_group(x, n, scales, bs, T, seed, rank, tensor_id, step, g);
     hvd::store_group<2>(out, g, nbytes, (hvd::u64)word);
@@ -461,6 +477,19 @@ extern "C" __global__ void hvd_terngrad_decode_add(const unsigned char* __restri
                                                    long long bs, float* __restrict__ out) {
   const long long groups = (n + 7) / 8;
   const long long nbytes = (n * 2 + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  if (hvd::host_bulk_groups(groups, [&](auto L, long long g0, long long g1) HVD_INLINE {
+        hvd::bulk_decode<2, decltype(L)::value, false>(
+            packed, n, bs, 0u, 0u, 0u, 0u, g0, g1,
+            [&](long long s, int len, long long b, const hvd::u32* __restrict__ cs,
+                const hvd::u32*) HVD_INLINE {
+              float* __restrict__ os = out + s;
+              const float sc = scales[b];
+              for (int i = 0; i < len; ++i) os[i] = hvd::terngrad_add_one(os[i], cs[i], sc);
+            });
+      }))
+    return;
+#endif
   for (long long g = hvd::global_thread(); g < groups; g += hvd::grid_threads()) {
     const hvd::u32 word = (hvd::u32)hvd::load_group<2>(packed, g, nbytes);
     hvd::terngrad_decode_group(word, n, scales, bs, out, g);
@@ -554,6 +583,21 @@ extern "C" __global__ void hvd_signef_pack(const float* __restrict__ g, const fl
                                            const float* __restrict__ scales, long long bs,
                                            unsigned char* __restrict__ bits, float* e_out) {
   const long long groups = (n + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  // host bulk path: signef_one over runs of one bucket (e_out may be e: each coordinate is
+  // read, then written, in the same iteration)
+  if (hvd::host_bulk_groups(groups, [&](auto L, long long g0, long long g1) HVD_INLINE {
+        hvd::bulk_encode<1, decltype(L)::value, false>(
+            n, bs, 0u, 0u, 0u, 0u, bits, g0, g1,
+            [&](long long s, int len, long long b, const hvd::u32*, hvd::u32* __restrict__ cs)
+                HVD_INLINE {
+                  const float sc = scales[b];
+                  for (int i = 0; i < len; ++i)
+                    cs[i] = hvd::signef_one(g, e, has_e, e_out, sc, s + i);
+                });
+      }))
+    return;
+#endif
   for (long long grp = hvd::global_thread(); grp < groups; grp += hvd::grid_threads()) {
     bits[grp] = (unsigned char)hvd::signef_group(g, e, has_e, n, scales, bs, e_out, grp);
   }
@@ -564,6 +608,19 @@ extern "C" __global__ void hvd_signef_decode_add(const unsigned char* __restrict
                                                  long long n, const float* __restrict__ scales,
                                                  long long bs, float* __restrict__ out) {
   const long long groups = (n + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  if (hvd::host_bulk_groups(groups, [&](auto L, long long g0, long long g1) HVD_INLINE {
+        hvd::bulk_decode<1, decltype(L)::value, false>(
+            bits, n, bs, 0u, 0u, 0u, 0u, g0, g1,
+            [&](long long s, int len, long long b, const hvd::u32* __restrict__ cs,
+                const hvd::u32*) HVD_INLINE {
+              float* __restrict__ os = out + s;
+              const float sc = scales[b];
+              for (int i = 0; i < len; ++i) os[i] = os[i] + hvd::negate_if(sc, cs[i]);
+            });
+      }))
+    return;
+#endif
   for (long long grp = hvd::global_thread(); grp < groups; grp += hvd::grid_threads()) {
     hvd::signef_decode_group((hvd::u32)bits[grp], n, scales, bs, out, grp);
   }
