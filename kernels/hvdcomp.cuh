@@ -633,10 +633,13 @@ __forceinline__ void pack_store(const u32* __restrict__ codes, int cg, i64 g, i6
       for (int c = 0; c < 8; ++c) w |= codes[8 * k + c] << (c * BITS);
       words[k] = w;
     }
+    // Group k's 4-byte store covers bytes [(g+k)*BITS, (g+k)*BITS + 4): whole stores only
+    // while those lie in this chunk's own bytes and in the stream (1, 2, 3 bits: the last
+    // 4, 2, 2 groups are stored exactly; 4 bits: none but past the stream's end).
+    const i64 limit = min64((g + cg) * BITS, nbytes);
     int k = 0;
-    if ((g + cg - 1) * BITS + 4 <= nbytes) {
-      for (; k < cg - 1; ++k) __builtin_memcpy(out + (g + k) * BITS, &words[k], 4);
-    }
+    for (; k < cg && (g + k) * BITS + 4 <= limit; ++k)
+      __builtin_memcpy(out + (g + k) * BITS, &words[k], 4);
     for (; k < cg; ++k) store_group<BITS>(out, g + k, nbytes, words[k]);
   } else {
     for (int k = 0; k < cg; ++k) {
