@@ -20,6 +20,11 @@ args)``; see hvdcomp/backends/_common.py).  Example::
                                               rank=0, tensor_id=0, step=0)
 
 Threads: ``set_num_threads(k)``; by default PyTorch's intra-op thread count at each call.
+SIMD: the element-wise kernels (quantizers, TernGrad, EF-SignSGD, PSQ, DQSG, Philox draws)
+have host-only bulk paths that do a whole block in one loop, with Philox4x32-10 in SSE2, AVX2
+or AVX-512 registers chosen at run time (kernels/hvdcomp.cuh, sections 1b and 5); the bits
+are those of the device code.  ``simd_level()`` / ``set_simd(level)`` read and set the level
+(0: the device code thread by thread).
 Environment: HVDCOMP_CACHE (cache root), HVDCOMP_KERNEL_DIR (the sources), CXX (compiler,
 default g++ or c++), HVDCOMP_HOST_CXXFLAGS (extra flags, e.g. -march=native; part of the
 cache key; -ffp-contract=off stays, so the results do not change).
@@ -43,7 +48,7 @@ import torch
 from ._common import HOST_SOURCES, KERNEL_SOURCE, SIGNATURES, kernel_dir, source_hash
 
 __all__ = ["backend", "set_num_threads", "get_num_threads", "library_path", "compile_command",
-           "load", "openmp_version", "is_available"]
+           "load", "openmp_version", "is_available", "simd_level", "max_simd", "set_simd"]
 
 ABI_VERSION = 1
 # -ffp-contract=off: no a*b+c fused into one rounding (the GPU build uses --fmad=false).
@@ -187,6 +192,9 @@ def load():
                                         ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
         lib.hvd_host_last_error.restype = ctypes.c_char_p
         lib.hvd_host_openmp.restype = ctypes.c_int
+        for f in (lib.hvd_host_simd, lib.hvd_host_max_simd, lib.hvd_host_set_simd):
+            f.restype = ctypes.c_int
+        lib.hvd_host_set_simd.argtypes = [ctypes.c_int]
         if lib.hvd_host_abi_version() != ABI_VERSION:
             raise RuntimeError(f"hvdcomp host library ABI {lib.hvd_host_abi_version()}, "
                                f"expected {ABI_VERSION}")
@@ -217,6 +225,33 @@ def is_available() -> bool:
 def openmp_version() -> int:
     """The _OPENMP date the library was built with, 0 if it runs blocks serially."""
     return load().hvd_host_openmp()
+
+
+SIMD_LEVELS = {0: "none (the device code, thread by thread)", 1: "baseline (x86-64: SSE2)",
+               2: "AVX2", 3: "AVX-512"}
+
+
+def simd_level() -> int:
+    """The instruction-set level of the element-wise kernels' host bulk paths in use:
+    0 none (every kernel runs its device code thread by thread, as the GPU does), 1 baseline
+    (SSE2 on x86-64, portable C++ elsewhere), 2 AVX2, 3 AVX-512 (kernels/host_shim.h).
+    Every level gives the same bits; the default is the best the CPU supports."""
+    return load().hvd_host_simd()
+
+
+def max_simd() -> int:
+    """The best level this CPU supports (see :func:`simd_level`)."""
+    return load().hvd_host_max_simd()
+
+
+def set_simd(level: Optional[int]) -> int:
+    """Use SIMD level ``min(level, max_simd())`` (None: the best) for later launches, in
+    every thread; returns the level now in use.  For tests and measurements: the results do
+    not depend on it.  Raises ValueError for a level outside 0..3."""
+    if level is not None and (not isinstance(level, int) or isinstance(level, bool)
+                              or not 0 <= level <= 3):
+        raise ValueError(f"SIMD level must be 0..3 or None, got {level!r}")
+    return load().hvd_host_set_simd(-1 if level is None else level)
 
 
 def set_num_threads(k: Optional[int]) -> None:
