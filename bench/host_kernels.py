@@ -7,9 +7,9 @@ two versions of the sources side by side in one process.
 Each version (``--old``: a git ref whose kernels/ is extracted, or a folder of sources;
 ``--new``: default the checkout's kernels/) is built with the host build's own flags
 (hvdcomp/backends/host.py: BASE_FLAGS + OpenMP + $HVDCOMP_HOST_CXXFLAGS) into a temporary
-folder and loaded with ctypes; the operations are hvdcomp's own launchers (the Ops of
-backends/_common.py and the k_<family> functions), given a launch object bound to that
-library.  For every operation the versions are timed alternately (old, new, old, new, ...),
+folder and loaded with ctypes; the operations are hvdcomp's own launchers (the kernel
+implementations of the ops in hvdcomp/ops, ``op.kernels(be, ...)``), given a launch object
+bound to that library.  For every operation the versions are timed alternately (old, new, old, new, ...),
 so that a busy neighbour slows both alike, and the median of --reps is reported, with the
 ratio old / new.  The outputs of the two versions are compared byte for byte.
 
@@ -42,7 +42,12 @@ import torch  # noqa: E402
 
 from hvdcomp import levels as L  # noqa: E402
 from hvdcomp.backends import _common, host  # noqa: E402
-from hvdcomp.backends import k_dithered, k_psq, k_ternary  # noqa: E402
+from hvdcomp.compressors.base import TensorKey  # noqa: E402
+from hvdcomp.ops import dithered as Dith  # noqa: E402
+from hvdcomp.ops import psq as P  # noqa: E402
+from hvdcomp.ops import quantize as Q  # noqa: E402
+from hvdcomp.ops import random as R  # noqa: E402
+from hvdcomp.ops import ternary as T  # noqa: E402
 
 _CTYPES = {"q": ctypes.c_longlong, "i": ctypes.c_int, "I": ctypes.c_uint,
            "f": ctypes.c_float, "d": ctypes.c_double}
@@ -112,7 +117,11 @@ class Lib:
         self.kernels = {lib.hvd_host_kernel_name(k).decode():
                         (k, lib.hvd_host_kernel_signature(k).decode())
                         for k in range(lib.hvd_host_kernel_count())}
-        self.ops = _common.Ops(self)
+        try:
+            lib.hvd_host_simd.restype = ctypes.c_int
+            self.simd = lib.hvd_host_simd()
+        except AttributeError:          # sources from before the SIMD bulk paths
+            self.simd = None
 
     def launch(self, kernel, grid, block, args):
         index, sig = self.kernels[kernel]
@@ -125,70 +134,81 @@ class Lib:
 
 
 def cases(n: int, ref: "Lib"):
-    """(name, fn(lib) -> output tensor(s)) for the timed operations; inputs made with ``ref``."""
+    """(name, fn(lib) -> output tensor(s)) for the timed operations; inputs made with ``ref``.
+    Each op allocates its output as hvdcomp does (torch.empty), except the decodes, which
+    add into one accumulator per (library, case)."""
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(n, generator=gen) * 1e-3
     key = dict(seed=1234, rank=1, tensor_id=3, step=5)
+    tk = TensorKey("w", 3, 5, 1, 4, 1234)
     bs = 8192
-    nb = (n + bs - 1) // bs
     lv4 = torch.tensor(L.uniform_levels(4), dtype=torch.float32)
     # ALQ-like non-uniform 3-bit table (the level search does not care about the values)
     lv3 = torch.tensor([0.0, 0.1, 0.35, 1.0], dtype=torch.float32)
-    ops = ref.ops
-    norms_l2 = ops.bucket_norms(x, bs, "l2")
-    norms_inf = ops.bucket_norms(x, bs, "linf")
-    p3 = ops.quantize_pack(x, norms_l2, lv3, 3, bs, **key)
-    p4 = ops.quantize_pack(x, norms_l2, lv4, 4, bs, **key)
-    msgs = [ops.quantize_pack(x, norms_l2, lv3, 3, bs, seed=1234, rank=r, tensor_id=3, step=5)
-            for r in range(4)]
+    norms_l2 = Q.bucket_norms.kernels(ref, x, bs, "l2")
+    norms_inf = Q.bucket_norms.kernels(ref, x, bs, "linf")
+    p3 = Q.quantize_pack.kernels(ref, x, norms_l2, lv3, 3, bs, **key)
+    p4 = Q.quantize_pack.kernels(ref, x, norms_l2, lv4, 4, bs, **key)
+    msgs = [Q.quantize_pack.kernels(ref, x, norms_l2, lv3, 3, bs, seed=1234, rank=r,
+                                    tensor_id=3, step=5) for r in range(4)]
     acc = torch.zeros(n)
-    thr = float(torch.tensor(2.5e-3, dtype=torch.float32))
-    scales_t = ops.bucket_norms(x.clamp(-thr, thr), bs, "linf")
-    delta = k_dithered.steps(ref, x, 4, bs)
+    scales_t, thr = T.terngrad_scales.reference(x, 2.5, bs)
+    tern = T.terngrad_pack.kernels(ref, x, scales_t, bs, thr, **key)
+    scales_s = T.signef_scales.reference(x, None, bs)
+    signs, _ = T.signef_pack.kernels(ref, x, None, scales_s, bs)
+    delta = Dith.bucket_steps.kernels(ref, x, 4, bs)
+    dq4 = Dith.dqsg_encode.kernels(ref, x, delta, 4, bs, tk)
     D = 512
-    lohi = k_psq.lohi_of(x[: (n // D) * D].view(-1, D))
-    xr = x[: (n // D) * D].contiguous()
-
+    xr = x[: (n // D) * D].view(-1, D)
+    lohi, ps4 = P.quantize_rows.kernels(ref, xr, 4, **key)
     bufs = {}
 
     def buf(lib, tag, like):
-        """One output buffer per (library, case), allocated once: page faults of a fresh
-        allocation would otherwise be timed too."""
+        """One accumulator per (library, case): it accumulates over the repetitions, and both
+        versions get the same number of calls, so they stay comparable bit for bit."""
         k = (id(lib), tag)
         if k not in bufs:
             bufs[k] = like.clone()
         return bufs[k]
 
-    def qp(lib, tag, norms, lv, bits):
-        out = buf(lib, tag, torch.empty(_common.packed_size(n, bits), dtype=torch.uint8))
-        return lib.ops.quantize_pack(x, norms, lv, bits, bs, out=out, **key)
+    def qp(lib, norms, lv, bits):
+        return Q.quantize_pack.kernels(lib, x, norms, lv, bits, bs, **key)
 
     def dq(lib, tag, packed, bits, lv):
-        # out accumulates over the repetitions: both versions get the same number of calls,
-        # so their buffers stay comparable bit for bit
-        return lib.ops.dequantize_add(packed, n, norms_l2, lv, bits, bs, buf(lib, tag, acc))
+        return Q.dequantize_add.kernels(lib, packed, n, norms_l2, lv, bits, bs,
+                                        buf(lib, tag, acc))
 
     def dqm(lib, tag):
-        return lib.ops.dequantize_add_many(msgs, n, [norms_l2] * 4, lv3, 3, bs,
-                                           buf(lib, tag, acc))
+        return Q.dequantize_add_many.kernels(lib, msgs, n, [norms_l2] * 4, lv3, 3, bs,
+                                             buf(lib, tag, acc))
 
     return [
-        ("bucket_norms l2 (bucket 8192)", lambda lib: lib.ops.bucket_norms(x, bs, "l2")),
-        ("quantize_pack 3 bits (ALQ/AMQ)", lambda lib: qp(lib, "q3", norms_l2, lv3, 3)),
-        ("quantize_pack 4 bits (QSGD/NUQSGD)", lambda lib: qp(lib, "q4", norms_l2, lv4, 4)),
-        ("quantize_pack 4 bits, linf norms (QSGDinf)",
-         lambda lib: qp(lib, "q4i", norms_inf, lv4, 4)),
+        ("bucket_norms l2 (bucket 8192)", lambda lib: Q.bucket_norms.kernels(lib, x, bs, "l2")),
+        ("bucket_norms linf (bucket 8192)",
+         lambda lib: Q.bucket_norms.kernels(lib, x, bs, "linf")),
+        ("quantize_pack 3 bits (ALQ/AMQ)", lambda lib: qp(lib, norms_l2, lv3, 3)),
+        ("quantize_pack 4 bits (QSGD/NUQSGD)", lambda lib: qp(lib, norms_l2, lv4, 4)),
+        ("quantize_pack 4 bits, linf norms (QSGDinf)", lambda lib: qp(lib, norms_inf, lv4, 4)),
         ("dequantize_add 3 bits", lambda lib: dq(lib, "d3", p3, 3, lv3)),
         ("dequantize_add 4 bits", lambda lib: dq(lib, "d4", p4, 4, lv4)),
         ("dequantize_add_many 3 bits, 4 messages (per message)", lambda lib: dqm(lib, "dm")),
-        ("terngrad_pack", lambda lib: k_ternary.terngrad_pack(lib, x, scales_t, bs, thr, **key)),
-        ("dqsg quantize_pack 4 bits",
-         lambda lib: k_dithered.quantize_pack(lib, x, delta, 4, bs, **key)),
-        ("psq quantize_pack 4 bits (rows of 512)",
-         lambda lib: k_psq.quantize_pack(lib, xr, D, lohi, 4, **key)),
+        ("terngrad_pack", lambda lib: T.terngrad_pack.kernels(lib, x, scales_t, bs, thr, **key)),
+        ("terngrad_decode_add", lambda lib: T.terngrad_decode_add.kernels(
+            lib, tern, n, scales_t, bs, buf(lib, "td", acc))),
+        ("signef_pack (no residual)",
+         lambda lib: T.signef_pack.kernels(lib, x, None, scales_s, bs)[0]),
+        ("signef_decode_add", lambda lib: T.signef_decode_add.kernels(
+            lib, signs, n, scales_s, bs, buf(lib, "sd", acc))),
+        ("dqsg encode 4 bits", lambda lib: Dith.dqsg_encode.kernels(lib, x, delta, 4, bs, tk)),
+        ("dqsg decode_add 4 bits", lambda lib: Dith.dqsg_decode_add.kernels(
+            lib, dq4, n, delta, 4, bs, buf(lib, "dd", acc), tk)),
+        ("psq quantize_rows 4 bits (rows of 512)",
+         lambda lib: P.quantize_rows.kernels(lib, xr, 4, **key)[1]),
+        ("psq dequantize_add 4 bits (rows of 512)", lambda lib: P.dequantize_add.kernels(
+            lib, ps4, xr.shape[0], D, lohi, 4, buf(lib, "pd", acc[: xr.numel()]))),
         ("random_words (Philox, int64 out)",
-         lambda lib: lib.ops.random_words(n, **{k: key[k] for k in
-                                                ("seed", "step", "rank", "tensor_id")})),
+         lambda lib: R.random_words.kernels(lib, n, **key)),
+        ("uniform (Philox, float32 out)", lambda lib: R.uniform.kernels(lib, n, **key)),
     ]
 
 
@@ -217,9 +237,9 @@ def main(argv=None) -> int:
         n = args.n
         print(f"# host kernels, n = {n:,}, {args.threads} thread(s), median of {args.reps}, "
               f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} CPUs; versions: " + ", ".join(
+              f"{os.cpu_count()} CPUs, torch {torch.__version__}; versions: " + ", ".join(
                   f"{nm} = {args.old if nm == 'old' else (args.new or 'kernels/')}"
-                  for nm, _ in versions))
+                  f" (SIMD level {lib.simd})" for (nm, _), (_, lib) in zip(versions, libs)))
         if len(libs) == 2:
             print("\n| operation | old ms | new ms | old GB/s | new GB/s | old / new | identical |")
             print("|---|---|---|---|---|---|---|")
