@@ -608,19 +608,8 @@ extern "C" __global__ void hvd_signef_decode_add(const unsigned char* __restrict
                                                  long long n, const float* __restrict__ scales,
                                                  long long bs, float* __restrict__ out) {
   const long long groups = (n + 7) / 8;
-#if defined(HVD_HOST_BUILD)
-  if (hvd::host_bulk_groups(groups, [&](auto L, long long g0, long long g1) HVD_INLINE {
-        hvd::bulk_decode<1, decltype(L)::value, false>(
-            bits, n, bs, 0u, 0u, 0u, 0u, g0, g1,
-            [&](long long s, int len, long long b, const hvd::u32* __restrict__ cs,
-                const hvd::u32*) HVD_INLINE {
-              float* __restrict__ os = out + s;
-              const float sc = scales[b];
-              for (int i = 0; i < len; ++i) os[i] = os[i] + hvd::negate_if(sc, cs[i]);
-            });
-      }))
-    return;
-#endif
+  // (no host bulk path: one byte per group already, and a bulk version measured no faster,
+  // bench/results/host_kernels_cpu.md)
   for (long long grp = hvd::global_thread(); grp < groups; grp += hvd::grid_threads()) {
     hvd::signef_decode_group((hvd::u32)bits[grp], n, scales, bs, out, grp);
   }
