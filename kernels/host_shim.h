@@ -9,7 +9,7 @@
 //   * __shared__ is per OS thread (static thread_local): it persists from one thread of a
 //     block to the next, like shared memory, and is not initialized, like shared memory;
 //   * a thread may declare that it has done the work of its whole block (block_done, set by
-//     kernels/hvdcomp.cuh's host_block_groups): the block's later threads are then not run.
+//     kernels/hvdcomp.cuh's host_bulk_groups): the block's later threads are then not run.
 //     The host's bulk paths use this to process a block's elements in one loop that the
 //     compiler vectorizes, with Philox in SIMD registers (hvdcomp.cuh, section 1b).
 //

@@ -560,7 +560,8 @@ __device__ __forceinline__ i64 grid_threads() { return (i64)gridDim.x * (i64)blo
 //    per-coordinate arithmetic, the very __device__ functions the GPU runs (same operations,
 //    same order), sits in plain loops over the coordinates that the compiler vectorizes.  The
 //    output bits are the device code's; at hvd_host::simd_level() 0 every kernel runs its
-//    device code instead (the tests compare the two).
+//    device code instead (tests/kernels/test_host_simd.py runs every level against the
+//    PyTorch references).
 //
 //    The code inside is compiled once per SIMD level: simd_call(level, f) calls
 //    f(SimdLevel<level>()) from a function compiled for that level's instruction set, and f
