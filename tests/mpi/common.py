@@ -240,3 +240,18 @@ def assert_params(model, opt, want: Dict[str, torch.Tensor], where, atol: float 
                 (where, e.name, (p - want[e.name]).abs().max())
         else:
             assert torch.equal(p, want[e.name]), (where, e.name, (p - want[e.name]).abs().max())
+
+
+# --------------------------------------------------------------------------------------------
+# the scripts that are no assert scripts (worker_threads, worker_horovodrun, ...)
+# --------------------------------------------------------------------------------------------
+
+def say(rank, *a):
+    """Report success: print, and leave a file per rank for the test that started the
+    script to read (``$HVDCOMP_TEST_OUT/rank<r>.ok``)."""
+    msg = " ".join(str(x) for x in a)
+    print(f"[rank {rank}] {msg}", flush=True)
+    out = os.environ.get("HVDCOMP_TEST_OUT")
+    if out:
+        with open(os.path.join(out, f"rank{rank}.ok"), "w") as f:
+            f.write(msg)

@@ -14,7 +14,8 @@ import hvdcomp.torch as hvd
 
 SPEC = "qsgd:bits=4,bucket_size=64"
 TRANSPORTS = ["mpi", "horovod"]
-SPECS = [SPEC, "none"]                  # wire messages; Horovod's summed buffers
+SPECS = ["qsgd:bits=4,bucket_size=64", "none"]   # SPEC (wire messages); Horovod's sums
+assert SPECS[0] == SPEC
 SETTINGS = ["transport", "backward_passes_per_step", "op", "gradient_predivide_factor", "seed",
             "compression"]
 
