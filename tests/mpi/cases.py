@@ -40,7 +40,7 @@ import time
 import traceback
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["case", "run", "discover", "Report"]
+__all__ = ["case", "run", "registered", "discover", "Report"]
 
 _REGISTRY: List[Tuple[str, Callable, tuple]] = []
 
@@ -69,6 +69,12 @@ class _Case:
 
 
 case = _Case()
+
+
+def registered(module: str) -> List[Tuple[str, Callable, tuple]]:
+    """``(case id, function, values)`` of the cases the module named ``module`` declares, in
+    order (for a script that runs another worker's cases itself: ``fn(*values)``)."""
+    return [c for c in _REGISTRY if c[1].__module__ == module]
 
 
 # --------------------------------------------------------------------------------------------
