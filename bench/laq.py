@@ -1,4 +1,4 @@
-"""Reproduce seed 2 (LAQ, Sun, Chen, Giannakis, Yang, NeurIPS 2019, arXiv 1909.07588).
+"""Reproduce LAQ (Sun, Chen, Giannakis, Yang, NeurIPS 2019, arXiv 1909.07588).
 
     .venv/bin/python bench/laq.py [--iters 2500] [--out bench/results/laq]
 
@@ -373,8 +373,8 @@ def plot(results, path, M, iters):
         ax.legend()
     axes[1].set_xscale("log")
     axes[2].set_xscale("log")
-    fig.suptitle(f"Seed 2 (LAQ): L2-regularized logistic regression, MNIST digits, M = {M} "
-                 f"workers, {iters} iterations, alpha = {ALPHA}, b = {BITS}")
+    fig.suptitle(f"LAQ (Sun et al. 2019): L2-regularized logistic regression, MNIST digits, "
+                 f"M = {M} workers, {iters} iterations, alpha = {ALPHA}, b = {BITS}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -387,7 +387,7 @@ def fmt_bits(b):
 def write_md(path, summary, dist, command):
     res = summary["methods"]
     L = []
-    L.append("# Seed 2: LAQ (lazily aggregated quantized gradients)\n")
+    L.append("# LAQ: lazily aggregated quantized gradients (Sun et al. 2019)\n")
     L.append(f"Command: `{command}` (one process, one thread; {summary['seconds']:.0f} s on "
              f"{summary['machine']}).\n")
     L.append(f"Problem: multinomial logistic regression with L2 (lam = {LAM}) on the "

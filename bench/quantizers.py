@@ -1,4 +1,5 @@
-"""Reproduce the quantizer claims of seeds 1, 4 and 5 on real gradients.
+"""Reproduce the quantizer claims of ALQ/AMQ (Faghri et al. 2020), PSQ/BHQ (Chen et al. 2020)
+and DQSG/NDQSG (Abdi & Fekri 2019) on real gradients.
 
     .venv/bin/python bench/quantizers.py [--draws 20] [--out bench/results/quantizers]
 
@@ -123,7 +124,8 @@ def family_table(draws):
 
 
 def psq_table(draws):
-    """Seed 4: PTQ (one range per tensor) vs PSQ (per row) vs BHQ on per-sample gradients."""
+    """PSQ/BHQ (Chen et al. 2020): PTQ (one range per tensor) vs PSQ (per row) vs BHQ on
+    per-sample gradients."""
     rows = []
     G = per_sample_gradients(n=128)
     for bits in (2, 3, 4, 5):
@@ -139,9 +141,9 @@ def psq_table(draws):
 
 
 def dithered_table():
-    """Seed 5: DQSG vs NDQSG bits at the same step (same variance bound Delta^2/12) on the
-    gradients 4 ranks hold at one step, the side-information failures, and the correlation
-    of DQSG's error with the gradient."""
+    """DQSG/NDQSG (Abdi & Fekri 2019): DQSG vs NDQSG bits at the same step (same variance
+    bound Delta^2/12) on the gradients 4 ranks hold at one step, the side-information
+    failures, and the correlation of DQSG's error with the gradient."""
     if "ndqsg" not in hvdcomp.available():
         return {}
     grads = worker_gradients(FC300100, step=100, workers=4)

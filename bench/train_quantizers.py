@@ -3,8 +3,8 @@
 
     .venv/bin/python bench/train_quantizers.py [--epochs 12] [--out bench/results/train_quantizers]
 
-The papers' robustness claim (seed 1): at the harshest setting (2 bits, bucket 65536) ALQ and
-AMQ stay within 1 point of `none` while uniform QSGD loses more than 2 points.
+ALQ/AMQ's robustness claim (Faghri et al. 2020): at the harshest setting (2 bits, bucket
+65536) ALQ and AMQ stay within 1 point of `none` while uniform QSGD loses more than 2 points.
 Each run is `launch/run -np 4 .venv/bin/python examples/train_mnist.py --compression SPEC`.
 """
 from __future__ import annotations

@@ -66,7 +66,7 @@ CODECS = {
     "nuqsgd": 12,
     "alq": 13,
     "amq": 14,
-    # reserved for the compressors being added (issues #3 and #4)
+    # TernGrad, EF-SignSGD, PSQ/BHQ, DQSG/NDQSG, DGC, top-k/random-k, LAQ (issues #3, #4)
     "terngrad": 15,
     "signef": 16,
     "psq": 17,

@@ -1,13 +1,14 @@
 // dgc.cu: the sparsifiers (DGC, top-k, random-k): element-wise state update, threshold
 // sampling, deterministic selection, masking, and the decoder's scatter-add.
 //
-// Specification: hvdcomp/compressors/sparse.py (DGC._encode, DGC.select, TopK, RandK,
-// sample_positions, topk_indices) with hvdcomp/random.py (Philox words).  Every float
+// Specification: the references of hvdcomp/ops/sparsify.py (update, select, mask,
+// scatter_add, sample_positions, topk_indices) with hvdcomp/random.py (Philox words).  Every float
 // operation below is the reference's, in the reference's order, in float32 (the clipping
 // norm: float64, in the fixed order defined here).  Orchestration (which kernel when, the
-// choice of the threshold, the exact top-k among candidates): hvdcomp/backends/k_dgc.py.
+// choice of the threshold, the exact top-k among candidates): the kernel implementations
+// of those ops, in the same module.
 //
-// Per coordinate i of a tensor of n (the reference's DGC._encode, flags below):
+// Per coordinate i of a tensor of n (the reference sparsify.update, flags below):
 //   g  = grad[i]                       (float32)
 //   g  = g * scale                     if CLIP   (scale = float32(T / ||g||))
 //   u  = u_old[i] * m + g   (HAS_U)    if MOM    (two roundings: no FMA)
@@ -16,7 +17,7 @@
 //   v  = v_old[i] + a   if HAS_V, else a
 // top-k and random-k are the same map with MOM and CLIP off: p = g + e (e = "v_old").
 //
-// Kernels (geometry and argument checks: hvdcomp/backends/k_dgc.py):
+// Kernels (geometry and argument checks: hvdcomp/ops/sparsify.py):
 //   hvd_dgc_sumsq        float64 sum of squares of 65536-element chunks, one chunk per block
 //                        (grid-stride), blockDim = 256 exactly (fixes the summation order)
 //   hvd_dgc_sum_f64      the sum of those partials: one block of 256 threads

@@ -1,15 +1,17 @@
 // dithered.cu: dithered (DQSG) and nested dithered (NDQSG) quantization, per-element work.
 //
-// Specification: hvdcomp/compressors/dithered.py (dqsg_quantize, dqsg_reconstruct,
-// bucket_checksums, nested_resolve, NDQSG.resolve / combine) with hvdcomp/random.py (Philox:
+// Specification: hvdcomp/ops/dithered.py (dqsg_quantize, dqsg_reconstruct, bucket_checksums,
+// nested_resolve; NDQSG.resolve / combine in hvdcomp/compressors/dithered.py) with
+// hvdcomp/random.py (Philox:
 // the dither is the uniform of index i minus 1/2, the check weights the word of index
-// 2**60 + i, or'ed with 1) and hvdcomp/codecs/bitpack.py (LSB-first packing).  Every float
+// 2**60 + i, or'ed with 1) and hvdcomp/ops/bitpack.py (LSB-first packing).  Every float
 // operation is the reference's, in its order and precision.
 //
 // Sizes: n coordinates, nb = ceil(n / bucket_size) buckets (the last may be short).
 // bits (2..8) is the fine code width, M = 2**(bits-1) - 1; nested_bits (1..bits-1) the residue
 // width, k = 2**nested_bits.  delta: float32 (nb,) bucket steps (their max |x| comes from
-// hvd_bucket_norms_linf in quantize.cu; the division by M is a torch op, see k_dithered.py).
+// hvd_bucket_norms_linf in quantize.cu; the division by M is a torch op, see
+// hvdcomp/ops/dithered.py).
 //
 // Kernels (grid-stride, 64-bit indices):
 //   hvd_dqsg_quantize_pack    one thread per group of 8 coordinates: codes q + M (width bits)

@@ -315,7 +315,7 @@ __device__ __forceinline__ float negate_if(float v, u32 neg) {
   return bits_float(float_bits(v) ^ (neg << 31));
 }
 
-// Packed streams (hvdcomp/codecs/bitpack.py): code i occupies bits [i*BITS, (i+1)*BITS) of
+// Packed streams (hvdcomp/ops/bitpack.py): code i occupies bits [i*BITS, (i+1)*BITS) of
 // the little-endian bit stream, so the 8 codes of group g are exactly the BITS bytes
 // [g*BITS, (g+1)*BITS), held here as one 64-bit word (code k at bits [k*BITS, ...)).  Bytes
 // at or past `nbytes` (the tail of the last group) are neither written nor read.

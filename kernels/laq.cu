@@ -1,13 +1,14 @@
 // laq.cu: LAQ's (and SLAQ's) innovation quantizer (hvdcomp/compressors/laq.py).
 //
-// The specification is laq.py: quantize_innovation, dequantize_innovation, fixed_sum and
-// the part of LAQ.encode that computes v = x - Qprev, R, the codes, delta, Qnew and the two
-// squared norms ||Qnew - x||^2 and ||delta||^2.  Every float operation below is the
-// reference's, in its order and precision; the squared norms are float64 sums in the fixed
-// order that laq.fixed_sum defines (and the reference uses), so codes, Qnew and both sums
-// are bit-identical to the reference, on the host and on the GPU, for any thread count.
+// The specification is hvdcomp/ops/laq.py: quantize_innovation, dequantize_innovation,
+// fixed_sum and encode_innovation (LAQ.encode's arithmetic: v = x - Qprev, R, the codes,
+// delta, Qnew and the two squared norms ||Qnew - x||^2 and ||delta||^2).  Every float
+// operation below is the reference's, in its order and precision; the squared norms are
+// float64 sums in the fixed order that fixed_sum defines (and the reference uses), so
+// codes, Qnew and both sums are bit-identical to the reference, on the host and on the GPU,
+// for any thread count.
 //
-// Kernels (geometry and checks: hvdcomp/backends/k_laq.py):
+// Kernels (geometry and checks: hvdcomp/ops/laq.py):
 //   hvd_laq_absmax        blocks of any power-of-two size <= 256, one thread per group of 8
 //                         coordinates, one block per chunk of 8 * blockDim coordinates
 //                         (grid-stride): partial[chunk] = max |x - q| over the chunk
@@ -167,7 +168,7 @@ __device__ inline double sum_group(const double* __restrict__ in, i64 n, i64 g) 
 
 // partial[c] = max |x[i] - q[i]| (q = 0 when has_q == 0) over the chunk c of 8 * blockDim.x
 // coordinates, NaN propagating (torch.max): R = the max of the partials; R is finite iff
-// every x - q is (LAQ.encode's finiteness check).
+// every x - q is (encode_innovation's finiteness check).
 extern "C" __global__ void hvd_laq_absmax(const float* __restrict__ x,
                                           const float* __restrict__ q, int has_q, long long n,
                                           float* __restrict__ partial) {

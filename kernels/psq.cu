@@ -1,14 +1,14 @@
 // psq.cu: the per-sample (PSQ) and block Householder (BHQ) quantizers, per-element work.
 //
-// Specification: hvdcomp/compressors/psq.py (quantize_rows, dequantize_rows, row_variance,
+// Specification: hvdcomp/ops/psq.py (quantize_rows, dequantize_rows, row_variance,
 // householder_blocks, bhq_plan) with hvdcomp/random.py (Philox uniforms) and
-// hvdcomp/codecs/bitpack.py (LSB-first packing).  Every float operation below is the
+// hvdcomp/ops/bitpack.py (LSB-first packing).  Every float operation below is the
 // reference's, in the reference's order and precision (float64 where it computes in float64).
 //
 // The gradient is a row-major float32 matrix of R rows and D columns, n = R * D coordinates;
 // codes are packed row-major (flat index i = row * D + column), `bits` (1..8) per code.
-// What stays in PyTorch (glue, hvdcomp/backends/k_psq.py): the per-row min and max
-// (torch.amin / torch.amax: their choice between -0.0 and +0.0 is PyTorch's), the per-row step
+// What stays in PyTorch (glue in the kernel implementations of hvdcomp/ops/psq.py): the
+// per-row min and max (torch.amin / torch.amax: their choice between -0.0 and +0.0 is PyTorch's), the per-row step
 // (hi - lo) / L (a division by a scalar, which PyTorch rounds differently on CPU and CUDA), the
 // row sums of the variance terms (torch.sum's order) and BHQ's grouping (sort, scales, choice).
 //

@@ -1,12 +1,12 @@
 // quantize.cu: the bucketed stochastic quantizer family (QSGD, QSGDinf, NUQSGD, ALQ, AMQ).
 //
 // One kernel set for the whole family, parameterized by the level table and the norm type.
-// The specification is hvdcomp/compressors/quantizers.py (quantize_reference,
+// The specification is hvdcomp/ops/quantize.py (quantize_reference,
 // dequantize_reference, bucket_norms) with hvdcomp/random.py (Philox uniforms) and
-// hvdcomp/codecs/bitpack.py (LSB-first packing).  Every float operation below is the
+// hvdcomp/ops/bitpack.py (LSB-first packing).  Every float operation below is the
 // reference's, in the reference's order, in float32 (norms: float64, see below).
 //
-// Kernels (launch geometry and argument checks: hvdcomp/backends/{host,cuda}.py):
+// Kernels (launch geometry and argument checks: hvdcomp/ops/quantize.py):
 //   hvd_bucket_norms_l2    one block per bucket (grid-stride), blockDim = reduce_block(bucket)
 //   hvd_bucket_norms_linf  same geometry
 //   hvd_quantize_pack      one thread per group of 8 coordinates (grid-stride), any geometry

@@ -1,17 +1,17 @@
-// rans.cu: chunked static rANS of small-alphabet symbols (hvdcomp/codecs/rans.py).
+// rans.cu: chunked static rANS of small-alphabet symbols (hvdcomp/ops/rans.py).
 //
-// The specification is hvdcomp/codecs/rans.py (encode_symbols_reference,
-// decode_symbols_reference): 32-bit state in [2^16, 2^32), 16-bit renormalization,
+// The specification is hvdcomp/ops/rans.py (the references of encode_symbols and
+// decode_symbols): 32-bit state in [2^16, 2^32), 16-bit renormalization,
 // probability precision P = 15, chunks of C symbols coded independently.  These kernels
 // produce and consume exactly its bytes for alphabets of at most 256 symbols.
 //
 // Symbols are read from / written to "packed codes": symbol i occupies bits [i*BITS,
-// (i+1)*BITS) of an LSB-first byte stream (hvdcomp/codecs/bitpack.py), BITS in 1..8.  With
+// (i+1)*BITS) of an LSB-first byte stream (hvdcomp/ops/bitpack.py), BITS in 1..8.  With
 // BITS = 8 that is a plain uint8 array of symbols.  So the quantizers' packed kernel output
 // feeds the encoder directly, and the decoder's output feeds hvd_dequantize_add.
 //
 // Kernels (launch geometry, argument checks, the Python glue between launches:
-// hvdcomp/backends/k_rans.py):
+// hvdcomp/ops/rans.py):
 //   hvd_rans_histogram   one thread per segment of `seg` symbols (seg a multiple of 8): that
 //                        segment's symbol counts, 2^BITS u32 bins, into partial[s][.]
 //                        (summed over segments, in int64, by the launcher: exact, so the

@@ -1,12 +1,13 @@
-// sparse.cu: the Golomb-Rice index section of hvdcomp/codecs/sparse.py (encode_indices /
-// decode_indices; the specification is that module's reference path).
+// sparse.cu: the Golomb-Rice index section of the sparsifiers' messages (hvdcomp/ops/rice.py:
+// the ops encode / decode, whose references are the specification; the layout is described
+// in hvdcomp/codecs/sparse.py, whose encode_indices / decode_indices call them).
 //
 // Indices i_0 < ... < i_{m-1} are sent as gaps d_0 = i_0, d_j = i_j - i_{j-1} - 1, each as a
 // unary quotient q_j = d_j >> k (q_j one-bits, then a zero-bit, one LSB-first stream) and a
 // k-bit remainder (packed LSB-first).  Every output word is owned by one thread, which
 // gathers the codes that overlap it (positions from a prefix sum computed between launches).
 //
-// Kernels (geometry, checks, the prefix sums between launches: hvdcomp/backends/k_sparse.py):
+// Kernels (geometry, checks, the prefix sums between launches: hvdcomp/ops/rice.py):
 //   hvd_sparse_gaps        one thread per group of `group` indices: the gaps, and bad[g] = 1
 //                          where an index is not above its predecessor.
 //   hvd_sparse_rice_sums   one thread per group: sum of d >> k over the group, for the three

@@ -2,10 +2,10 @@
 // (hvdcomp/compressors/signef.py): per-bucket scales, stochastic ternarization / scaled sign
 // with error feedback, packing, and decode-accumulate.
 //
-// The specification is the PyTorch code of those two files (with hvdcomp/random.py and
-// hvdcomp/codecs/bitpack.py); every float operation that reaches a message or a residual is
+// The specification is the references of hvdcomp/ops/ternary.py (with hvdcomp/random.py and
+// hvdcomp/ops/bitpack.py); every float operation that reaches a message or a residual is
 // the reference's, in the reference's order, in float32.  Launch geometry and argument checks:
-// hvdcomp/backends/k_ternary.py.
+// the kernel implementations in hvdcomp/ops/ternary.py.
 //
 // Segments.  Per-bucket reductions run over SEGMENTS so that a single large bucket (the default
 // bucket_size = 0 puts a whole tensor in one bucket) still spreads over many blocks: bucket b
@@ -18,8 +18,8 @@
 // Sums whose float64 order differs from torch.sum's (the clipping statistics of TernGrad, the
 // L1 scale of EF-SignSGD) never reach a message by themselves: they come with a proof that
 // every summation order gives the same float32 result (see hvd_signef_scales and
-// k_ternary.terngrad_clip_threshold), and where that proof fails the caller recomputes the
-// value with the reference.  Maxima are exact in any order.
+// certified_clip_threshold in hvdcomp/ops/ternary.py), and where that proof fails the caller
+// recomputes the value with the reference.  Maxima are exact in any order.
 //
 // Kernels:
 //   hvd_terngrad_segments    per segment: max |x| (NaN propagates), sum x, sum |x| (float64)

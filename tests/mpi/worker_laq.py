@@ -19,7 +19,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from common import say
+from common import buckets, exchange_of
+from cases import case, run
 
 import hvdcomp
 import hvdcomp.torch as hvd
@@ -29,6 +30,9 @@ ALPHA = 0.5
 LAM = 0.05
 STEPS = 20
 SPEC = f"laq:bits=3,alpha={ALPHA},t_max=6"
+TRANSPORTS = ["mpi", "horovod"]
+
+torch.set_num_threads(1)
 
 
 def model_fn():
@@ -139,33 +143,45 @@ def train(transport, rank, size):
     # what this rank put into the allgather is exactly its simulated messages, a skipped
     # upload being a zero-length entry of the frame
     for k, mine in enumerate(sim.mine):
-        want = sum(len(join_frames([mine[n] for n in b])) for b in opt._exchange.buckets)
+        want = sum(len(join_frames([mine[n] for n in b])) for b in buckets(exchange_of(opt)))
         assert sent_bytes[k] == want, (k, sent_bytes[k], want)
     return model, opt, sim
 
 
-def main():
-    hvd.init()
-    torch.set_num_threads(1)
+def trained(transport):
+    """train() on ``transport``; some ranks skip uploads while others send, and each rank's
+    count of skips is what the simulation decided."""
     rank, size = hvd.rank(), hvd.size()
-    for transport in ("mpi", "horovod"):
-        model, opt, sim = train(transport, rank, size)
-        flags = [u for d in sim.sent for n in d for u in d[n]]
-        skipped, total = flags.count(False), len(flags)
-        mixed = sum(1 for d in sim.sent for n in d if 0 < sum(d[n]) < size)
-        # some ranks skip while others send in the same step (always true with 1 rank: no)
-        assert 0 < skipped < total, (skipped, total)
-        if size > 1:
-            assert mixed > 0
-        counts = torch.tensor([sum(s for _, s in opt.compression.counts().values())])
-        all_skips = hvd.allgather(counts, name=f"laq.skips.{transport}")
-        assert int(all_skips.sum()) == skipped, (all_skips, skipped)
-        if rank == 0:
-            print(f"[laq {transport}] {size} ranks x {STEPS} steps x 2 tensors: "
-                  f"{skipped} of {total} uploads skipped ({mixed} tensor-steps mixed); "
-                  f"per rank {all_skips.tolist()}", flush=True)
+    model, opt, sim = train(transport, rank, size)
+    flags = [u for d in sim.sent for n in d for u in d[n]]
+    skipped, total = flags.count(False), len(flags)
+    mixed = sum(1 for d in sim.sent for n in d if 0 < sum(d[n]) < size)
+    # some ranks skip while others send in the same step (always true with 1 rank: no)
+    assert 0 < skipped < total, (skipped, total)
+    if size > 1:
+        assert mixed > 0
+    counts = torch.tensor([sum(s for _, s in opt.compression.counts().values())])
+    all_skips = hvd.allgather(counts, name=f"laq.skips.{transport}")
+    assert int(all_skips.sum()) == skipped, (all_skips, skipped)
+    if rank == 0:
+        print(f"[laq {transport}] {size} ranks x {STEPS} steps x 2 tensors: "
+              f"{skipped} of {total} uploads skipped ({mixed} tensor-steps mixed); "
+              f"per rank {all_skips.tolist()}", flush=True)
+    return model, opt
 
-    # the checkpoint carries the LAQ state: a restored optimizer continues bit-identically
+
+@case.each(TRANSPORTS)
+def training(transport):
+    """Twenty steps bit-identical to the simulation of all ranks, with skipped uploads."""
+    trained(transport)
+
+
+@case
+def checkpoint():
+    """The checkpoint carries the LAQ state: an optimizer restored from it continues
+    bit-identically (and differently from one with fresh LAQ state)."""
+    rank = hvd.rank()
+    model, opt = trained("horovod")
     sd = copy.deepcopy(opt.state_dict())
     model2 = model_fn()
     model2.load_state_dict(model.state_dict())
@@ -181,8 +197,7 @@ def main():
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
-    say(rank, "laq OK")
 
 
 if __name__ == "__main__":
-    main()
+    run()

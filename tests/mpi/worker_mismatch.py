@@ -7,12 +7,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import say
+from cases import case, run
 
 import hvdcomp
 import hvdcomp.torch as hvd
 
 SPEC = "qsgd:bits=4,bucket_size=64"
+TRANSPORTS = ["mpi", "horovod"]
+SPECS = ["qsgd:bits=4,bucket_size=64", "none"]   # SPEC (wire messages); Horovod's sums
+assert SPECS[0] == SPEC
+SETTINGS = ["transport", "backward_passes_per_step", "op", "gradient_predivide_factor", "seed",
+            "compression"]
 
 
 def model_fn(seed=3):
@@ -47,48 +52,65 @@ def raises(exc_type, fn, *needles):
     raise AssertionError(f"{exc_type.__name__} not raised")
 
 
-def main():
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    odd = rank == size - 1                       # the rank that differs
+def odd_rank():
+    """The rank that differs: the last one."""
+    return hvd.rank() == hvd.size() - 1
 
-    # --- item 6: settings that differ, reported while the optimizer is built -------------
-    for kw, needle in [
-        (dict(transport="horovod" if odd else "mpi"), '  transport: "mpi" on rank'),
-        (dict(backward_passes_per_step=2 if odd else 1), "  backward_passes_per_step: 1 on"),
-        (dict(op=hvd.Sum if odd else hvd.Average), '  op: "Average" on'),
-        (dict(gradient_predivide_factor=2.0 if odd else 1.0), "  gradient_predivide_factor"),
-        (dict(seed=7 if odd else 0), "  seed: 0 on"),
-        (dict(compression="qsgd:bits=2" if odd else SPEC), "  compression:"),
-    ]:
-        raises(hvdcomp.Mismatch, lambda: make(model_fn(), **kw), needle,
-               f"on rank {size - 1}")
 
-    for transport in ("mpi", "horovod"):
-        for spec in (SPEC, "none"):               # wire messages; Horovod's summed buffers
-            # --- item 6: step() twice on one rank --------------------------------------
-            model = model_fn()
-            opt = make(model, transport=transport, compression=spec)
-            train_step(model, opt, rank, 0)
-            others = [r for r in range(size) if r != rank]
-            if odd:                               # a second step(): exchanges again
-                e = raises(hvdcomp.OutOfStep, opt.step, "synchronize()")
-            else:
-                e = raises(hvdcomp.OutOfStep, lambda: train_step(model, opt, rank, 1),
-                           "ranks out of step", "synchronize()")
-            assert e.ranks == (others if odd else [size - 1]), e.ranks
-            opt.close()
+@case.each(SETTINGS)
+def settings_differ(setting):
+    """Item 6: a setting that differs on the last rank is reported on every rank while the
+    optimizer is built, naming the setting and the rank."""
+    odd, size = odd_rank(), hvd.size()
+    kw, needle = {
+        "transport": (dict(transport="horovod" if odd else "mpi"), '  transport: "mpi" on rank'),
+        "backward_passes_per_step": (dict(backward_passes_per_step=2 if odd else 1),
+                                     "  backward_passes_per_step: 1 on"),
+        "op": (dict(op=hvd.Sum if odd else hvd.Average), '  op: "Average" on'),
+        "gradient_predivide_factor": (dict(gradient_predivide_factor=2.0 if odd else 1.0),
+                                      "  gradient_predivide_factor"),
+        "seed": (dict(seed=7 if odd else 0), "  seed: 0 on"),
+        "compression": (dict(compression="qsgd:bits=2" if odd else SPEC), "  compression:"),
+    }[setting]
+    raises(hvdcomp.Mismatch, lambda: make(model_fn(), **kw), needle, f"on rank {size - 1}")
 
-            # --- item 6: a rank that skips step() ---------------------------------------
-            model = model_fn()
-            opt = make(model, transport=transport, compression=spec)
-            train_step(model, opt, rank, 0, apply=not odd)   # the odd rank skips step()
-            e = raises(hvdcomp.OutOfStep, lambda: train_step(model, opt, rank, 1),
-                       "ranks out of step", f"is in step {0 if odd else 1}")
-            assert e.ranks == (others if odd else [size - 1]), e.ranks
-            opt.close()
 
-    # --- item 7: replicas that start from different values -------------------------------
+@case.each(TRANSPORTS, SPECS)
+def step_twice(transport, spec):
+    """Item 6: step() twice on the last rank: OutOfStep on every rank, naming the others."""
+    rank, size, odd = hvd.rank(), hvd.size(), odd_rank()
+    model = model_fn()
+    opt = make(model, transport=transport, compression=spec)
+    train_step(model, opt, rank, 0)
+    others = [r for r in range(size) if r != rank]
+    if odd:                               # a second step(): exchanges again
+        e = raises(hvdcomp.OutOfStep, opt.step, "synchronize()")
+    else:
+        e = raises(hvdcomp.OutOfStep, lambda: train_step(model, opt, rank, 1),
+                   "ranks out of step", "synchronize()")
+    assert e.ranks == (others if odd else [size - 1]), e.ranks
+    opt.close()
+
+
+@case.each(TRANSPORTS, SPECS)
+def skipped_step(transport, spec):
+    """Item 6: the last rank skips step(): OutOfStep on every rank at the next exchange."""
+    rank, size, odd = hvd.rank(), hvd.size(), odd_rank()
+    others = [r for r in range(size) if r != rank]
+    model = model_fn()
+    opt = make(model, transport=transport, compression=spec)
+    train_step(model, opt, rank, 0, apply=not odd)   # the odd rank skips step()
+    e = raises(hvdcomp.OutOfStep, lambda: train_step(model, opt, rank, 1),
+               "ranks out of step", f"is in step {0 if odd else 1}")
+    assert e.ranks == (others if odd else [size - 1]), e.ranks
+    opt.close()
+
+
+@case
+def replicas_differ():
+    """Item 7: replicas that start from different values raise Mismatch naming
+    hvd.broadcast_parameters; after it, training goes on."""
+    rank, size, odd = hvd.rank(), hvd.size(), odd_rank()
     model = model_fn(seed=5 if odd else 3)
     opt = make(model)
     raises(hvdcomp.Mismatch, lambda: train_step(model, opt, rank, 0),
@@ -100,8 +122,7 @@ def main():
     for step in range(3):
         train_step(model, opt, rank, step)
     opt.close()
-    say(rank, "mismatch OK")
 
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -7,27 +7,26 @@
   all-zero tensor follow the NaN policy / minimal messages.
 * The drop-in optimizer (import hvdcomp.torch as hvd) with torch.optim.SGD(momentum=0.9)
   takes exactly the steps of a reference SGD fed those single-process averages.  For DGC the
-  wrapped optimizer's momentum is 0 for the compressed tensors (and 0.9 for the biases), and
-  the compressor applies 0.9 itself (momentum correction); rank 0's inputs are zero, so its
+  user's param group stays as it is (momentum 0.9 for every tensor), the compressor applies
+  the group's 0.9 itself to the compressed tensors (momentum correction: the reference SGD
+  has momentum 0 for them and 0.9 for the biases); rank 0's inputs are zero, so its
   first-layer gradient is zero and it selects nothing.  DGC's state survives a checkpoint.
 """
-import copy
 import io
-import math
 
 import torch
 import torch.nn.functional as F
 
-from common import say
+from common import (LR, assert_bit_exact, assert_params, buckets, compressed, exchange_of,
+                    exchange_step, local_grads, make_exchange, mlp, reference, reference_grads,
+                    same, twins_of)
+from cases import case, run
 
 import hvdcomp
 from hvdcomp.compressors.protocols import MomentumCorrection
 import hvdcomp.torch as hvd
 from hvdcomp.codecs.sparse import decode_indices
-from hvdcomp.torch.exchange import Exchange
-from hvdcomp.transport import make
 
-LR = 0.1
 MOM = 0.9
 EXCHANGE_SPECS = ["topk:density=0.01", "randk:density=0.02,values=fp16,unbiased=true",
                   "dgc:density=0.01,momentum=0.9,clip_norm=5",
@@ -36,11 +35,14 @@ OPTIMIZER_SPECS = ["dgc:density=0.05",
                    "dgc:density=0.02,values=fp16,clip_norm=2,warmup_epochs=2,steps_per_epoch=2",
                    "dgc:density=0.05,momentum_correction=false",
                    "topk:density=0.05", "randk:density=0.1"]
+TRANSPORTS = ["mpi", "horovod"]
 
 SHAPES = {"conv.weight": (7, 3, 5, 5), "fc1.weight": (300, 41), "fc1.bias": (300,),
           "half.weight": (33, 40), "zero.weight": (64, 64), "nan.weight": (40, 40),
           "sparse.weight": (50, 40)}
 DTYPES = {"half.weight": torch.float16}
+
+torch.set_num_threads(1)
 
 
 def golden(name, rank, step):
@@ -62,12 +64,6 @@ def params():
             for n, s in SHAPES.items()]
 
 
-def same(a, b):
-    """Bit-identical float tensors (NaN where the other has NaN)."""
-    return a.shape == b.shape and torch.equal(torch.nan_to_num(a, nan=7.5),
-                                              torch.nan_to_num(b, nan=7.5))
-
-
 def count_sent(msg):
     """Indices in a top-k / DGC message (0 for NONFINITE)."""
     if not msg.sections:
@@ -79,88 +75,58 @@ def count_sent(msg):
 # the exchange
 # --------------------------------------------------------------------------------------------
 
-def expected(ex, step, twins, counts):
-    out = {}
-    for name, e in ex.entries.items():
-        compressed = e.compressor is ex.compression
-        acc = torch.zeros(e.param.numel(), dtype=torch.float32)
-        finite = True
-        for r in range(ex.size):
-            comp = twins[r] if compressed else e.compressor
-            key = hvdcomp.TensorKey(name, e.tensor_id, step, r, ex.size, ex.seed)
-            msg = hvdcomp.Message.from_bytes(comp.encode(golden(name, r, step), key).to_bytes())
-            if compressed and name == "sparse.weight" and comp.name != "randk":
-                counts.append((r, count_sent(msg)))
-            finite &= comp.decode(msg, key, acc)
-        if finite:
-            key = hvdcomp.TensorKey(name, e.tensor_id, step, ex.rank, ex.size, ex.seed)
-            (twins[ex.rank] if compressed else e.compressor).finalize(acc, key)
-            finite = bool(torch.isfinite(acc).all())
-        out[name] = acc if finite else torch.full_like(acc, math.nan)
-    return out
+@case.each(EXCHANGE_SPECS)
+def exchange(spec):
+    """Both transports, three steps, each rank's compressor against its simulated twin;
+    the counts of what each rank selected from sparse.weight."""
+    by_transport = []
+    for tname in TRANSPORTS:
+        comp = hvdcomp.get(spec)
+        ex = make_exchange(comp, tname, params())
+        rank = ex.rank
+        twins = [hvdcomp.get(spec) for _ in range(ex.size)]
+        assert len(buckets(ex)) > 1
+        names = compressed(ex)
+        assert names == sorted(set(SHAPES) - {"fc1.bias"}), names
+        results = []
+        for step in range(3):
+            res, stats = exchange_step(ex, step, lambda n, r: golden(n, r, step))
+            counts = []
 
+            def count(name, r, msg, c):
+                if c is twins[r] and name == "sparse.weight" and c.name != "randk":
+                    counts.append((r, count_sent(msg)))
 
-def check_exchange(rank, size):
-    checked = 0
-    for spec in EXCHANGE_SPECS:
-        by_transport = []
-        for tname in ("mpi", "horovod"):
-            comp = hvdcomp.get(spec)
-            twins = [hvdcomp.get(spec) for _ in range(size)]
-            ex = Exchange(params(), comp, make(tname), hvd=hvd, fusion_bytes=20000,
-                          min_compress_numel=16, seed=3, allreduce_summable=False)
-            assert len(ex.buckets) > 1
-            compressed = sorted(n for n, e in ex.entries.items() if e.compressor is comp)
-            assert compressed == sorted(set(SHAPES) - {"fc1.bias"}), compressed
-            results = []
-            for step in range(3):
-                for name, e in ex.entries.items():
-                    e.param.grad = golden(name, rank, step)
-                ex.begin(step)
-                names = list(ex.entries)
-                for name in (names if rank % 2 == 0 else names[::-1]):
-                    ex.ready(name)
-                res, stats = ex.finish()
-                counts = []
-                want = expected(ex, step, twins, counts)
-                for name in SHAPES:
-                    assert res[name].dtype == torch.float32
-                    assert same(res[name], want[name]), \
-                        (spec, tname, step, name, (res[name] - want[name]).abs().max())
-                    checked += 1
-                assert stats.nonfinite == ["nan.weight"], stats.nonfinite
-                assert stats.compressors["fc1.weight"] == comp.name
-                assert not res["zero.weight"].any()
-                if counts and comp.values == "fp32":
-                    # rank r had 3r nonzeros (at new places each step; what was sent left
-                    # exact zeros in v): it sends 3r of k >= 10
-                    assert counts == [(r, 3 * r) for r in range(size)], (spec, counts)
-                elif counts:
-                    # fp16: the rounding errors of earlier steps stay in v and are sent too
-                    assert counts[0] == (0, 0) and all(c > 0 for _, c in counts[1:]), counts
-                # this rank's state equals its simulated twin's, bit for bit
-                mine, ref = comp.state_dict(), twins[rank].state_dict()
-                assert mine.keys() == ref.keys()
-                for part in mine:
-                    assert sorted(mine[part]) == sorted(ref[part]), (spec, part)
-                    for n in mine[part]:
-                        assert torch.equal(mine[part][n], ref[part][n]), (spec, part, n)
-                results.append({k: v.clone() for k, v in res.items()})   # buffers are reused
-            by_transport.append(results)
-        for a, b in zip(*by_transport):
-            for name in SHAPES:
-                assert same(a[name], b[name]), (spec, "mpi vs horovod", name)
-    return checked
+            want, _ = reference(ex, step, lambda n, r: golden(n, r, step),
+                                compressor_for=twins_of(comp, twins), on_message=count)
+            assert_bit_exact(res, want, SHAPES, (spec, tname, step))
+            assert stats.nonfinite == ["nan.weight"], stats.nonfinite
+            assert stats.compressors["fc1.weight"] == comp.name
+            assert not res["zero.weight"].any()
+            if counts and comp.values == "fp32":
+                # rank r had 3r nonzeros (at new places each step; what was sent left
+                # exact zeros in v): it sends 3r of k >= 10
+                assert counts == [(r, 3 * r) for r in range(ex.size)], (spec, counts)
+            elif counts:
+                # fp16: the rounding errors of earlier steps stay in v and are sent too
+                assert counts[0] == (0, 0) and all(c > 0 for _, c in counts[1:]), counts
+            # this rank's state equals its simulated twin's, bit for bit
+            mine, ref = comp.state_dict(), twins[rank].state_dict()
+            assert mine.keys() == ref.keys()
+            for part in mine:
+                assert sorted(mine[part]) == sorted(ref[part]), (spec, part)
+                for n in mine[part]:
+                    assert torch.equal(mine[part][n], ref[part][n]), (spec, part, n)
+            results.append({k: v.clone() for k, v in res.items()})   # buffers are reused
+        by_transport.append(results)
+    for a, b in zip(*by_transport):
+        for name in SHAPES:
+            assert same(a[name], b[name]), (spec, "mpi vs horovod", name)
 
 
 # --------------------------------------------------------------------------------------------
 # the drop-in optimizer with SGD momentum
 # --------------------------------------------------------------------------------------------
-
-def model_fn():
-    torch.manual_seed(11)
-    return torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Tanh(), torch.nn.Linear(30, 4))
-
 
 def batch(rank, step):
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + 5)
@@ -168,14 +134,6 @@ def batch(rank, step):
     if rank == 0:
         x.zero_()                   # rank 0: zero first-layer gradient, nothing selected
     return x, torch.randint(0, 4, (8,), generator=g)
-
-
-def local_grads(model, rank, step):
-    m = copy.deepcopy(model)
-    m.zero_grad()
-    x, y = batch(rank, step)
-    F.cross_entropy(m(x), y).backward()
-    return {n: p.grad.detach().clone() for n, p in m.named_parameters()}
 
 
 def make_twins(spec, size, compressed):
@@ -186,26 +144,17 @@ def make_twins(spec, size, compressed):
     return twins
 
 
-def expected_grads(model, opt, twins, step, size):
+def expected_grads(model, opt, twins, step):
     """{name: average over ranks of decode(encode_r(g_r))}, single process."""
-    ex = opt._exchange
-    grads = [local_grads(model, r, step) for r in range(size)]
-    out = {}
-    for name, p in model.named_parameters():
-        e = ex.entries[name]
-        compressed = e.compressor is opt.compression
-        acc = torch.zeros(p.numel())
-        for r in range(size):
-            comp = twins[r] if compressed else e.compressor
-            key = hvdcomp.TensorKey(name, e.tensor_id, step, r, size, ex.seed)
-            msg = hvdcomp.Message.from_bytes(comp.encode(grads[r][name], key).to_bytes())
-            if compressed and name == "0.weight" and r == 0 and comp.name != "randk":
-                assert count_sent(msg) == 0           # a rank that selects nothing
-            comp.decode(msg, key, acc)
-        key = hvdcomp.TensorKey(name, e.tensor_id, step, hvd.rank(), size, ex.seed)
-        (twins[hvd.rank()] if compressed else e.compressor).finalize(acc, key)
-        out[name] = acc.view(p.shape)
-    return out
+    grads = [local_grads(model, [batch(r, step)]) for r in range(hvd.size())]
+
+    def selects_nothing(name, r, msg, c):
+        if c is twins[r] and name == "0.weight" and r == 0 and c.name != "randk":
+            assert count_sent(msg) == 0           # a rank that selects nothing
+
+    return reference_grads(model, opt, step, grads,
+                           compressor_for=twins_of(opt.compression, twins),
+                           on_message=selects_nothing)
 
 
 def reference_optimizer(model, opt):
@@ -214,8 +163,8 @@ def reference_optimizer(model, opt):
     ref = {n: p.detach().clone() for n, p in model.named_parameters()}
     name_of = {id(p): n for n, p in model.named_parameters()}
     comp = opt.compression
-    moved = {n for n, e in opt._exchange.entries.items()
-             if e.compressor is comp and comp.name == "dgc" and comp.momentum_correction}
+    moved = set(compressed(exchange_of(opt))) if comp.name == "dgc" and comp.momentum_correction \
+        else set()
     groups = []
     for g in opt.param_groups:
         names = [name_of[id(p)] for p in g["params"]]
@@ -227,22 +176,17 @@ def reference_optimizer(model, opt):
     return ref, torch.optim.SGD(groups, lr=LR)
 
 
-def step_and_check(model, opt, twins, ref, ref_opt, step, size, where):
-    rank = hvd.rank()
-    want = expected_grads(model, opt, twins, step, size)
+def step_and_check(model, opt, twins, ref, ref_opt, step, where):
+    want = expected_grads(model, opt, twins, step)
     for n, p in model.named_parameters():        # start from the drop-in's parameters
         ref[n].data.copy_(p.detach())
         ref[n].grad = want[n].clone()
     ref_opt.step()
     opt.zero_grad()
-    x, y = batch(rank, step)
+    x, y = batch(hvd.rank(), step)
     F.cross_entropy(model(x), y).backward()
     opt.step()
-    for name, p in model.named_parameters():
-        if opt._exchange.entries[name].allreduce:    # biases: summed by Horovod in MPI's order
-            assert torch.allclose(p.detach(), ref[name], rtol=1e-6, atol=1e-6), (where, name)
-        else:                                        # decoded in rank order: exact
-            assert torch.equal(p.detach(), ref[name]), (where, step, name)
+    assert_params(model, opt, ref, (where, step), atol=1e-6)
     assert opt.last_stats.compressors["0.weight"] == opt.compression.name
 
 
@@ -257,35 +201,37 @@ def check_momentum_split(model, opt):
     """The user's param groups are left as they are (one group, momentum 0.9 for every
     tensor), whatever the compressor; DGC's momentum correction takes the group's momentum
     for its tensors at every step (checked after the steps: momentum_of)."""
-    comp = opt.compression
-    compressed = sorted(n for n, e in opt._exchange.entries.items() if e.compressor is comp)
-    assert compressed == ["0.weight", "2.weight"], compressed
+    names = compressed(exchange_of(opt))
+    assert names == ["0.weight", "2.weight"], names
     assert len(opt.param_groups) == 1 and opt.param_groups[0]["momentum"] == MOM
     assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
-    return compressed
+    return names
 
 
-def check_optimizer(spec, transport, size, steps=4):
-    model = model_fn()
+@case.each(OPTIMIZER_SPECS, TRANSPORTS)
+def optimizer(spec, transport, steps=4):
+    """SGD(momentum=0.9) through the drop-in against a plain SGD fed the single-process
+    averages; for DGC with momentum correction, the momentum split and a checkpoint."""
+    model = mlp()
     opt = make_opt(model, spec, transport)
-    compressed = check_momentum_split(model, opt)
-    twins = make_twins(spec, size, compressed)
+    names = check_momentum_split(model, opt)
+    twins = make_twins(spec, hvd.size(), names)
     ref, ref_opt = reference_optimizer(model, opt)
     for step in range(steps):
-        step_and_check(model, opt, twins, ref, ref_opt, step, size, (spec, transport))
+        step_and_check(model, opt, twins, ref, ref_opt, step, (spec, transport))
     mine, theirs = opt.compression.state_dict(), twins[hvd.rank()].state_dict()
     for part in mine:
         for n in mine[part]:
             assert torch.equal(mine[part][n], theirs[part][n]), (spec, part, n)
     if opt.compression.name != "dgc" or not opt.compression.momentum_correction:
         return
-    assert all(opt.compression.momentum_of(n) == MOM for n in compressed)
+    assert all(opt.compression.momentum_of(n) == MOM for n in names)
     assert opt.compression.momentum_buffer("2.weight").abs().sum() > 0
     # checkpoint: DGC's u and v travel in the optimizer's state_dict
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
-    model2 = model_fn()
+    model2 = mlp()
     model2.load_state_dict(model.state_dict())
     opt2 = make_opt(model2, spec, transport)
     opt2.load_state_dict(torch.load(buf))
@@ -295,19 +241,8 @@ def check_optimizer(spec, transport, size, steps=4):
             assert torch.equal(opt2.compression.state_dict()[part][n], mine[part][n])
     ref2, ref_opt2 = reference_optimizer(model2, opt2)
     ref_opt2.load_state_dict(ref_opt.state_dict())          # the biases' momentum buffers
-    step_and_check(model2, opt2, twins, ref2, ref_opt2, steps, size, (spec, "restored"))
-
-
-def main():
-    hvd.init()
-    torch.set_num_threads(1)
-    rank, size = hvd.rank(), hvd.size()
-    checked = check_exchange(rank, size)
-    for spec in OPTIMIZER_SPECS:
-        for transport in ("mpi", "horovod"):
-            check_optimizer(spec, transport, size)
-    say(rank, f"sparse OK ({checked} exchanged tensors bit-exact)")
+    step_and_check(model2, opt2, twins, ref2, ref_opt2, steps, (spec, "restored"))
 
 
 if __name__ == "__main__":
-    main()
+    run()
