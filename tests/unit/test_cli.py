@@ -47,7 +47,8 @@ def test_info_text_lists_every_section_and_compressor():
                     "cuda"):
         assert f"\n{section}\n" in "\n" + out
     for name in hvdcomp.available():
-        assert f"  {name:<10} {hvdcomp.get(name).spec()}" in out
+        if type(hvdcomp.get(name)).__module__.startswith("hvdcomp."):   # hvdcomp's own
+            assert f"  {name:<10} {hvdcomp.get(name).spec()}" in out
 
 
 def test_a_failing_probe_is_reported_not_raised(monkeypatch):
