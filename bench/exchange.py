@@ -35,7 +35,7 @@ def worker(args):
     import torch
     import horovod.torch as hvd
     import hvdcomp
-    from hvdcomp.auto import from_spec       # "auto+SPEC": hvdcomp.Auto(SPEC)
+    from hvdcomp.auto import from_spec       # "auto+SPEC": Auto(SPEC); "rs+SPEC": reduce-scatter
     from hvdcomp.torch.exchange import Exchange
     from hvdcomp.transport import make
     from shapes import bert_base, resnet50
@@ -53,7 +53,8 @@ def worker(args):
     for spec in _split_methods(args.methods):
         if spec.split("+")[-1].split(":")[0] not in hvdcomp.available():
             continue
-        ex = Exchange(params, from_spec(spec), make("mpi"), hvd=hvd, seed=1,
+        comp, collective = from_spec(spec)
+        ex = Exchange(params, comp, make("mpi"), hvd=hvd, seed=1, collective=collective,
                       **({"fusion_bytes": args.fusion_bytes} if args.fusion_bytes else {}))
         plan = {}
         for e in ex.entries.values():

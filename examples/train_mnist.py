@@ -2,6 +2,7 @@
 
     launch/run -np 4 .venv/bin/python examples/train_mnist.py                     # ALQ 3 bits
     launch/run -np 4 .venv/bin/python examples/train_mnist.py --compression none
+    launch/run -np 8 .venv/bin/python examples/train_mnist.py --collective reduce_scatter
 
 Each rank trains on its shard of the 4,000 training digits; gradients are exchanged as real
 encoded bytes.  Rank 0 prints, per epoch, the test accuracy on the 1,000 test digits, the
@@ -39,6 +40,13 @@ def main(argv=None):
                     help="compressor spec, e.g. none, fp16, qsgd:bits=4, alq:bits=3, "
                          "auto+alq:bits=3 "
                          "(default: $HVDCOMP_COMPRESSION, else alq:bits=3)")
+    ap.add_argument("--collective", default=None,
+                    choices=["allgather", "reduce_scatter", "auto"],
+                    help="how the compressed gradients travel: every rank's messages to "
+                         "every rank (allgather), shards averaged by their owners and "
+                         "re-encoded (reduce_scatter), or per tensor by the cost model "
+                         "(auto); default: the spec string's ('rs+SPEC' / 'ag+SPEC'), else "
+                         "auto with 'auto+SPEC' and allgather otherwise")
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
     ap.add_argument("--lr", type=float, default=0.1, help="peak learning rate (cosine decay)")
@@ -59,8 +67,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         import hvdcomp
-        from hvdcomp.auto import from_spec
-        from_spec(args.compression)          # "auto+SPEC": hvdcomp.Auto(SPEC)
+        from hvdcomp.auto import from_spec, merge_collective
+        _, in_spec = from_spec(args.compression)      # "auto+SPEC": hvdcomp.Auto(SPEC)
+        merge_collective(args.collective, in_spec)    # "rs+SPEC": over the reduce-scatter
     except hvdcomp.ConfigError as e:
         # one clear line (from the first rank only) instead of a traceback per rank
         if all(os.environ.get(v, "0") == "0"
@@ -83,10 +92,17 @@ def main(argv=None):
                           weight_decay=args.weight_decay)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=args.compression, transport=args.transport,
-                                   seed=args.seed)
+                                   seed=args.seed, collective=args.collective)
+    collective = opt.collective
     if rank == 0:
         print(f"hvdcomp main job: FC-300-100, {len(x_tr)} train / {len(x_te)} test MNIST "
-              f"digits, {size} ranks, compression {opt.compression.spec()}", flush=True)
+              f"digits, {size} ranks, compression {opt.compression.spec()}, collective "
+              f"{collective}", flush=True)
+        counts = {}
+        for n, c in opt.plan.items():
+            path = f"{c} over {opt.paths[n]}"
+            counts[path] = counts.get(path, 0) + 1
+        print(f"plan (tensors per compressor and path): {counts}", flush=True)
     metrics = Metrics(args.log_dir) if rank == 0 and args.log_dir else None
     show = rank == 0 and not args.no_progress
     try:
@@ -152,8 +168,8 @@ def main(argv=None):
         if args.json:
             import json
             with open(args.json, "w") as f:
-                json.dump({"compression": opt.compression.spec(), "ranks": size,
-                           "transport": opt.transport,
+                json.dump({"compression": opt.compression.spec(), "collective": collective,
+                           "ranks": size, "transport": opt.transport,
                            "args": vars(args), "epochs": history}, f, indent=1)
 
 

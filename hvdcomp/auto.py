@@ -1,33 +1,45 @@
-"""When does compressing a tensor pay?  A cost model, and ``Auto``, which uses it.
+"""When does compressing a tensor pay, and over which collective?  A cost model, and
+``Auto``, which uses it.
 
 One exchange of a tensor of ``n`` float32 elements among ``N`` ranks costs, on each path:
 
-    fp32 allreduce     t32(n) = a_ar + b_ar * 4n
-    fp16 allreduce     t16(n) = a_ar + b_ar * 2n + c16 * n
-    compressor C       tC(n)  = e0 + e * n  +  a_ag + b_ag * m(n)  +  N * (d0 + d * n)
+    fp32 allreduce        t32(n) = a_ar + b_ar * 4n
+    fp16 allreduce        t16(n) = a_ar + b_ar * 2n + c16 * n
+    C over allgather      tAG(n) = E(n) + a_ag + b_ag * m(n) + N * D(n)
+    C over reduce-scatter tRS(n) = N * E(s) + a_aa + b_aa * N m(s) + N * D(s)
+                                   + E(s) + a_ag + b_ag * m(s) + N * D(s),   s = n / N
 
-with m(n) = m0 + m1 * n the bytes of one rank's message.  ``a``/``b`` are the latency and
-the seconds per byte of one collective *as measured on this job's link* (Horovod's allreduce
-of a buffer of B bytes per rank; the transport's allgather of B bytes from every rank), so
-the ring algorithm, the link's bandwidth and how many ranks share it are all inside the
-measurement.  ``e``/``d`` are the compressor's measured encode and decode seconds per element
-(encoding once, decoding one message per rank), ``c16`` the fp16 cast.  The model sums the
-phases: the exchange pipeline overlaps them, so it overestimates every path, the compressed
-one most (it has three phases to overlap), i.e. it leans towards sending uncompressed.
+with E(x) = e0 + e * x and D(x) = d0 + d * x one encode and one decode of x elements, and
+m(x) = m0 + m1 * x the bytes of one message.  The reduce-scatter (hvdcomp.exchange.scatter)
+encodes N pieces, sends piece r to rank r (an all-to-all), decodes the N contributions to
+its own piece, re-encodes their average and allgathers it; every rank then decodes the N
+averaged pieces.  ``a``/``b`` are the latency and the seconds per byte of one collective *as
+measured on this job's link* (Horovod's allreduce of a buffer of B bytes per rank; the
+transport's allgather of B bytes from every rank; its all-to-all of B bytes from every
+rank, B / N to each), so the algorithms, the link's bandwidth and how many ranks share it
+are all inside the measurement.  ``e``/``d`` are the compressor's measured encode and decode
+seconds per element, ``c16`` the fp16 cast.  The model sums the phases: the exchange
+pipeline overlaps them, so it overestimates every path, the compressed ones most (they have
+three phases to overlap), i.e. it leans towards sending uncompressed.
 
 ``Auto(compressor)`` measures these numbers once, when the optimizer is built (a second or
 two: collectives of 64 KiB and 1 MiB, and an encode/decode of a 2^20-element tensor), takes
 the slowest rank's value of each, so that every rank computes the same plan, and sends each
-tensor by the cheapest of fp32 allreduce, fp16 allreduce and the compressor.  Tensors that
-the exchange never compresses (1-D, small, non-float) stay as they are.
+tensor by the cheapest of fp32 allreduce, fp16 allreduce and the compressor over each
+collective the exchange allows (its ``collective`` setting: "allgather", "reduce_scatter", or
+"auto" for both, the default with Auto; never the reduce-scatter for a compressor that
+refuses it, e.g. NDQSG and LAQ, nor on one rank).  Tensors that the exchange never
+compresses (1-D, small, non-float) stay as they are.
 
     opt = hvdcomp.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                              compression=hvdcomp.Auto("alq:bits=3"))
-    opt.plan        # {name: "none" | "fp16" | "alq" ...}; the measured costs:
-                    # auto.model (a CostModel), once the optimizer is built
+    opt.plan        # {name: "none" | "fp16" | "alq" ...}, opt.paths: by which collective;
+                    # auto.model (a CostModel): the measured costs, once the optimizer is built
 
 As a spec string (``--compression`` of the main job, ``$HVDCOMP_COMPRESSION``, the
-optimizer's ``compression=``): ``"auto+alq:bits=3"``.
+optimizer's ``compression=``): ``[auto+][rs+|ag+]SPEC`` (:func:`from_spec`), e.g.
+``"auto+alq:bits=3"`` (Auto, both collectives), ``"rs+alq:bits=3"`` (ALQ over the
+reduce-scatter), ``"auto+ag+alq:bits=3"`` (Auto, allgather only).
 
 There is no paper behind this: it is the "does it pay?" arithmetic of e.g. Agarwal et al.,
 "On the utility of gradient compression in distributed training systems" (MLSys 2022), made
@@ -43,21 +55,53 @@ import numpy as np
 import torch
 
 from .compressors import Compressor, FP16, NoneCompressor, TensorKey, get
+from .errors import ConfigError
 
-__all__ = ["Auto", "CostModel", "LinkCost", "CodecCost", "fit_line", "from_spec"]
+__all__ = ["Auto", "CostModel", "LinkCost", "CodecCost", "fit_line", "from_spec", "spec_collective",
+           "merge_collective", "COLLECTIVES"]
 
 AUTO_PREFIX = "auto+"
+COLLECTIVES = ("allgather", "reduce_scatter", "auto")
+_COLLECTIVE_PREFIXES = {"rs+": "reduce_scatter", "ag+": "allgather"}
 
 
-def from_spec(spec: str):
-    """A compression spec string: ``"auto+SPEC"`` gives ``Auto(SPEC)``, anything else the
-    compressor ``hvdcomp.get(SPEC)``.  Raises ConfigError for a bad spec."""
+def from_spec(spec: str) -> Tuple[object, Optional[str]]:
+    """``(compression, collective)`` of a spec string ``[auto+][rs+|ag+]SPEC``: ``"auto+"``
+    gives ``Auto(SPEC)``, else the compressor ``hvdcomp.get(SPEC)``; ``"rs+"`` the collective
+    "reduce_scatter", ``"ag+"`` "allgather", neither None (the exchange's default: "auto"
+    with Auto, else "allgather").  Raises ConfigError for a bad spec."""
     s = spec.strip()
-    if s.lower().startswith(AUTO_PREFIX):
-        return Auto(s[len(AUTO_PREFIX):])
-    return get(s)
+    auto = s.lower().startswith(AUTO_PREFIX)
+    if auto:
+        s = s[len(AUTO_PREFIX):]
+    collective = _COLLECTIVE_PREFIXES.get(s[:3].lower())
+    if collective is not None:
+        s = s[3:]
+    return (Auto(s) if auto else get(s)), collective
 
-CHOICES = ("none", "fp16", "compressor")
+
+def spec_collective(spec: str) -> Optional[str]:
+    """The collective a spec string's prefix names ('rs+', 'ag+', after an optional
+    'auto+'), or None; never raises (the spec itself is not parsed)."""
+    s = str(spec).strip().lower()
+    if s.startswith(AUTO_PREFIX):
+        s = s[len(AUTO_PREFIX):]
+    return _COLLECTIVE_PREFIXES.get(s[:3])
+
+
+def merge_collective(given: Optional[str], from_spec: Optional[str]) -> Optional[str]:
+    """The collective of an exchange given both as a setting (``given``) and in the spec
+    string (``from_spec``; either may be None).  Raises ConfigError for a name outside
+    :data:`COLLECTIVES` or when the two differ."""
+    if given is not None and given not in COLLECTIVES:
+        raise ConfigError(f"collective must be one of {', '.join(COLLECTIVES)}; got {given!r}")
+    if given is not None and from_spec is not None and given != from_spec:
+        raise ConfigError(f"collective={given!r} contradicts the spec string's "
+                          f"{from_spec!r} ('rs+' / 'ag+'); give one of them")
+    return given if given is not None else from_spec
+
+
+CHOICES = ("none", "fp16", "allgather", "reduce_scatter")
 CALIBRATE_SMALL = 4096      # elements of the small calibration tensor (per-tensor costs)
 
 
@@ -72,12 +116,16 @@ class LinkCost:
     """Measured collective costs on this job's link (seconds; bytes contributed per rank).
 
     ar_latency + ar_per_byte * B: Horovod allreduce of a B-byte buffer;
-    ag_latency + ag_per_byte * B: the transport's allgather of B bytes from every rank.
+    ag_latency + ag_per_byte * B: the transport's allgather of B bytes from every rank;
+    aa_latency + aa_per_byte * B: the transport's all-to-all of B bytes from every rank
+    (B / N to each; measured only when the reduce-scatter may be chosen).
     """
     ar_latency: float
     ar_per_byte: float
     ag_latency: float
     ag_per_byte: float
+    aa_latency: float = 0.0
+    aa_per_byte: float = 0.0
 
 
 @dataclass
@@ -103,6 +151,8 @@ class CostModel:
     allreduce: bool = True      # False: no Horovod, fp32/fp16 go through the allgather too
 
     def seconds(self, n: int) -> Dict[str, float]:
+        """Predicted seconds of each path of :data:`CHOICES` for ``n`` elements (module
+        docstring; "allgather" and "reduce_scatter": the compressor over that collective)."""
         L, C, N = self.link, self.codec, self.world_size
         if self.allreduce:
             t32 = L.ar_latency + L.ar_per_byte * 4 * n
@@ -110,13 +160,25 @@ class CostModel:
         else:                    # uncompressed messages through the allgather path
             t32 = L.ag_latency + L.ag_per_byte * 4 * n
             t16 = L.ag_latency + L.ag_per_byte * 2 * n + C.fp16_per_elem * n
-        tc = (C.encode_fixed + C.encode_per_elem * n
-              + L.ag_latency + L.ag_per_byte * (C.bytes_fixed + C.bytes_per_elem * n)
-              + N * (C.decode_fixed + C.decode_per_elem * n))
-        return {"none": t32, "fp16": t16, "compressor": tc}
+
+        def enc(x):
+            return C.encode_fixed + C.encode_per_elem * x
+
+        def dec(x):
+            return C.decode_fixed + C.decode_per_elem * x
+
+        def msg(x):
+            return C.bytes_fixed + C.bytes_per_elem * x
+
+        tag = enc(n) + L.ag_latency + L.ag_per_byte * msg(n) + N * dec(n)
+        s = n / N
+        trs = (N * enc(s) + L.aa_latency + L.aa_per_byte * N * msg(s) + N * dec(s)
+               + enc(s) + L.ag_latency + L.ag_per_byte * msg(s) + N * dec(s))
+        return {"none": t32, "fp16": t16, "allgather": tag, "reduce_scatter": trs}
 
     def choose(self, n: int, allowed: Sequence[str] = CHOICES) -> str:
-        """The cheapest allowed path for n elements (ties: the earlier in CHOICES)."""
+        """The cheapest allowed path of :data:`CHOICES` for n elements (ties: the earlier
+        in CHOICES)."""
         t = self.seconds(n)
         return min((c for c in CHOICES if c in allowed), key=lambda c: t[c])
 
@@ -126,8 +188,9 @@ class CostModel:
 
 
 class Auto:
-    """Send each tensor by whichever of fp32 allreduce, fp16 allreduce and ``compressor`` the
-    measured cost model (module docstring) says is fastest on this job's link.
+    """Send each tensor by whichever of fp32 allreduce, fp16 allreduce and ``compressor``
+    (over each collective the exchange allows) the measured cost model (module docstring)
+    says is fastest on this job's link.
 
     compressor: an hvdcomp compressor or spec string (default "alq:bits=3").
     fallbacks: the uncompressed paths allowed, a subset of ("none", "fp16").
@@ -136,8 +199,9 @@ class Auto:
     calibrate_numel: elements of the tensor encoded and decoded to measure the compressor.
 
     Used through ``hvdcomp.torch.DistributedOptimizer(..., compression=Auto(...))``; the
-    optimizer's ``compression`` is then the inner compressor and ``plan`` the choice per
-    tensor.  Raises ValueError for an unknown fallback, ConfigError for a bad spec.
+    optimizer's ``compression`` is then the inner compressor, ``plan`` the compressor per
+    tensor and ``paths`` the collective per tensor.  Raises ValueError for an unknown
+    fallback, ConfigError for a bad spec.
     """
 
     def __init__(self, compressor="alq:bits=3", fallbacks: Sequence[str] = ("none", "fp16"),
@@ -171,25 +235,40 @@ class Auto:
         return (f"{self.spec()} link={self.link} codec={self.codec} "
                 f"calibrate_numel={self.calibrate_numel}")
 
-    def make_plan(self, sizes: Dict[str, int], transport, allreduce=None,
-                  device=None) -> Dict[str, Compressor]:
-        """{name: compressor} for the tensors of ``sizes`` ({name: numel}) that the exchange
-        would compress: ``self.compressor``, a NoneCompressor or an FP16 (all ranks agree:
-        the measurements are the slowest rank's).  ``allreduce``: the exchange's carrier of
-        summable tensors (hvdcomp.transport.Allreduce), or None (fp32 and fp16 then travel
-        as messages too).  ``device``: where the gradients live (the compressor and the
-        allreduce are timed on tensors there)."""
-        link = self.link or measure_link(transport, allreduce, device=device)
+    def make_plan(self, sizes: Dict[str, int], transport, allreduce=None, device=None,
+                  collectives: Sequence[str] = ("allgather",)
+                  ) -> Dict[str, Tuple[Compressor, bool]]:
+        """{name: (compressor, scatter)} for the tensors of ``sizes`` ({name: numel}) that
+        the exchange would compress: ``self.compressor``, a NoneCompressor or an FP16, and
+        whether it goes over the reduce-scatter (all ranks agree: the measurements are the
+        slowest rank's).  ``allreduce``: the exchange's carrier of summable tensors
+        (hvdcomp.transport.Allreduce), or None (fp32 and fp16 then travel as messages too).
+        ``device``: where the gradients live (the compressor and the allreduce are timed on
+        tensors there).  ``collectives``: those the compressor may take, among "allgather"
+        and "reduce_scatter" (the all-to-all is measured only when the latter is allowed).
+        ``plan`` records each choice: "none", "fp16", the compressor's name (allgather) or
+        "rs+" and its name (reduce-scatter)."""
+        bad = [c for c in collectives if c not in ("allgather", "reduce_scatter")]
+        if bad or not collectives:
+            raise ValueError(f"collectives must be a non-empty subset of ('allgather', "
+                             f"'reduce_scatter'), got {tuple(collectives)}")
+        scatter = "reduce_scatter" in collectives
+        link = self.link or measure_link(transport, allreduce, device=device,
+                                         alltoall=scatter)
         codec = self.codec or measure_codec(self.compressor, transport, self.calibrate_numel,
                                             device=device)
         self.model = CostModel(link, codec, transport.size, allreduce is not None)
-        allowed = self.fallbacks + ("compressor",)
-        none, fp16 = NoneCompressor(), FP16()
+        allowed = self.fallbacks + tuple(collectives)
+        paths = {"none": (NoneCompressor(), False), "fp16": (FP16(), False),
+                 "allgather": (self.compressor, False),
+                 "reduce_scatter": (self.compressor, True)}
+        names = {"none": "none", "fp16": "fp16", "allgather": self.compressor.name,
+                 "reduce_scatter": "rs+" + self.compressor.name}
         out = {}
         for name, n in sizes.items():
             c = self.model.choose(n, allowed)
-            self.plan[name] = self.compressor.name if c == "compressor" else c
-            out[name] = {"none": none, "fp16": fp16, "compressor": self.compressor}[c]
+            self.plan[name] = names[c]
+            out[name] = paths[c]
         return out
 
 
@@ -211,11 +290,13 @@ def _best_of(fn: Callable[[], None], reps: int) -> float:
 
 
 def measure_link(transport, allreduce=None, sizes=(1 << 16, 1 << 20), reps: int = 2,
-                 device=None) -> LinkCost:
-    """Time the ``allreduce`` carrier (if any; a float32 buffer on ``device``) and the
-    transport's allgather (host bytes, as the exchange sends messages) at two buffer sizes
-    (bytes per rank) and fit latency + per-byte cost; slowest rank's values."""
+                 device=None, alltoall: bool = False) -> LinkCost:
+    """Time the ``allreduce`` carrier (if any; a float32 buffer on ``device``), the
+    transport's allgather (host bytes, as the exchange sends messages) and, with
+    ``alltoall``, its all-to-all (B / N bytes to each rank) at two buffer sizes B (bytes per
+    rank) and fit latency + per-byte cost; slowest rank's values."""
     vals = []
+    n = transport.size
     for i, b in enumerate(sizes):
         if allreduce is not None:
             buf = torch.zeros(b // 4, device=device)
@@ -226,10 +307,17 @@ def measure_link(transport, allreduce=None, sizes=(1 << 16, 1 << 20), reps: int 
         msg = np.zeros(b, dtype=np.uint8)
         transport.allgather(msg)
         vals.append(_best_of(lambda: transport.allgather(msg), reps))
-    ar1, ag1, ar2, ag2 = _slowest(transport, vals)
+        if alltoall:
+            parts = [np.zeros(b // n, dtype=np.uint8)] * n
+            transport.alltoall(parts)
+            vals.append(_best_of(lambda: transport.alltoall(parts), reps))
+        else:
+            vals.append(0.0)
+    ar1, ag1, aa1, ar2, ag2, aa2 = _slowest(transport, vals)
     a_ar, b_ar = fit_line(sizes[0], ar1, sizes[1], ar2)
     a_ag, b_ag = fit_line(sizes[0], ag1, sizes[1], ag2)
-    return LinkCost(a_ar, b_ar, a_ag, b_ag)
+    a_aa, b_aa = fit_line(sizes[0], aa1, sizes[1], aa2)
+    return LinkCost(a_ar, b_ar, a_ag, b_ag, a_aa, b_aa)
 
 
 def measure_codec(compressor: Compressor, transport, numel: int = 2**20,

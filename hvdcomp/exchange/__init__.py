@@ -3,7 +3,9 @@
 * :mod:`.plan`: which compressor and which path each tensor takes (routing, Auto);
 * :mod:`.buckets`: the fixed fusion order and the handshake that makes ranks agree on it;
 * :mod:`.pipeline`: the encode | communicate | decode threads, bucket by bucket;
-* :mod:`.collective`: what the pipeline drives, per bucket: :class:`Allgather` today;
+* :mod:`.collective`: what the pipeline drives, per bucket (the interface), and
+  :class:`Allgather`;
+* :mod:`.scatter`: :class:`ReduceScatter`, cut by :mod:`.shards` (which tensors, where);
 * :mod:`.averaging`: gradients in, averages out (predivide, op=Sum, the NaN policy);
 * :mod:`.core`: :class:`Exchange`, all of it assembled, with the training-loop protocols;
 * :mod:`.shutdown`: at interpreter exit, a failing rank's error marks and the threads'
@@ -15,6 +17,8 @@ Bytes travel through a :class:`hvdcomp.transport.Transport`, summable buffers th
 from .collective import Allgather, Collective
 from .core import Exchange, refit
 from .plan import Entry, Plan
+from .scatter import ReduceScatter
 from .stats import StepStats
 
-__all__ = ["Exchange", "StepStats", "Plan", "Entry", "Collective", "Allgather", "refit"]
+__all__ = ["Exchange", "StepStats", "Plan", "Entry", "Collective", "Allgather",
+           "ReduceScatter", "refit"]

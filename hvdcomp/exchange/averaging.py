@@ -150,22 +150,32 @@ class Averaging:
             return self._none                       # a cast's fallback (cast_fallback)
         return comp
 
-    def finish(self, e: Entry, acc: torch.Tensor, finite: bool, key: TensorKey,
-               stats: StepStats, joined: int = 0, prescaled: Optional[bool] = None
-               ) -> torch.Tensor:
-        """The result of ``e`` from ``acc`` (in place), ``joined`` ranks having joined:
-        acc holds the sum of the contributions (``prescaled``, default the compressor's:
-        each divided by the world size); averaged over the ``size - joined`` ranks that
-        contribute (``finite``: no rank's message was NONFINITE), or NaN (NaN policy)."""
+    def mean(self, e: Entry, acc: torch.Tensor, key: TensorKey, joined: int = 0,
+             prescaled: Optional[bool] = None) -> None:
+        """Turn ``acc``, the sum of ``e``'s finite contributions (``prescaled``, default the
+        compressor's: each divided by the world size), into their average over the
+        ``size - joined`` ranks that had not joined, in place (``Compressor.finalize``)."""
         prescaled = e.compressor.prescaled if prescaled is None else prescaled
         n = self.size - joined
+        if prescaled:
+            if n != self.size:
+                acc.mul_(self.size / n)
+        else:
+            e.compressor.finalize(acc, key if n == self.size
+                                  else dataclasses.replace(key, world_size=n))
+
+    def finish(self, e: Entry, acc: torch.Tensor, finite: bool, key: TensorKey,
+               stats: StepStats, joined: int = 0, prescaled: Optional[bool] = None,
+               averaged: bool = False) -> torch.Tensor:
+        """The result of ``e`` from ``acc`` (in place), ``joined`` ranks having joined:
+        acc holds the sum of the contributions (:meth:`mean`), or with ``averaged`` already
+        their average (as the reduce-scatter delivers it); averaged over the
+        ``size - joined`` ranks that contribute (``finite``: no rank's message was
+        NONFINITE), times that count for op=Sum and ``predivide``, or NaN (NaN policy)."""
+        n = self.size - joined
         if finite:
-            if prescaled:
-                if n != self.size:
-                    acc.mul_(self.size / n)
-            else:
-                e.compressor.finalize(acc, key if n == self.size
-                                      else dataclasses.replace(key, world_size=n))
+            if not averaged:
+                self.mean(e, acc, key, joined, prescaled)
             if not self.average:
                 acc.mul_(n)
             if self.predivide != 1.0:

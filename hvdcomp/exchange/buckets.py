@@ -144,10 +144,11 @@ def handshake(transport: Transport, settings: Dict[str, Any], buckets: List[List
     """Refuse to start (:class:`~hvdcomp.errors.Mismatch`, a RuntimeError, on every rank)
     unless all ranks agree on ``settings`` (a JSON-able dict: each differing key is named,
     :func:`agree_settings`), the buckets and every entry's name, shape, dtype, compressor
-    spec and path (``entries``: name -> :class:`~hvdcomp.exchange.plan.Entry`)."""
+    spec and path (allreduce, allgather or reduce-scatter) (``entries``: name ->
+    :class:`~hvdcomp.exchange.plan.Entry`)."""
     agree_settings(transport, settings, "the exchange settings")
     desc = json.dumps([buckets,
                        [(e.name, list(e.param.shape), str(e.param.dtype), e.compressor.spec(),
-                         e.allreduce) for e in entries.values()]])
+                         e.path) for e in entries.values()]])
     agree(transport, desc, "the parameters (names, shapes, dtypes) or the compressor "
                            "settings")

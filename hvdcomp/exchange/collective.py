@@ -216,6 +216,7 @@ class Allgather(Collective):
                         self.failure_seen = True        # an error frame: every rank saw it
                     raise
                 stats.bytes_sent += len(job.out)
+                stats.recv_bytes += sum(job.incoming.nbytes) - len(job.out)
                 stats.traffic_bytes += (self.size - 1) / self.size * sum(job.incoming.nbytes)
         finally:
             for s in job.sums:

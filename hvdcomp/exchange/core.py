@@ -1,4 +1,5 @@
-"""The exchange core: a plan, fusion buckets and a pipeline driving a collective.
+"""The exchange core: a plan, fusion buckets and a pipeline driving a collective (the
+allgather, or the reduce-scatter when some tensors take it).
 
 Any launcher drives it the same way (the drop-in optimizer today, a DDP communication hook
 next): per step ``begin(step)``, ``ready(name)`` as each gradient becomes final,
@@ -17,16 +18,17 @@ import torch
 
 from ..auto import Auto
 from ..compressors import Compressor
-from ..compressors.protocols import AdaptiveLevels, ParamDeltas
+from ..compressors.protocols import AdaptiveLevels, MomentumCorrection, ParamDeltas
 from ..log import logger
 from ..transport import Allreduce, Transport
 from ..transport.mpi import cuda_aware
 from .averaging import Averaging
 from . import shutdown
-from .buckets import check_replicas, fuse, handshake
+from .buckets import agree_settings, check_replicas, fuse, handshake
 from .collective import Allgather
 from .pipeline import Pipeline
 from .plan import Entry, Plan
+from .scatter import ReduceScatter
 from .stats import StepStats
 
 __all__ = ["Exchange", "refit", "report_plan"]
@@ -43,15 +45,19 @@ class Exchange:
     seed: the shared seed of the Philox streams; average: False for a sum (op=Sum);
     predivide: Horovod's gradient_predivide_factor; sparse_as_dense: densify sparse
     gradients before sending them (else they travel as indices and values, uncompressed).
+    collective: how the compressed tensors' messages travel: "allgather",
+      "reduce_scatter" (:mod:`hvdcomp.exchange.scatter`) or "auto" (per tensor, by the cost
+      model); None: "auto" with an Auto, else "allgather".  ConfigError for another name,
+      for "reduce_scatter" on one rank or with a compressor that refuses it (NDQSG, LAQ).
     ident: this exchange's number in the frames' stamps (the same on every rank; the
     drop-in optimizer passes its creation number); check_replicas: compare a digest of the
     parameters' values across ranks at the first step (:func:`~.buckets.check_replicas`).
 
     Construction is collective (Auto's measurements, the handshake): every rank builds its
     exchanges together, in the same order; :class:`~hvdcomp.errors.Mismatch` (a
-    RuntimeError) on every rank if they disagree on the model, the routing or the settings,
-    or (at the first step) on the parameters' values.  Every collective of a step carries
-    the step (:mod:`.collective`): :class:`~hvdcomp.errors.OutOfStep` on every rank when
+    RuntimeError) on every rank if they disagree on the collective (checked first), the
+    model, the routing or the settings, or (at the first step) on the parameters' values.
+    Every collective of a step carries the step (:mod:`.collective`): :class:`~hvdcomp.errors.OutOfStep` on every rank when
     ranks exchange different steps.  On a transport between processes, the exit handler of
     :mod:`.shutdown` stops the pipeline at interpreter exit and, when this rank fails, makes
     the other ranks raise a :class:`~hvdcomp.errors.RankFailure` naming it.
@@ -62,13 +68,21 @@ class Exchange:
                  fusion_bytes: int = 25 * 2**20, min_compress_numel: int = 1024,
                  compress_1d: bool = False, seed: int = 0, average: bool = True,
                  predivide: float = 1.0, sparse_as_dense: bool = False, ident: int = 0,
-                 check_replicas: bool = True):
+                 check_replicas: bool = True,
+                 collective: Optional[str] = None):
         self.transport = transport
         self.rank, self.size = transport.rank, transport.size
         self.seed = int(seed) & 0xFFFFFFFF
+        if collective is None:
+            collective = "auto" if isinstance(compression, Auto) else "allgather"
+        # before anything else: ranks that disagree would measure different things (Auto)
+        agree_settings(transport, {"collective": collective},
+                       "the collective (allgather, reduce_scatter or auto)")
         self.buckets = fuse(named_params, fusion_bytes)
         self.plan = Plan(named_params, compression, transport, allreduce,
-                         min_compress_numel=min_compress_numel, compress_1d=compress_1d)
+                         min_compress_numel=min_compress_numel, compress_1d=compress_1d,
+                         collective=collective)
+        self.collective_setting = collective
         # the carriers' name prefixes too: Horovod matches collectives by name
         self.ident = int(ident) & 0xFFFFFFFF
         handshake(transport, {"seed": self.seed, "average": bool(average),
@@ -82,14 +96,20 @@ class Exchange:
                               "fusion_bytes": int(fusion_bytes),
                               "min_compress_numel": int(min_compress_numel),
                               "compress_1d": bool(compress_1d),
-                              "collective": "allgather", "exchange id": self.ident,
+                              "collective": collective, "exchange id": self.ident,
                               "check_replicas": bool(check_replicas)},
                   self.buckets, self.entries)
         self.cuda_aware = report_cuda(named_params, self.rank)
         if self.rank == 0:
             report_plan(self)
         self.averaging = Averaging(self.size, average, predivide, sparse_as_dense)
-        self.collective = Allgather(transport, allreduce, self.averaging, self.seed, self.ident)
+        if any(e.scatter for e in self.entries.values()):
+            self.collective = ReduceScatter(transport, allreduce, self.averaging, self.seed,
+                                            self.buckets, self.entries, len(self.entries),
+                                            self.ident)
+        else:
+            self.collective = Allgather(transport, allreduce, self.averaging, self.seed,
+                                        self.ident)
         self.pipeline = Pipeline(self.buckets, self.entries, self.collective)
         if transport.interprocess:
             shutdown.register(self.pipeline, self.rank)
@@ -116,6 +136,25 @@ class Exchange:
         """With an Auto, its measured :class:`hvdcomp.auto.CostModel` (link and codec
         costs, ``as_dict()``); None otherwise."""
         return self.plan.auto.model if self.plan.auto is not None else None
+
+    def second_stages(self) -> list:
+        """The reduce-scatter's second-stage compressors that keep state apart from the
+        compression (DGC's top-k with residuals of the averaged shards), else []."""
+        c = self.collective
+        return c.second_stages() if isinstance(c, ReduceScatter) else []
+
+    def set_momentum(self, factors: Dict[str, float]) -> None:
+        """Momentum factors by parameter name for a MomentumCorrection compressor (DGC),
+        also under the names of the reduce-scatter's pieces of those parameters; nothing
+        for other compressors."""
+        if not isinstance(self.compression, MomentumCorrection):
+            return
+        more = dict(factors)
+        if isinstance(self.collective, ReduceScatter):
+            for p in self.collective.pieces():
+                if p.name in factors:
+                    more[p.label] = factors[p.name]
+        self.compression.set_momentum(more)
 
     # --- per step -------------------------------------------------------------------
     @property

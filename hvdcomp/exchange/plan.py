@@ -5,25 +5,36 @@ tensors with fewer than ``min_compress_numel`` elements go uncompressed (``none`
 DGC and CGX reference codes do; the others use the compression.  A bfloat16 tensor that
 would be cast to fp16 is sent as bf16 instead (the same bytes, and bfloat16's own range).  With an
 :class:`hvdcomp.Auto`, the tensors that would be compressed get Auto's per-tensor choice
-(fp32, fp16 or its compressor) from costs measured on every rank together.  A tensor whose
-compressor is summable (a dtype cast) travels through the
+(fp32, fp16 or its compressor over a collective) from costs measured on every rank
+together.  A tensor whose compressor is summable (a dtype cast) travels through the
 :class:`~hvdcomp.transport.Allreduce` carrier when there is one and it sums that dtype; all
-others travel as wire messages.
+others travel as wire messages: over the allgather, or, for the tensors that use the
+compression, over the reduce-scatter (:mod:`hvdcomp.exchange.scatter`) when the collective
+setting says so:
+
+* "allgather": every wire message over the allgather;
+* "reduce_scatter": the compressed tensors over the reduce-scatter (ConfigError on one rank,
+  or for a compressor that refuses it: :data:`hvdcomp.exchange.shards.REFUSED`);
+* "auto": per tensor, the one the cost model predicts faster (:mod:`hvdcomp.auto`; a plain
+  compressor is planned as ``Auto(compressor, fallbacks=())``); the allgather alone on one
+  rank or for a compressor that refuses the reduce-scatter.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..auto import Auto
+from ..auto import COLLECTIVES, Auto
 from ..compressors import BF16, FP16, Compressor, NoneCompressor, TensorKey
+from ..errors import ConfigError
 from ..transport import Allreduce, Transport
 from .buckets import agree
+from .shards import refusal
 
-__all__ = ["Entry", "Plan", "route", "keep_range", "wire_dtype"]
+__all__ = ["Entry", "Plan", "qualifies", "route", "keep_range", "wire_dtype", "collectives"]
 
 
 @dataclass
@@ -32,13 +43,21 @@ class Entry:
 
     name: parameter name; param: the parameter (its ``grad`` is read); tensor_id: index in
     the name-sorted order (the wire header's tensor id); compressor: what it travels with;
-    allreduce: summable and carried by the Allreduce carrier (else by wire messages).
+    allreduce: summable and carried by the Allreduce carrier (else by wire messages);
+    scatter: its messages go over the reduce-scatter (else over the allgather).
     """
     name: str
     param: torch.Tensor
     tensor_id: int
     compressor: Compressor
     allreduce: bool
+    scatter: bool = False
+
+    @property
+    def path(self) -> str:
+        """"allreduce", "allgather" or "reduce_scatter"."""
+        return ("allreduce" if self.allreduce else
+                "reduce_scatter" if self.scatter else "allgather")
 
     def key(self, step: int, rank: int, size: int, seed: int) -> TensorKey:
         """The tensor's key for ``rank``'s message of ``step``, with the parameter's shape
@@ -47,14 +66,17 @@ class Entry:
                          shape=tuple(self.param.shape), dtype=self.param.dtype)
 
 
+def qualifies(p: torch.Tensor, min_numel: int, compress_1d: bool) -> bool:
+    """Whether ``p``'s gradient uses the compression (module docstring: float, 2-D or more
+    unless ``compress_1d``, at least ``min_numel`` elements)."""
+    return (p.is_floating_point() and (p.dim() > 1 or compress_1d)
+            and p.numel() >= min_numel)
+
+
 def route(p: torch.Tensor, compression: Compressor, min_numel: int,
           compress_1d: bool) -> Compressor:
     """``compression`` for a tensor that qualifies, a NoneCompressor otherwise."""
-    if not p.is_floating_point():
-        return NoneCompressor()
-    if p.dim() <= 1 and not compress_1d:
-        return NoneCompressor()
-    if p.numel() < min_numel:
+    if not qualifies(p, min_numel, compress_1d):
         return NoneCompressor()
     return keep_range(compression, p)
 
@@ -79,11 +101,13 @@ class Plan:
       ``compression`` its compressor; its measurements are collectives: all ranks plan
       together, after agreeing on Auto's settings, RuntimeError if they do not).
     allreduce: the carrier of summable tensors, or None (everything as wire messages).
+    collective: "allgather", "reduce_scatter" or "auto" (module docstring).  Raises
+      ConfigError for "reduce_scatter" on one rank or with a compressor that refuses it.
     """
 
     def __init__(self, named_params: Sequence[Tuple[str, torch.Tensor]], compression,
                  transport: Transport, allreduce: Optional[Allreduce], *,
-                 min_compress_numel: int, compress_1d: bool):
+                 min_compress_numel: int, compress_1d: bool, collective: str = "allgather"):
         names = [n for n, _ in named_params]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -92,26 +116,64 @@ class Plan:
         if isinstance(compression, Auto):
             self.auto, compression = compression, compression.compressor
         self.compression: Compressor = compression
+        allowed = collectives(compression, collective, transport.size)
+        if self.auto is None and len(allowed) > 1:
+            self.auto = Auto(compression, fallbacks=())     # only the collective to choose
 
         def routed(p):
             return route(p, compression, min_compress_numel, compress_1d)
 
-        chosen: Dict[str, Compressor] = {}
+        chosen: Dict[str, Tuple[Compressor, bool]] = {}
         if self.auto is not None:     # the cost model's choice for every tensor we would compress
             sizes = {n: p.numel() for n, p in named_params if routed(p) is compression}
             # agree on the settings before measuring: the measurements are collectives
             agree(transport, json.dumps([self.auto.settings(), allreduce is not None,
-                                         sorted(sizes.items())]), "the Auto settings")
+                                         allowed, sorted(sizes.items())]),
+                  "the Auto settings")
             dev = next((p.device for n, p in named_params if n in sizes), None)
-            chosen = self.auto.make_plan(sizes, transport, allreduce, device=dev)
+            chosen = self.auto.make_plan(sizes, transport, allreduce, device=dev,
+                                         collectives=allowed)
         order = {n: i for i, n in enumerate(sorted(names))}
         self.entries: Dict[str, Entry] = {}
         for name, p in named_params:
-            comp = keep_range(chosen[name], p) if name in chosen else routed(p)
+            comp = routed(p)
+            scatter = (allowed == ["reduce_scatter"]
+                       and qualifies(p, min_compress_numel, compress_1d))
+            if name in chosen:
+                comp, scatter = chosen[name]
+                comp = keep_range(comp, p)
             summed = (allreduce is not None and comp.summable
                       and wire_dtype(comp) in allreduce.dtypes)
-            self.entries[name] = Entry(name, p, order[name], comp, summed)
+            self.entries[name] = Entry(name, p, order[name], comp, summed,
+                                       scatter and not summed)
 
     def compressor_names(self) -> Dict[str, str]:
         """{parameter name: name of the compressor its gradient travels with}."""
         return {n: e.compressor.name for n, e in self.entries.items()}
+
+    def paths(self) -> Dict[str, str]:
+        """{parameter name: "allreduce", "allgather" or "reduce_scatter"}."""
+        return {n: e.path for n, e in self.entries.items()}
+
+
+def collectives(compression: Compressor, collective: str, size: int) -> List[str]:
+    """The collectives the tensors that use ``compression`` may take, for the setting
+    ``collective`` on ``size`` ranks (module docstring).  Raises ConfigError for an unknown
+    setting, and for "reduce_scatter" on one rank or with a compressor that refuses it."""
+    if collective not in COLLECTIVES:
+        raise ConfigError(f"collective must be one of {', '.join(COLLECTIVES)}; "
+                          f"got {collective!r}")
+    why = refusal(compression)
+    if collective == "reduce_scatter":
+        if size < 2:
+            raise ConfigError("collective='reduce_scatter' needs 2 or more ranks (this job "
+                              "has 1); use 'allgather', or 'auto', which takes the "
+                              "allgather on one rank")
+        if why is not None:
+            raise ConfigError(f"{compression.name} cannot travel over the reduce-scatter: "
+                              f"{why}. Use collective='allgather' (or 'auto', which never "
+                              f"picks the reduce-scatter for it)")
+        return ["reduce_scatter"]
+    if collective == "auto" and size > 1 and why is None:
+        return ["allgather", "reduce_scatter"]
+    return ["allgather"]

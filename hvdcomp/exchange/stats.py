@@ -15,8 +15,13 @@ class StepStats:
                   plus allreduced buffers), i.e. what it contributes to the collectives.
     fp32_bytes:   4 * elements of every gradient exchanged: the uncompressed fp32 payload.
     ratio:        fp32_bytes / bytes_sent.
+    recv_bytes:   bytes of the other ranks' frames this rank received through the
+                  transport (exact: allgather and all-to-all; allreduced buffers excluded).
+                  With the reduce-scatter, bytes_sent counts this rank's shards for the
+                  other ranks and its frame of averaged shards.
     traffic_bytes: estimate of bytes this rank puts on the network with ring algorithms:
-                  allgather (N-1)/N of all ranks' messages, allreduce 2(N-1)/N of the buffer.
+                  allgather (N-1)/N of all ranks' messages, allreduce 2(N-1)/N of the
+                  buffer, all-to-all exactly its parts for the other ranks.
     compressors:  parameter name -> name of the compressor applied to it.
     nonfinite:    names of tensors that held NaN/Inf on some rank (their average is NaN).
     events:       notable events reported by compressors (e.g. side information too far).
@@ -24,10 +29,13 @@ class StepStats:
                   the averages count the others only.
     encode_s, comm_s, decode_s: seconds spent in each phase (summed over buckets; the
                   phases of different buckets overlap in the pipeline).
+    reduce_s:     the part of comm_s that is local work, not the wire: the reduce-scatter's
+                  decoding, averaging and re-encoding of the shards this rank owns.
     """
     step: int = 0
     bytes_sent: int = 0
     fp32_bytes: int = 0
+    recv_bytes: int = 0
     traffic_bytes: float = 0.0
     compressors: Dict[str, str] = field(default_factory=dict)
     nonfinite: List[str] = field(default_factory=list)
@@ -36,6 +44,7 @@ class StepStats:
     encode_s: float = 0.0
     comm_s: float = 0.0
     decode_s: float = 0.0
+    reduce_s: float = 0.0
 
     @property
     def ratio(self) -> float:

@@ -23,11 +23,12 @@ class Exchange(_Core):
                  transport: Transport, *, hvd=None, fusion_bytes: int = 25 * 2**20,
                  min_compress_numel: int = 1024, compress_1d: bool = False, seed: int = 0,
                  average: bool = True, predivide: float = 1.0, allreduce_summable: bool = True,
-                 sparse_as_dense: bool = False, ident: int = 0, check_replicas: bool = True):
+                 sparse_as_dense: bool = False, ident: int = 0, check_replicas: bool = True,
+                 collective=None):
         super().__init__(named_params, compression, transport,
                          allreduce=(HorovodAllreduce(hvd) if hvd is not None
                                     and allreduce_summable else None),
                          fusion_bytes=fusion_bytes, min_compress_numel=min_compress_numel,
                          compress_1d=compress_1d, seed=seed, average=average,
                          predivide=predivide, sparse_as_dense=sparse_as_dense, ident=ident,
-                         check_replicas=check_replicas)
+                         check_replicas=check_replicas, collective=collective)

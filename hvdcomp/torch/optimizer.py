@@ -29,7 +29,7 @@ import torch
 from torch.autograd import Variable
 
 from .. import compressors
-from ..auto import Auto, from_spec
+from ..auto import Auto, from_spec, merge_collective, spec_collective
 from ..compressors import Compressor
 from ..compressors.protocols import MomentumCorrection
 from ..exchange.buckets import agree_settings
@@ -45,26 +45,36 @@ _created = itertools.count()
 _live: "weakref.WeakValueDictionary[int, _DistributedOptimizer]" = weakref.WeakValueDictionary()
 
 
-def _as_compressor(compression) -> Compressor:
+def _as_compressor(compression):
+    """(compressor or Auto, the spec string's collective or None)."""
     if isinstance(compression, Auto):
-        return compression
+        return compression, None
     if compression is None:
         return from_spec(os.environ.get("HVDCOMP_COMPRESSION") or "none")
     if isinstance(compression, str):
-        return from_spec(compression)              # "auto+SPEC" gives Auto(SPEC)
+        return from_spec(compression)      # "auto+SPEC": Auto(SPEC); "rs+SPEC": reduce-scatter
     if isinstance(compression, Compressor):
-        return compressors.get(compression)
+        return compressors.get(compression), None
     # Horovod's own Compression.none / Compression.fp16
     try:
         from horovod.torch.compression import Compression
         if compression is Compression.none:
-            return compressors.get("none")
+            return compressors.get("none"), None
         if compression is Compression.fp16:
-            return compressors.get("fp16")
+            return compressors.get("fp16"), None
     except ImportError:
         pass
     raise TypeError(f"compression must be an hvdcomp compressor, a spec string such as "
                     f"'alq:bits=3', or Horovod's Compression.none/fp16; got {compression!r}")
+
+
+def _raw_collective(collective, compression) -> str:
+    """What ``collective=`` and the spec string's 'rs+'/'ag+' ask for together, as the ranks
+    compare it (before either is checked): the setting, else the spec's prefix, else
+    "default" ("auto" with Auto, else "allgather")."""
+    if collective is not None:
+        return str(collective)
+    return spec_collective(_raw_spec(compression)) or "default"
 
 
 def _raw_spec(compression) -> str:
@@ -104,7 +114,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, sparse_as_dense, transport, fusion_bytes,
-                 min_compress_numel, compress_1d, seed, check_replicas, hvd):
+                 min_compress_numel, compress_1d, seed, check_replicas, collective,
+                 hvd):
         super(self.__class__, self).__init__(params)
         self._ident = next(_created)
         all_params = [p for g in self.param_groups for p in g["params"]]
@@ -130,7 +141,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "optimizer": type(self).__name__, "optimizer number": self._ident,
             "transport": (transport if isinstance(transport, str) else "auto" if transport is None
                           else type(transport).__name__),
-            "collective": "allgather", "compression": _raw_spec(compression),
+            "collective": _raw_collective(collective, compression),
+            "compression": _raw_spec(compression),
             "backward_passes_per_step": _plain(backward_passes_per_step),
             "op": {hvd.Average: "Average", hvd.Sum: "Sum"}.get(op, repr(op)),
             "gradient_predivide_factor": _plain(gradient_predivide_factor),
@@ -140,7 +152,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "check_replicas": _plain(check_replicas),
             "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in named]},
             "the DistributedOptimizer settings")
-        compression = _as_compressor(compression)
+        compression, spec_collective = _as_compressor(compression)
+        collective = merge_collective(collective, spec_collective)
         self._bpps = int(backward_passes_per_step)
         if self._bpps < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
@@ -155,7 +168,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                   min_compress_numel=min_compress_numel,
                                   compress_1d=compress_1d, seed=seed, average=average,
                                   predivide=gradient_predivide_factor,
-                                  sparse_as_dense=sparse_as_dense)
+                                  sparse_as_dense=sparse_as_dense, collective=collective)
         self._compression = self._exchange.compression     # with Auto: Auto's compressor
         self._named = named
         self._corrected = self._momentum_corrected()
@@ -231,7 +244,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _begin(self, sync: bool = False) -> None:
         if self._corrected:
             groups = self._groups()
-            self._compression.set_momentum(
+            # also under the names of the reduce-scatter's pieces of those parameters
+            self._exchange.set_momentum(
                 {n: float(groups[id(p)].get("momentum", 0.0) or 0.0)
                  for n, p in self._corrected.items()})
         self._readied = set()
@@ -303,6 +317,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def transport(self) -> str:
         """The name of the byte carrier in use ("mpi" or "horovod")."""
         return self._exchange.transport.name
+
+    @property
+    def collective(self) -> str:
+        """The collective setting in effect: "allgather", "reduce_scatter" or "auto"."""
+        return self._exchange.collective_setting
+
+    @property
+    def paths(self) -> Dict[str, str]:
+        """{parameter name: "allreduce", "allgather" or "reduce_scatter"}."""
+        return self._exchange.plan.paths()
 
     def synchronize(self) -> StepStats:
         """Make sure ``p.grad`` holds the averaged gradients.
@@ -400,7 +424,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sd = super(self.__class__, self).state_dict()
         sd[_STATE_KEY] = {"step": self._hvdcomp_step,
                           "compression": self._compression.spec(),
-                          "compressor_state": self._compression.state_dict()}
+                          "compressor_state": self._compression.state_dict(),
+                          "second_stage_state": [c.state_dict()
+                                                 for c in self._exchange.second_stages()]}
         return sd
 
     def load_state_dict(self, state_dict, *, allow_missing_hvdcomp: bool = False):
@@ -432,7 +458,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              f"{self._compression.spec()!r}")
         super(self.__class__, self).load_state_dict(state_dict)
         if mine is not None:
+            stages = self._exchange.second_stages()
+            saved = mine.get("second_stage_state", [])
+            if len(saved) != len(stages):
+                raise ValueError(f"checkpoint holds {len(saved)} second-stage states, this "
+                                 f"optimizer's collective has {len(stages)} (was it saved "
+                                 f"with another collective?)")
             self._compression.load_state_dict(mine["compressor_state"])
+            for c, st in zip(stages, saved):
+                c.load_state_dict(st)
             self._hvdcomp_step = int(mine["step"])
 
     def _missing_hvdcomp(self, allow: bool) -> None:
@@ -522,7 +556,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
                          *, transport=None, fusion_bytes=25 * 2**20, min_compress_numel=1024,
-                         compress_1d=False, seed=0, check_replicas=True):
+                         compress_1d=False, seed=0, check_replicas=True,
+                         collective=None):
     """Wrap ``optimizer`` so that ``p.grad`` holds gradients averaged across ranks, sent with
     ``compression`` as real encoded bytes, when ``loss.backward()`` returns (README,
     "Training-loop semantics").
@@ -532,8 +567,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     compression: an hvdcomp compressor, a spec string ("alq:bits=3,bucket_size=8192"),
         Horovod's Compression.none/fp16, None (then $HVDCOMP_COMPRESSION, else "none"), or
         ``hvdcomp.Auto(compressor)`` (spec "auto+alq:bits=3"): per tensor, fp32, fp16 or the
-        compressor, whichever the cost model measured at construction says is fastest
-        (``optimizer.plan``).
+        compressor (over each allowed collective), whichever the cost model measured at
+        construction says is fastest (``optimizer.plan``, ``optimizer.paths``).  A spec
+        string may name the collective: "rs+alq:bits=3" (reduce-scatter), "ag+..."
+        (allgather), after "auto+" if any.
+    collective: "allgather" (every rank's messages to every rank), "reduce_scatter"
+        (shards averaged by their owners, re-encoded and allgathered: about 2(N-1)/N of a
+        compressed gradient per rank instead of N-1; hvdcomp.exchange.scatter) or "auto"
+        (per tensor, by the cost model); None: the spec string's, else "auto" with Auto and
+        "allgather" otherwise.  ConfigError when it contradicts the spec string, on one rank
+        with "reduce_scatter", or for NDQSG and LAQ with "reduce_scatter" (they cannot work
+        on shards; "auto" never picks it for them).
     backward_passes_per_step: the gradients of k backward passes are summed locally and
         exchanged in the k-th.
     op: hvd.Average (default) or hvd.Sum.  gradient_predivide_factor: as in Horovod.
@@ -579,4 +623,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     return cls(optimizer.param_groups, named_parameters, compression,
                backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense,
                transport, fusion_bytes, min_compress_numel, compress_1d, seed, check_replicas,
+               collective,
                hvd)

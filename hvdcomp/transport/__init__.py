@@ -8,6 +8,9 @@ variable-length allgather.  Two interchangeable carriers with identical results 
   "horovod"  Horovod's allgather of uint8 tensors, with the counts gathered first
 
 Both split messages of 2**31 bytes or more into rounds (MPI counts are C ints).
+``alltoall(parts) -> parts`` (a variable-length all-to-all: part r to rank r) carries the
+shards of the reduce-scatter collective: mpi4py's Alltoallv, or Horovod's alltoall with
+splits, the counts of every pair gathered first.
 
 :func:`select` picks the carrier for a job that runs Horovod (the drop-in optimizer's
 ``transport=``): by default "mpi" only when MPI's world is Horovod's world, rank for rank

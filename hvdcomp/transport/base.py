@@ -2,7 +2,7 @@
 every rank) and :class:`Allreduce` (in-place sums of summable buffers)."""
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -10,7 +10,7 @@ import torch
 from ..errors import RankFailure
 from .framing import STOP_MARK, Incoming, Outgoing, check_stamps, frame_error
 
-__all__ = ["Transport", "Allreduce", "INT_MAX"]
+__all__ = ["Transport", "Allreduce", "INT_MAX", "raise_failed"]
 
 INT_MAX = 2**31 - 1
 
@@ -22,8 +22,9 @@ class Transport:
     max_chunk: largest number of bytes one rank contributes to one underlying call
     (default 2**31 - 1 split among the ranks, so all counts and displacements fit C ints).
 
-    A carrier implements ``_allgather_counts``, ``_allgatherv``, ``allreduce_sum`` and
-    ``broadcast``; framing, error frames and the rounds for large messages are shared.
+    A carrier implements ``_allgather_counts``, ``_allgatherv``, ``_count_matrix``,
+    ``_alltoallv``, ``allreduce_sum`` and ``broadcast``; framing, error frames and the
+    rounds for large messages are shared.
     """
     name = "?"
     rank = 0
@@ -39,10 +40,12 @@ class Transport:
     def max_chunk(self) -> int:
         return self._max_chunk or max(INT_MAX // max(self.size, 1), 1)
 
-    def exchange(self, out: Outgoing, what: str = "messages") -> Incoming:
+    def exchange(self, out: Outgoing, what: str = "messages",
+                 counts: Optional[Sequence[int]] = None) -> Incoming:
         """Every rank's messages of one call (:mod:`hvdcomp.transport.framing`).
 
-        out: this rank's messages, framed (or its error); what: names them in errors.
+        out: this rank's messages, framed (or its error); what: names them in errors;
+        counts: how many messages each rank's frame holds (default: ``out.count`` for all).
         Returns every rank's frames, split.  Raises, on every rank, when some rank sent an
         error frame: that rank re-raises its own ``out.failure``, the others a
         :class:`~hvdcomp.errors.RankFailure` naming the first failed rank and its error
@@ -51,17 +54,8 @@ class Transport:
         when a frame is malformed.
         """
         frames = self.allgather(out.data)
-        failed = [(r, text) for r, text in enumerate(map(frame_error, frames))
-                  if text is not None]
-        if failed:
-            if out.failure is not None:
-                raise out.failure
-            r, text = failed[0]
-            if text.startswith(STOP_MARK):
-                raise RankFailure(f"hvdcomp: rank {r} stopped during {what}: "
-                                  f"{text[len(STOP_MARK):]}", r)
-            raise RankFailure(f"hvdcomp: rank {r} failed to encode {what}: {text}", r)
-        incoming = Incoming(frames, out.count)
+        raise_failed(frames, out.failure, what)
+        incoming = Incoming(frames, out.count if counts is None else counts)
         check_stamps(incoming.stamps, incoming.joined, out.stamp, self.rank, what)
         return incoming
 
@@ -86,6 +80,33 @@ class Transport:
                     parts[r].append(g)
         return [np.concatenate(p) if p else np.empty(0, np.uint8) for p in parts]
 
+    def alltoall(self, parts: Sequence[np.ndarray]) -> List[np.ndarray]:
+        """A variable-length all-to-all: ``parts[r]`` (1-D uint8, any length, 0 included) goes
+        to rank r; returns what every rank sent to this one, indexed by the sender (this
+        rank's own part is returned as its own entry).  The byte counts of every pair go
+        first (one allgather of ``size`` counts per rank), so every rank knows how many
+        rounds of at most ``max_chunk`` bytes per pair the parts need.  Raises ValueError
+        unless ``len(parts) == size``."""
+        if len(parts) != self.size:
+            raise ValueError(f"alltoall needs one part per rank ({self.size}), got "
+                             f"{len(parts)}")
+        parts = [np.ascontiguousarray(p, dtype=np.uint8).reshape(-1) for p in parts]
+        counts = self._count_matrix([len(p) for p in parts])     # counts[s][r]: s -> r
+        recv = [int(c) for c in counts[:, self.rank]]
+        limit = self.max_chunk
+        top = int(counts.max()) if counts.size else 0
+        if top <= limit:
+            return self._alltoallv(parts, recv)
+        got: List[List[np.ndarray]] = [[] for _ in range(self.size)]
+        for k in range((top + limit - 1) // limit):
+            lo = k * limit
+            chunk = self._alltoallv([p[lo:lo + limit] for p in parts],
+                                    [max(0, min(c - lo, limit)) for c in recv])
+            for s, g in enumerate(chunk):
+                if len(g):
+                    got[s].append(g)
+        return [np.concatenate(g) if g else np.empty(0, np.uint8) for g in got]
+
     def allreduce_sum(self, arr: np.ndarray) -> np.ndarray:
         """Elementwise sum over ranks of a small float64 array."""
         raise NotImplementedError
@@ -100,6 +121,34 @@ class Transport:
 
     def _allgatherv(self, data: np.ndarray, counts: Sequence[int]) -> List[np.ndarray]:
         raise NotImplementedError
+
+    def _count_matrix(self, send: Sequence[int]) -> np.ndarray:
+        """Every rank's ``send`` (``size`` byte counts) as an int64 (size, size) matrix,
+        row s = what rank s sends to each rank."""
+        raise NotImplementedError
+
+    def _alltoallv(self, parts: Sequence[np.ndarray], recv: Sequence[int]) -> List[np.ndarray]:
+        """One all-to-all call: ``parts[r]`` to rank r, ``recv[s]`` bytes from rank s."""
+        raise NotImplementedError
+
+
+def raise_failed(frames: Sequence[np.ndarray], failure: Optional[BaseException],
+                 what: str) -> None:
+    """Raise when some frame is an error frame: this rank's own ``failure`` if it has one,
+    else a :class:`~hvdcomp.errors.RankFailure` naming the first rank whose frame is one and
+    quoting its text (a stop mark, :data:`~hvdcomp.transport.framing.STOP_MARK`: that rank
+    is stopping after an error)."""
+    failed = [(r, text) for r, text in enumerate(map(frame_error, frames))
+              if text is not None]
+    if not failed:
+        return
+    if failure is not None:
+        raise failure
+    r, text = failed[0]
+    if text.startswith(STOP_MARK):
+        raise RankFailure(f"hvdcomp: rank {r} stopped during {what}: "
+                          f"{text[len(STOP_MARK):]}", r)
+    raise RankFailure(f"hvdcomp: rank {r} failed to encode {what}: {text}", r)
 
 
 class Allreduce:

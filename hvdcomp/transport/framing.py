@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -197,26 +197,38 @@ class Outgoing:
 
 class Incoming:
     """Every rank's frame of one collective call, split (raises WireFormatError unless each
-    holds exactly ``count`` messages).
+    holds exactly ``count`` messages: one number for every frame, or one per frame).
 
     nbytes: each rank's frame size; joined: per rank, whether it had joined; stamps: per
     rank, its :class:`Stamp`.
-    :meth:`messages` parses (and checksums) one column, :meth:`present` its presence bits.
+    :meth:`messages` parses (and checksums) one column, :meth:`message` one message,
+    :meth:`present` a column's presence bits.
     """
 
-    def __init__(self, frames: Sequence[np.ndarray], count: int):
+    def __init__(self, frames: Sequence[np.ndarray], count: Union[int, Sequence[int]]):
+        counts = [count] * len(frames) if isinstance(count, int) else list(count)
         self.nbytes = [len(f) for f in frames]
-        split = [split_frames(f, count) for f in frames]
+        split = [split_frames(f, c) for f, c in zip(frames, counts, strict=True)]
         self._parts = [s[0] for s in split]
         self._present = [s[1] for s in split]
         self.joined = [s[2] for s in split]
         self.stamps = [s[3] for s in split]
 
+    def message(self, r: int, i: int) -> Optional[Message]:
+        """Message ``i`` of rank ``r``'s frame (None for a zero-length message).  Raises
+        WireFormatError for a malformed message."""
+        p = self._parts[r][i]
+        return Message.from_bytes(p) if len(p) else None
+
     def messages(self, i: int) -> List[Optional[Message]]:
         """Message ``i`` of every rank, indexed by rank (None where that rank sent a zero-
         length message).  Raises WireFormatError for a malformed message."""
-        return [Message.from_bytes(p[i]) if len(p[i]) else None for p in self._parts]
+        return [self.message(r, i) for r in range(len(self._parts))]
 
     def present(self, i: int) -> List[bool]:
         """Whether each rank had a gradient for tensor ``i`` (False for joined ranks)."""
         return [p[i] for p in self._present]
+
+    def present_of(self, r: int, i: int) -> bool:
+        """Whether rank ``r`` had a gradient for tensor ``i`` of its frame."""
+        return self._present[r][i]

@@ -1,6 +1,7 @@
 """The Horovod carriers: hvd.allgather of uint8 tensors (counts gathered first, since
-Horovod's allgather does not return the per-rank sizes), and Horovod's asynchronous
-allreduce of summable buffers.
+Horovod's allgather does not return the per-rank sizes), hvd.alltoall of uint8 tensors with
+splits (every rank's counts gathered first), and Horovod's asynchronous allreduce of
+summable buffers.
 
 Horovod matches collectives by name.  Every carrier built in a process takes the next
 number of one process-wide count into the prefix of its names ("hvdcomp.3."), the same on
@@ -57,6 +58,23 @@ class HorovodTransport(Transport):
         got = self.hvd.allgather(t, name=self._name("ag")).numpy()
         out, off = [], 0
         for c in counts:
+            out.append(got[off:off + c])
+            off += c
+        return out
+
+    def _count_matrix(self, send):
+        got = self.hvd.allgather(torch.tensor([list(send)], dtype=torch.int64),
+                                 name=self._name("cm"))
+        return got.numpy().reshape(self.size, self.size)
+
+    def _alltoallv(self, parts, recv):
+        t = torch.from_numpy(np.concatenate(parts) if any(len(p) for p in parts)
+                             else np.empty(0, np.uint8))
+        splits = torch.tensor([len(p) for p in parts], dtype=torch.int32)
+        got, _ = self.hvd.alltoall(t, splits=splits, name=self._name("a2a"))
+        got = got.numpy()
+        out, off = [], 0
+        for c in recv:
             out.append(got[off:off + c])
             off += c
         return out

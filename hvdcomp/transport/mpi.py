@@ -1,4 +1,5 @@
-"""The mpi4py carrier: Allgather of counts, then Allgatherv of bytes.
+"""The mpi4py carrier: Allgather of counts, then Allgatherv of bytes; for the all-to-all,
+Allgather of every rank's counts, then Alltoallv of bytes.
 
 Thread level.  hvdcomp calls MPI from its pipeline's communicate thread during a step, and
 from the thread that builds and steps the optimizer otherwise (the rank handshake, Auto's
@@ -110,7 +111,7 @@ def check_thread_level(provided: int, horovod_mpi: bool, MPI, several: bool = Fa
 
 
 class MPITransport(Transport):
-    """Allgatherv over a private duplicate of ``comm`` (default MPI.COMM_WORLD), so hvdcomp's
+    """Allgatherv and Alltoallv over a private duplicate of ``comm`` (default MPI.COMM_WORLD), so hvdcomp's
     traffic never matches a user's own mpi4py messages.
 
     Raises ImportError without mpi4py (saying how to install it); RuntimeError when MPI
@@ -147,6 +148,26 @@ class MPITransport(Transport):
         self.comm.Allgatherv([data, len(data), MPI.BYTE],
                              [recv, counts.astype(np.int32), displs.astype(np.int32), MPI.BYTE])
         return [recv[d:d + c] for d, c in zip(displs, counts)]
+
+    def _count_matrix(self, send):
+        mine = np.asarray(send, dtype=np.int64)
+        out = np.empty((self.size, self.size), dtype=np.int64)
+        self.comm.Allgather([mine, self._MPI.INT64_T], [out, self._MPI.INT64_T])
+        return out
+
+    def _alltoallv(self, parts, recv):
+        MPI = self._MPI
+        scounts = np.array([len(p) for p in parts], dtype=np.int64)
+        rcounts = np.asarray(recv, dtype=np.int64)
+        sdispl = np.concatenate([[0], np.cumsum(scounts)[:-1]]).astype(np.int64)
+        rdispl = np.concatenate([[0], np.cumsum(rcounts)[:-1]]).astype(np.int64)
+        send = np.concatenate(parts) if int(scounts.sum()) else np.empty(0, np.uint8)
+        got = np.empty(int(rcounts.sum()), dtype=np.uint8)
+        self.comm.Alltoallv([send, (scounts.astype(np.int32), sdispl.astype(np.int32)),
+                             MPI.BYTE],
+                            [got, (rcounts.astype(np.int32), rdispl.astype(np.int32)),
+                             MPI.BYTE])
+        return [got[d:d + c] for d, c in zip(rdispl, rcounts)]
 
     def allreduce_sum(self, arr):
         arr = np.ascontiguousarray(arr, dtype=np.float64)

@@ -110,6 +110,16 @@ def test_workers(n, script, marker, tmp_path):
         assert f.read_text().startswith(marker)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_reduce_scatter(n, tmp_path):
+    """The reduce-scatter collective on an odd number of ranks too (worker_scatter.py)."""
+    out = run_ranks(n, "worker_scatter.py", str(tmp_path), timeout=600)
+    for r in range(n):
+        f = tmp_path / f"rank{r}.ok"
+        assert f.exists(), f"rank {r} did not finish:\n{out[-4000:]}"
+        assert f.read_text().startswith("scatter OK")
+
+
 # --- issue 15: one rank fails; the job ends ------------------------------------------------
 
 @pytest.mark.parametrize("transport", ["mpi", "horovod"])
@@ -118,10 +128,23 @@ def test_one_failing_rank_ends_the_job(mode, transport, tmp_path):
     """Rank 1 raises (in backward or between steps), is interrupted or is SIGKILLed at
     step 3: the job ends within 30 s with a non-zero status, no segmentation fault, and a
     message naming rank 1 (a RankFailure on rank 0; mpirun's own report after SIGKILL)."""
+    _one_failing_rank(mode, transport, "allgather", 2, tmp_path)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("mode", ["raise-mid", "raise-between"])
+def test_one_failing_rank_ends_the_job_over_the_reduce_scatter(mode, n, tmp_path):
+    """As above with the weight matrices over the reduce-scatter (#11 item 2): the failing
+    rank's error marks travel in both of its stages, and every other rank raises a
+    RankFailure naming rank 1."""
+    _one_failing_rank(mode, "mpi", "reduce_scatter", n, tmp_path)
+
+
+def _one_failing_rank(mode, transport, collective, n, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT]),
                HVDCOMP_TEST_OUT=str(tmp_path))
-    cmd = [RUN, "-np", "2", sys.executable, os.path.join(HERE, "worker_faults.py"), mode,
-           transport]
+    cmd = [RUN, "-np", str(n), sys.executable, os.path.join(HERE, "worker_faults.py"), mode,
+           transport, collective]
     # 30 s from the fault (rank 1 writes its time) to the end of mpirun; the start-up of a
     # busy machine does not count
     try:

@@ -1,6 +1,8 @@
 """Issue 15 items 5 and 10: one rank fails in the middle of training; the job must end.
 
-    worker_faults.py MODE TRANSPORT      (MODE: raise-mid, raise-between, interrupt, kill)
+    worker_faults.py MODE TRANSPORT [COLLECTIVE]
+        (MODE: raise-mid, raise-between, interrupt, kill; COLLECTIVE: allgather (default)
+        or reduce_scatter)
 
 Rank 1, at step 3: raises a ValueError in the middle of its backward pass (after the last
 layer's gradients went to the exchange), or between two steps, or gets SIGINT during
@@ -44,6 +46,7 @@ class Trap(torch.autograd.Function):
 
 def main():
     mode, transport = sys.argv[1], sys.argv[2]
+    collective = sys.argv[3] if len(sys.argv) > 3 else "allgather"
     hvd.init()
     rank = hvd.rank()
     torch.manual_seed(0)
@@ -54,7 +57,8 @@ def main():
     opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1),
                                    named_parameters=params, transport=transport,
                                    compression="qsgd:bits=4,bucket_size=64",
-                                   min_compress_numel=256, fusion_bytes=4096)
+                                   min_compress_numel=256, fusion_bytes=4096,
+                                   collective=collective)
     out = os.environ.get("HVDCOMP_TEST_OUT", ".")
     try:
         for step in range(10):

@@ -23,6 +23,9 @@ STATELESS_SPECS = ["none", "qsgd:bits=4,bucket_size=64"]
 JOIN_SPECS = ["none", "qsgd:bits=4,bucket_size=64",
               "alq:bits=3,bucket_size=64,refit_steps=3,refit_every=0"]
 JOIN_TWO_SPECS = ["none", "topk:density=0.1", "dgc:density=0.1"]
+# over the reduce-scatter (#11 item 2): joined ranks still own (and re-encode) their shards
+JOIN_RS_SPECS = ["rs+none", "rs+qsgd:bits=4,bucket_size=64",
+                 "rs+alq:bits=3,bucket_size=64,refit_steps=3,refit_every=0"]
 # label -> (spec, optimizers, one backward through all of them, stepped in reverse order)
 SEVERAL = {"none-2-apart": ("none", 2, False, False),
            "none-2-apart-reversed": ("none", 2, False, True),
@@ -263,6 +266,18 @@ def join_two_optimizers(spec, transport):
     join_uneven(spec, transport, n_opt=2)
 
 
+@case.each(JOIN_RS_SPECS, TRANSPORTS)
+def join_reduce_scatter(spec, transport):
+    """One optimizer over the reduce-scatter: see join_uneven."""
+    join_uneven(spec, transport)
+
+
+@case.each(TRANSPORTS)
+def join_two_optimizers_reduce_scatter_dgc(transport):
+    """Two DGC optimizers over the reduce-scatter: see join_uneven."""
+    join_uneven("rs+dgc:density=0.1", transport, n_opt=2)
+
+
 def join_uneven(spec, transport, n_opt=1):
     """Odd ranks have one batch more; the others join.  The extra step averages over the
     odd ranks only (exact for the compressors without state; ALQ refits after it, with the
@@ -277,7 +292,11 @@ def join_uneven(spec, transport, n_opt=1):
     ref_opts = [torch.optim.SGD(p.parameters(), lr=LR, momentum=MOM) for p in ref]
     active = [r for r in range(size) if r % 2 == 1]
     steps = 2 + (rank % 2)
-    exact = spec.split(":")[0] in ("none", "qsgd", "alq")
+    base = spec.split("+")[-1]
+    # exact: the stateless ones over the allgather; over the reduce-scatter only "none",
+    # whose second stage is exact (the two-stage quantizers are checked in worker_scatter)
+    exact = (base.split(":")[0] == "none" if spec.startswith("rs+")
+             else spec.split(":")[0] in ("none", "qsgd", "alq"))
     for step in range(3):
         ranks = range(size) if step < 2 else active
         if step < steps:
@@ -305,7 +324,7 @@ def join_uneven(spec, transport, n_opt=1):
     assert last == active[-1], (last, active)
     for o in opts:                     # every rank counted the step it sat out
         assert step_of(o) == 3, step_of(o)
-        if spec.startswith("alq"):     # refitted after step 2, the same table everywhere
+        if base.startswith("alq"):     # refitted after step 2, the same table everywhere
             comp = o.compression
             assert comp.level_version == 1, comp.level_version
             lv = hvd.allgather(comp.levels.view(1, -1), name=f"join.levels.{transport}")

@@ -17,7 +17,7 @@ TRANSPORTS = ["mpi", "horovod"]
 SPECS = ["qsgd:bits=4,bucket_size=64", "none"]   # SPEC (wire messages); Horovod's sums
 assert SPECS[0] == SPEC
 SETTINGS = ["transport", "backward_passes_per_step", "op", "gradient_predivide_factor", "seed",
-            "compression"]
+            "compression", "collective", "collective_in_spec"]
 
 
 def model_fn(seed=3):
@@ -71,6 +71,11 @@ def settings_differ(setting):
                                       "  gradient_predivide_factor"),
         "seed": (dict(seed=7 if odd else 0), "  seed: 0 on"),
         "compression": (dict(compression="qsgd:bits=2" if odd else SPEC), "  compression:"),
+        # the collective (#11 item 2), as a setting and as the spec string's prefix
+        "collective": (dict(collective="reduce_scatter" if odd else "allgather"),
+                       '  collective: "allgather" on'),
+        "collective_in_spec": (dict(compression="rs+" + SPEC if odd else SPEC),
+                               '  collective: "default" on'),
     }[setting]
     raises(hvdcomp.Mismatch, lambda: make(model_fn(), **kw), needle, f"on rank {size - 1}")
 

@@ -1,5 +1,5 @@
 """Both transports deliver every rank's bytes exactly: variable lengths, zero lengths,
-messages split into rounds (small max_chunk), allreduce and broadcast."""
+messages split into rounds (small max_chunk), the all-to-all, allreduce and broadcast."""
 import functools
 
 import numpy as np
@@ -17,6 +17,13 @@ CHUNKS = [0, 7, 1000]
 def data_of(rank, trial):
     rng = np.random.default_rng(100 * trial + rank)
     n = 0 if (rank + trial) % 3 == 0 else int(rng.integers(1, 5000))
+    return rng.integers(0, 256, n, dtype=np.uint8)
+
+
+def part_of(src, dst, trial):
+    """What rank src sends rank dst: empty for some pairs, sizes around the rounds' limits."""
+    rng = np.random.default_rng(1000 * trial + 10 * src + dst)
+    n = 0 if (src + 2 * dst + trial) % 4 == 0 else int(rng.integers(1, 3000))
     return rng.integers(0, 256, n, dtype=np.uint8)
 
 
@@ -40,6 +47,26 @@ def allgather(tname, chunk):
             want = data_of(r, trial)
             assert got[r].dtype == np.uint8 and np.array_equal(got[r], want), \
                 (tname, chunk, trial, r, len(got[r]), len(want))
+
+
+@case.each(TRANSPORTS, CHUNKS)
+def alltoall(tname, chunk):
+    """Part r of every rank arrives on rank r, whole (some parts empty); a list of another
+    length than the world size is a ValueError."""
+    rank, size = hvd.rank(), hvd.size()
+    tp = transport(tname, chunk)
+    for trial in range(4):
+        got = tp.alltoall([part_of(rank, r, trial) for r in range(size)])
+        assert len(got) == size
+        for s in range(size):
+            want = part_of(s, rank, trial)
+            assert got[s].dtype == np.uint8 and np.array_equal(got[s], want), \
+                (tname, chunk, trial, s, len(got[s]), len(want))
+    try:
+        tp.alltoall([np.zeros(1, np.uint8)] * (size + 1))
+        raise AssertionError("alltoall took size + 1 parts")
+    except ValueError as e:
+        assert "one part per rank" in str(e)
 
 
 @case.each(TRANSPORTS, CHUNKS)

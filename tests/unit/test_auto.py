@@ -29,13 +29,13 @@ def test_cost_model_seconds_hand_worked():
     t = m.seconds(n)
     assert t["none"] == pytest.approx(1e-3 + 8e-9 * 4e6)                   # 0.033
     assert t["fp16"] == pytest.approx(1e-3 + 8e-9 * 2e6 + 1e-9 * 1e6)      # 0.018
-    assert t["compressor"] == pytest.approx(1e-4 + 5e-9 * 1e6 + 2e-3 + 4e-9 * (64 + 0.4e6)
-                                            + 4 * (2e-5 + 2e-9 * 1e6))      # 0.0167...
-    assert m.choose(n) == "compressor"
+    assert t["allgather"] == pytest.approx(1e-4 + 5e-9 * 1e6 + 2e-3 + 4e-9 * (64 + 0.4e6)
+                                           + 4 * (2e-5 + 2e-9 * 1e6))      # 0.0167...
+    assert m.choose(n, ("none", "fp16", "allgather")) == "allgather"
     assert m.choose(n, ("none", "fp16")) == "fp16"
     # 1000 elements: t32 = 1e-3 + 3.2e-5, t16 = 1e-3 + 1.6e-5 + 1e-6, tC = 2.1e-3 + ...
-    assert m.choose(1000) == "fp16"
-    assert m.choose(1000, ("none", "compressor")) == "none"
+    assert m.choose(1000, ("none", "fp16", "allgather")) == "fp16"
+    assert m.choose(1000, ("none", "allgather")) == "none"
     # without Horovod, the uncompressed paths go through the allgather
     t2 = CostModel(LINK, CODEC, 4, allreduce=False).seconds(n)
     assert t2["none"] == pytest.approx(2e-3 + 4e-9 * 4e6)
@@ -48,15 +48,47 @@ class _NoCollectives:
         raise AssertionError("given link and codec costs, Auto must not measure")
 
 
+def test_reduce_scatter_cost_hand_worked():
+    # all-to-all: 3 ms + 5 ns per byte; the reduce-scatter's pieces are n / N elements
+    link = LinkCost(1e-3, 8e-9, 2e-3, 4e-9, aa_latency=3e-3, aa_per_byte=5e-9)
+    n = 1_000_000
+    enc, dec, msg = 1e-4 + 5e-9 * 250_000, 2e-5 + 2e-9 * 250_000, 64 + 0.4 * 250_000
+    # N encodes of a piece, the all-to-all of N pieces' messages, N decodes of a piece,
+    # one re-encode, the allgather of one piece's message, N decodes of a piece
+    want = (4 * enc + 3e-3 + 5e-9 * 4 * msg + 4 * dec + enc + 2e-3 + 4e-9 * msg + 4 * dec)
+    assert want == pytest.approx(0.018311536)
+    m = CostModel(link, CODEC, world_size=4)
+    t = m.seconds(n)
+    assert t["reduce_scatter"] == pytest.approx(want)
+    assert m.choose(n) == "allgather"                      # 0.0167 vs 0.0180 (fp16)
+    assert m.choose(n, ("allgather", "reduce_scatter")) == "allgather"
+    # 64 ranks: the allgather decodes 64 messages of n (0.13 s); the reduce-scatter 2 n
+    m64 = CostModel(link, CODEC, world_size=64)
+    t64 = m64.seconds(n)
+    assert t64["allgather"] > 0.13 and t64["reduce_scatter"] < 0.03
+    assert m64.choose(n, ("allgather", "reduce_scatter")) == "reduce_scatter"
+
+
 def test_plan_from_given_costs():
     auto = Auto("alq:bits=3", link=LINK, codec=CODEC)
     plan = auto.make_plan({"big": 1_000_000, "small": 1000}, _NoCollectives(), allreduce=object())
-    assert plan["big"] is auto.compressor and isinstance(plan["small"], hvdcomp.FP16)
+    assert plan["big"] == (auto.compressor, False) and isinstance(plan["small"][0], hvdcomp.FP16)
     assert auto.plan == {"big": "alq", "small": "fp16"}
     # only fp32 as fallback: the small tensor goes fp32 instead
     auto = Auto("alq:bits=3", fallbacks=("none",), link=LINK, codec=CODEC)
     plan = auto.make_plan({"small": 1000}, _NoCollectives(), allreduce=object())
-    assert auto.plan == {"small": "none"} and isinstance(plan["small"], hvdcomp.NoneCompressor)
+    assert auto.plan == {"small": "none"} and isinstance(plan["small"][0], hvdcomp.NoneCompressor)
+    # the reduce-scatter allowed, 64 ranks: the big tensor takes it (test above)
+    link = LinkCost(1e-3, 8e-9, 2e-3, 4e-9, aa_latency=3e-3, aa_per_byte=5e-9)
+    auto = Auto("alq:bits=3", fallbacks=(), link=link, codec=CODEC)
+
+    class _64:
+        rank, size = 0, 64
+    plan = auto.make_plan({"big": 1_000_000}, _64(), allreduce=object(),
+                          collectives=("allgather", "reduce_scatter"))
+    assert plan == {"big": (auto.compressor, True)} and auto.plan == {"big": "rs+alq"}
+    with pytest.raises(ValueError, match="collectives"):
+        auto.make_plan({"big": 1}, _64(), collectives=("ring",))
     # a slow link makes everything big enough worth compressing; a fast one nothing
     slow = LinkCost(1e-3, 8e-7, 2e-3, 4e-7)
     auto = Auto("alq:bits=3", link=slow, codec=CODEC)
@@ -110,8 +142,30 @@ def test_measure_codec_times_a_full_upload_of_lazy_compressors():
 
 def test_auto_spec_strings():
     from hvdcomp.auto import from_spec
-    a = from_spec(" auto+alq:bits=3 ")
+    a, coll = from_spec(" auto+alq:bits=3 ")
     assert isinstance(a, Auto) and a.compressor.spec() == hvdcomp.get("alq:bits=3").spec()
-    assert from_spec("qsgd:bits=4").spec() == hvdcomp.get("qsgd:bits=4").spec()
+    assert coll is None
+    c, coll = from_spec("qsgd:bits=4")
+    assert c.spec() == hvdcomp.get("qsgd:bits=4").spec() and coll is None
     with pytest.raises(hvdcomp.ConfigError):
         from_spec("auto+nonsense")
+
+
+def test_collective_in_spec_strings():
+    from hvdcomp.auto import from_spec, merge_collective
+    c, coll = from_spec("rs+alq:bits=3")
+    assert c.spec() == hvdcomp.get("alq:bits=3").spec() and coll == "reduce_scatter"
+    c, coll = from_spec("ag+dgc:density=0.01")
+    assert c.name == "dgc" and c.density == 0.01 and coll == "allgather"
+    a, coll = from_spec("AUTO+RS+qsgd")
+    assert isinstance(a, Auto) and a.compressor.name == "qsgd" and coll == "reduce_scatter"
+    with pytest.raises(hvdcomp.ConfigError, match="unknown compressor"):
+        from_spec("rs+auto+qsgd")                  # the order is [auto+][rs+|ag+]SPEC
+    assert merge_collective(None, None) is None
+    assert merge_collective("auto", None) == "auto"
+    assert merge_collective(None, "allgather") == "allgather"
+    assert merge_collective("reduce_scatter", "reduce_scatter") == "reduce_scatter"
+    with pytest.raises(hvdcomp.ConfigError, match="contradicts"):
+        merge_collective("allgather", "reduce_scatter")
+    with pytest.raises(hvdcomp.ConfigError, match="collective must be one of"):
+        merge_collective("ring", None)

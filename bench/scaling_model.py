@@ -1,0 +1,477 @@
+"""The scaling model of bench/scaling.py: what one exchange costs a rank, as a function of the
+number of hosts N, fitted to the measurements of 2 to 8 hosts and used to predict 16 to 1024.
+
+Accounting (:func:`account`, exact, from hvdcomp's own fusion, routing, shard layout and
+message sizes; no measurement): for each method and N, the collective calls of one
+exchange with the bytes each rank sends and the steps (messages in sequence) of the
+algorithm MPI runs, and the CPU work of a rank:
+
+    allreduce of B bytes (Horovod, ring)    sends 2 (N-1)/N B in 2 (N-1) steps
+    allgather, frames of F_r bytes (ring)   sends (N-1)/N sum_r F_r in N-1 steps
+    all-to-all, parts of F_r bytes          sends (N-1)/N sum_r F_r in N-1 steps
+    the byte counts before each              log2 N steps (recursive doubling), no bytes
+    CPU: encoded elements, decoded elements (for DGC, decoded values), encoded and decoded
+    messages (pieces), fp16 casts
+
+Message sizes: ALQ's exactly (``Compressor.message_bytes``: header, a norm per bucket, 3 bits
+per element; frames 9 + 8 per message + the presence bitmap); DGC's estimated from its
+encoding, k values of 32 bits and Golomb-Rice coded gaps of about log2(n/k) + 1.5 bits
+(hvdcomp.compressors.sparse); the tables compare both with the measured payload bytes.
+
+Cost (:func:`predict`), with parameters fitted by :func:`fit`:
+
+    wire  W = alpha * steps + beta_rate * bytes sent
+    CPU   C = kappa * (e * encoded + d * decoded + e0 * encoded messages + d0 * decoded
+              messages + c16 * cast elements)
+    time  T = max(W, C) + min(W, C) / K        K fusion buckets (a pipeline of K stages)
+
+``alpha`` (latency per message), ``beta`` (seconds per byte, one per link rate), ``e``/``d``
+(seconds per element, one pair per compressor) and ``e0``/``d0`` (per message) are fitted;
+``kappa`` is the CPU contention of the measurement: N ranks and a background of B busy
+threads of other jobs sharing this machine's cores (``kappa = max(1, (N + B) / cores)``;
+B, one number for all cells, is chosen by :func:`fit_rows` from 0 to 16, the machine
+being shared); the predictions for 16 to 1024 hosts are for hosts with their own cores
+(``kappa = 1``).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+FUSION = 25 * 2**20
+HEADER = 48 + 4          # fixed header + CRC (hvdcomp.wire)
+
+
+@lru_cache(maxsize=None)
+def _msg_alq(shape) -> int:
+    from hvdcomp.compressors import get
+    return get("alq:bits=3").message_bytes(tuple(shape))      # exact (fixed length)
+
+
+def _msg_dgc(shape, density=0.001) -> int:
+    from hvdcomp.compressors.sparse import num_selected
+    n = math.prod(shape)
+    k = num_selected(density, n)
+    return HEADER + 8 * len(shape) + 16 + 5 + math.ceil(k * (32 + math.log2(n / k) + 1.5) / 8)
+
+
+def _frame(count: int) -> int:
+    """Bytes of a frame's head (hvdcomp.transport.framing)."""
+    return 8 + 8 * count + 1 + (count + 7) // 8
+
+
+def _method(method: str):
+    """(compressor family or None, collective) of a method spec."""
+    if method in ("none", "fp16"):
+        return None, "allreduce"
+    coll = "reduce_scatter" if method.startswith("rs+") else "allgather"
+    return ("alq" if "alq" in method else "dgc"), coll
+
+
+class _P:
+    """A parameter stand-in: what hvdcomp's fusion and layout read."""
+
+    requires_grad = True
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+    def numel(self):
+        return math.prod(self.shape)
+
+    def element_size(self):
+        return 4
+
+    def dim(self):
+        return len(self.shape)
+
+
+@lru_cache(maxsize=None)
+def account(model: str, method: str, n: int) -> Dict[str, float]:
+    """Per-rank work of one exchange of ``model``'s gradients with ``method`` on ``n`` ranks
+    (module docstring): steps, bytes (sent), encoded / decoded elements, encoded / decoded
+    messages, cast elements, buckets."""
+    import shapes as S
+    from hvdcomp.compressors import get
+    from hvdcomp.compressors.sparse import num_selected
+    from hvdcomp.exchange.buckets import fuse
+    from hvdcomp.exchange.shards import layout
+    shapes = dict({"resnet50": S.resnet50, "bert_base": S.bert_base}[model]())
+    params = [(name, _P(s)) for name, s in shapes.items()]
+    buckets = fuse(params, FUSION)
+    fam, coll = _method(method)
+    log = math.log2(n) if n > 1 else 0.0
+    acc = dict(steps=0.0, bytes=0.0, enc=0.0, dec=0.0, enc_msgs=0.0, dec_msgs=0.0,
+               cast=0.0, buckets=len(buckets))
+
+    def allreduce(b):
+        acc["steps"] += 2 * (n - 1)
+        acc["bytes"] += 2 * (n - 1) / n * b
+
+    def ring(frames):
+        acc["steps"] += (n - 1) + log            # counts first
+        acc["bytes"] += (n - 1) / n * sum(frames)
+
+    msg = _msg_alq if fam == "alq" else _msg_dgc
+    comp = get("alq:bits=3") if fam == "alq" else get("dgc:density=0.001")
+
+    class _E:
+        def __init__(self, name, shape):
+            self.name, self.param, self.compressor, self.scatter = name, _P(shape), comp, True
+    for names in buckets:
+        big = [m for m in names if len(shapes[m]) > 1 and math.prod(shapes[m]) >= 1024]
+        small = [m for m in names if m not in big]
+        if fam is None:
+            b = sum(math.prod(shapes[m]) for m in names)
+            allreduce((4 if method == "none" else 2) * b)
+            if method == "fp16":
+                acc["cast"] += 2 * b
+            continue
+        if small:
+            allreduce(4 * sum(math.prod(shapes[m]) for m in small))
+        if not big:
+            continue
+        if coll == "allgather":
+            f = _frame(len(big)) + sum(msg(shapes[m]) for m in big)
+            ring([f] * n)
+            acc["enc"] += sum(math.prod(shapes[m]) for m in big)
+            acc["enc_msgs"] += len(big)
+            acc["dec_msgs"] += n * len(big)
+            acc["dec"] += n * sum(math.prod(shapes[m]) if fam == "alq" else
+                                  num_selected(0.001, math.prod(shapes[m])) for m in big)
+            continue
+        lay = layout([big], {m: _E(m, shapes[m]) for m in big}, n, 0)[0]
+        frames = [_frame(len(mine)) + sum(msg(p.shape) for p in mine) for mine in lay]
+        ring(frames)                              # the all-to-all (same bytes and steps)
+        ring(frames)                              # the allgather of the averaged pieces
+        pieces = sum(len(m) for m in lay)
+        elems = sum(math.prod(shapes[m]) for m in big)
+        acc["enc"] += elems + elems / n           # stage 1, and the owner's re-encoding
+        acc["enc_msgs"] += pieces + pieces / n
+        acc["dec_msgs"] += 2 * pieces             # N contributions of its pieces, every piece
+        sel = (elems if fam == "alq" else
+               sum(num_selected(0.001, p.numel) for m in lay for p in m))
+        acc["dec"] += 2 * sel
+    return acc
+
+
+PARAMS = ("alpha", "beta_1gbit", "beta_10gbit", "e_alq", "d_alq", "e0", "d0", "e_dgc",
+          "d_dgc", "c16")
+
+
+def predict(p: Dict[str, float], model: str, method: str, n: int, rate: str,
+            kappa: float = 1.0) -> Dict[str, float]:
+    """{"wire", "cpu", "total"} seconds of one exchange (module docstring); ``p``: the
+    fitted parameters; ``kappa``: CPU contention (1: hosts with their own cores)."""
+    a = account(model, method, n)
+    fam, _ = _method(method)
+    wire = p["alpha"] * a["steps"] + p[f"beta_{rate}"] * a["bytes"]
+    e, d = (p["e_alq"], p["d_alq"]) if fam == "alq" else (p["e_dgc"], p["d_dgc"])
+    cpu = kappa * (e * a["enc"] + d * a["dec"] + p["e0"] * a["enc_msgs"]
+                   + p["d0"] * a["dec_msgs"] + p["c16"] * a["cast"])
+    k = a["buckets"]
+    return dict(wire=wire, cpu=cpu, total=max(wire, cpu) + min(wire, cpu) / k)
+
+
+def contention(n: int, cores: int, background: float = 0.0) -> float:
+    """CPU slow-down of a measurement: ``n`` ranks and ``background`` other busy threads
+    sharing ``cores`` cores."""
+    return max(1.0, (n + background) / cores)
+
+
+def _nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares: scipy's if present, else an active-set solve on the
+    column-normalized system (the columns differ by many orders of magnitude)."""
+    scale = np.linalg.norm(A, axis=0)
+    scale[scale == 0] = 1.0
+    As = A / scale
+    try:
+        from scipy.optimize import nnls
+        return nnls(As, b)[0] / scale
+    except ImportError:
+        pass
+    free = list(range(A.shape[1]))
+    x = np.zeros(A.shape[1])
+    while free:                     # drop the most negative coefficient until none is
+        sol = np.linalg.lstsq(As[:, free], b, rcond=None)[0]
+        if (sol >= 0).all():
+            x[:] = 0
+            x[free] = sol
+            break
+        free.pop(int(np.argmin(sol)))
+    return x / scale
+
+
+def fit_rows(rows: List[dict], cores: int) -> Dict[str, float]:
+    """:func:`fit_at` for the background load (busy threads of other jobs on the shared
+    machine, 0 to 16 in steps of 0.5) whose fit predicts the measured totals best (median
+    relative error)."""
+    best = None
+    for b in np.arange(0.0, 16.01, 0.5):
+        try:
+            p = fit_at(rows, cores, float(b))
+        except (ValueError, np.linalg.LinAlgError):
+            continue
+        errs = [abs(predict(p, r["model"], r["method"], r["hosts"], r["rate"],
+                            contention(r["hosts"], cores, b))["total"] / r["median_s"] - 1)
+                for r in rows if r["method"] in FIXED]
+        score = float(np.median(errs)) if errs else 0.0
+        if best is None or score < best[0]:
+            best = (score, p)
+    return best[1]
+
+
+def fit_at(rows: List[dict], cores: int, background: float) -> Dict[str, float]:
+    """The parameters from measured rows (dicts with model, method, hosts, rate, replay_s,
+    encode, decode, reduce): the wire parameters from the replayed collectives, the CPU
+    ones from the encode / decode stages (divided by the contention), each a relative
+    least-squares fit (every measurement weighs by its own size)."""
+    wire_rows, wire_b = [], []
+    for r in rows:
+        if r["method"].startswith("auto"):
+            continue
+        a = account(r["model"], r["method"], r["hosts"])
+        x = np.zeros(3)
+        x[0] = a["steps"]
+        x[1 if r["rate"] == "1gbit" else 2] = a["bytes"]
+        wire_rows.append(x / r["replay_s"])
+        wire_b.append(1.0)
+    alpha, b1, b10 = _nnls(np.array(wire_rows), np.array(wire_b))
+    cpu_rows, cpu_b = [], []
+    for r in rows:
+        fam, _ = _method(r["method"])
+        if r["method"].startswith("auto") or fam is None:
+            continue
+        a = account(r["model"], r["method"], r["hosts"])
+        kap = contention(r["hosts"], cores, background)
+        cpu = r["encode"] + r["decode"] + r["reduce"]
+        x = np.zeros(6)
+        off = 0 if fam == "alq" else 2
+        x[off], x[off + 1] = a["enc"] * kap, a["dec"] * kap
+        x[4], x[5] = a["enc_msgs"] * kap, a["dec_msgs"] * kap
+        cpu_rows.append(x / cpu)
+        cpu_b.append(1.0)
+    e_alq, d_alq, e_dgc, d_dgc, e0, d0 = _nnls(np.array(cpu_rows), np.array(cpu_b))
+    c16 = [r for r in rows if r["method"] == "fp16"]
+    c16 = float(np.median([(r["encode"] + r["decode"]) / (account(r["model"], "fp16", r["hosts"])
+                                                           ["cast"] * contention(r["hosts"], cores, background))
+                           for r in c16])) if c16 else 0.0
+    return dict(alpha=alpha, beta_1gbit=b1, beta_10gbit=b10, e_alq=e_alq, d_alq=d_alq,
+                e0=e0, d0=d0, e_dgc=e_dgc, d_dgc=d_dgc, c16=c16, background=background)
+
+
+# --- glue for bench/scaling.py: rows, report, plot ---------------------------------------------
+
+LABELS = {"none": "fp32 allreduce", "fp16": "fp16 allreduce",
+          "ag+alq:bits=3": "ALQ 3b allgather", "rs+alq:bits=3": "ALQ 3b reduce-scatter",
+          "ag+dgc:density=0.001": "DGC 0.1% allgather",
+          "rs+dgc:density=0.001": "DGC 0.1% reduce-scatter", "auto+alq:bits=3": "Auto(ALQ 3b)"}
+FIXED = ["none", "fp16", "ag+alq:bits=3", "rs+alq:bits=3", "ag+dgc:density=0.001",
+         "rs+dgc:density=0.001"]
+PREDICT_HOSTS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+def rows_of(res: dict) -> List[dict]:
+    """One flat row per (cell, method): the summary of bench/scaling.py plus model, hosts,
+    rate."""
+    from scaling import summarize
+    out = []
+    for cell, rows in sorted(res["cells"].items()):
+        model, hosts, rate = cell.split("/")
+        for r in rows:
+            s = summarize(r)
+            s.update(model=model, hosts=int(hosts), rate=rate, measured=r.get("measured"))
+            out.append(s)
+    return out
+
+
+def fit(res: dict, cores: int = 0) -> Dict[str, float]:
+    import os
+    cores = cores or res.get("cores") or os.cpu_count() or 1
+    p = fit_rows(rows_of(res), cores)
+    p["cores"] = cores
+    return p
+
+
+def _order(method):
+    return (FIXED + ["auto+alq:bits=3"]).index(method) if method in LABELS else 99
+
+
+def render(res: dict, p: Dict[str, float]) -> str:
+    """bench/results/scaling.md: conditions, measured cells with the model's predictions,
+    the targets of issue 11, predictions to 1024 hosts."""
+    cores = p["cores"]
+    rows = rows_of(res)
+    L = ["# Scaling: allgather vs reduce-scatter, 2 to 8 emulated hosts, model to 1024", ""]
+    L += ["Commands (each cell: `launch/cluster HOSTS RATE -- launch/run -np HOSTS python "
+          "bench/scaling.py --worker ...`, one rank per host, own network namespace and link "
+          "shaped both ways, MPI over TCP):", ""]
+    for stamp, cmd in sorted(res.get("runs", {}).items()):
+        L.append(f"    {stamp}  {cmd}")
+    L += ["", f"Conditions: {res.get('conditions', '')}", "",
+          "Columns: time per exchange = the slowest rank's, median of 3 after a warm-up "
+          "(min-max); wire = the same collective calls replayed back to back with nothing "
+          "else running (what hosts with their own cores would see of the network); tx / rx = "
+          "bytes per rank on its link (its interface counters: everything, TCP/IP headers "
+          "included), mean over ranks, exact per rep; payload = hvdcomp's own count of the "
+          "bytes it sent (StepStats.bytes_sent, allreduced buffers included) / received "
+          "(frames of the other ranks); encode / comm / decode = the pipeline stages (seconds "
+          "summed over buckets, mean over ranks; comm includes the reduce-scatter's local "
+          "re-encoding, reduce); model = `predict` with the CPU contention of the "
+          f"measurement (N ranks and a fitted background of {p['background']:g} busy threads "
+          f"of other jobs on {cores} cores: CPU x max(1, (N + background) / {cores})).", ""]
+    for cell in sorted({(r["model"], r["hosts"], r["rate"]) for r in rows},
+                       key=lambda c: (c[0], c[2], c[1])):
+        model, n, rate = cell
+        cr = sorted([r for r in rows if (r["model"], r["hosts"], r["rate"]) == cell],
+                    key=lambda r: _order(r["method"]))
+        L += [f"## {model}, {n} hosts x {rate}", "",
+              "| method | time s (min-max) | wire s | tx MB | rx MB | payload sent / recv MB "
+              "| encode s | comm s | decode s | model s | model err |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in cr:
+            if r["method"] in FIXED:
+                pr = predict(p, model, r["method"], n, rate,
+                             contention(n, cores, p["background"]))["total"]
+                err = f"{100 * (pr / r['median_s'] - 1):+.0f} %"
+                prs = f"{pr:.3f}"
+            else:
+                prs, err = "", ""
+            L.append(f"| {LABELS.get(r['method'], r['method'])} | {r['median_s']:.3f} "
+                     f"({r['min_s']:.3f}-{r['max_s']:.3f}) | {r['replay_s']:.3f} | "
+                     f"{r['tx'] / 1e6:.2f} | {r['rx'] / 1e6:.2f} | {r['sent'] / 1e6:.2f} / "
+                     f"{r['recv'] / 1e6:.2f} | {r['encode']:.3f} | {r['comm']:.3f} | "
+                     f"{r['decode']:.3f} | {prs} | {err} |")
+        auto = [r for r in cr if r["method"].startswith("auto")]
+        fixed = [r for r in cr if r["method"] in FIXED]
+        if auto and fixed:
+            best = min(fixed, key=lambda r: r["median_s"])
+            a = auto[0]
+            L += ["", f"Auto: {a['median_s']:.3f} s against the best fixed choice "
+                      f"({LABELS[best['method']]}) {best['median_s']:.3f} s: "
+                      f"{100 * (a['median_s'] / best['median_s'] - 1):+.0f} % "
+                      f"(target: at most +10 %); its plan (elements per path): "
+                      f"{a['elements']}"]
+        L.append("")
+    # targets
+    L += ["## Targets (issue 11)", ""]
+    L += targets(rows)
+    # model
+    L += ["", "## The model", "",
+          "Fitted parameters (bench/scaling_model.py, module docstring): " +
+          ", ".join(f"{k} = {v:.3g}" for k, v in p.items() if k != "cores"), "",
+          "alpha: seconds per message step; beta: seconds per byte sent (1 / beta: "
+          f"{1 / max(p['beta_1gbit'], 1e-30) * 8 / 1e9:.2f} and "
+          f"{1 / max(p['beta_10gbit'], 1e-30) * 8 / 1e9:.2f} Gbit/s effective); e, d: "
+          "seconds per encoded / decoded element; e0, d0: per encoded / decoded message; "
+          "c16: per element cast to and from fp16.", ""]
+    errs = []
+    for r in rows:
+        if r["method"] in FIXED:
+            pr = predict(p, r["model"], r["method"], r["hosts"], r["rate"],
+                         contention(r["hosts"], cores, p["background"]))["total"]
+            errs.append(abs(pr / r["median_s"] - 1))
+    if errs:
+        L.append(f"Measured cells: the model is within 25 % in {sum(e <= 0.25 for e in errs)} "
+                 f"of {len(errs)} (median error {100 * float(np.median(errs)):.0f} %, "
+                 f"largest {100 * max(errs):.0f} %).")
+        L.append("")
+    for model in sorted({r["model"] for r in rows}):
+        for rate in ("1gbit", "10gbit"):
+            L += [f"### Predicted time per exchange, {model}, {rate} per host, hosts with "
+                  f"their own cores (seconds)", "",
+                  "| method | " + " | ".join(map(str, PREDICT_HOSTS)) + " |",
+                  "|---|" + "---|" * len(PREDICT_HOSTS)]
+            for m in FIXED:
+                L.append(f"| {LABELS[m]} | " + " | ".join(
+                    f"{predict(p, model, m, n, rate)['total']:.3g}" for n in PREDICT_HOSTS)
+                    + " |")
+            L += [""]
+            for n in (64, 1024):
+                f32 = predict(p, model, "none", n, rate)["total"]
+                L.append(f"* {n} hosts: ALQ 3b reduce-scatter "
+                         f"{f32 / predict(p, model, 'rs+alq:bits=3', n, rate)['total']:.2f}x "
+                         f"faster than fp32 allreduce, ALQ 3b allgather "
+                         f"{f32 / predict(p, model, 'ag+alq:bits=3', n, rate)['total']:.2f}x; "
+                         f"DGC 0.1 % reduce-scatter "
+                         f"{f32 / predict(p, model, 'rs+dgc:density=0.001', n, rate)['total']:.2f}x"
+                         f", allgather "
+                         f"{f32 / predict(p, model, 'ag+dgc:density=0.001', n, rate)['total']:.2f}x")
+            L.append("")
+    return "\n".join(L) + "\n"
+
+
+def targets(rows: List[dict]) -> List[str]:
+    """Targets (a)-(c) of issue 11 from the measured rows (ResNet-50 shapes, 1 Gbit/s)."""
+    def get(n, m, model="resnet50", rate="1gbit"):
+        for r in rows:
+            if (r["model"], r["hosts"], r["rate"], r["method"]) == (model, n, rate, m):
+                return r
+        return None
+    L = []
+    rs, f32, f16 = (get(8, m) for m in ("rs+alq:bits=3", "none", "fp16"))
+    if rs and f32 and f16:
+        a1, a2 = f32["replay_s"] / rs["replay_s"], f16["replay_s"] / rs["replay_s"]
+        L.append(f"* (a) wire alone, 8 hosts x 1 Gbit/s, ResNet-50: ALQ 3b reduce-scatter "
+                 f"{rs['replay_s']:.3f} s, fp32 {f32['replay_s']:.3f} s ({a1:.1f}x, target 5x: "
+                 f"{'met' if a1 >= 5 else 'NOT met'}), fp16 {f16['replay_s']:.3f} s ({a2:.1f}x, "
+                 f"target 2.5x: {'met' if a2 >= 2.5 else 'NOT met'}).")
+    else:
+        L.append("* (a) not measured (8 hosts x 1 Gbit/s, ResNet-50 missing).")
+    rs, f32, f16, ag = (get(4, m) for m in ("rs+alq:bits=3", "none", "fp16", "ag+alq:bits=3"))
+    if rs and f32 and f16 and ag:
+        b1, b2 = f32["median_s"] / rs["median_s"], f16["median_s"] / rs["median_s"]
+        L.append(f"* (b) whole exchange, 4 hosts x 1 Gbit/s, ResNet-50: ALQ 3b reduce-scatter "
+                 f"{rs['median_s']:.3f} s against fp32 {f32['median_s']:.3f} s ({b1:.2f}x, "
+                 f"target 3x: {'met' if b1 >= 3 else 'NOT met'}), fp16 {f16['median_s']:.3f} s "
+                 f"({b2:.2f}x, target 1.5x: {'met' if b2 >= 1.5 else 'NOT met'}), ALQ over the "
+                 f"allgather {ag['median_s']:.3f} s ("
+                 f"{'faster: met' if rs['median_s'] < ag['median_s'] else 'NOT faster: not met'}"
+                 f"); encode + decode of the reduce-scatter {rs['encode'] + rs['decode']:.3f} s "
+                 f"on 4 ranks sharing the cores.")
+    else:
+        L.append("* (b) not measured (4 hosts x 1 Gbit/s, ResNet-50 missing).")
+    for m in ("rs+alq:bits=3", "ag+alq:bits=3", "rs+dgc:density=0.001", "ag+dgc:density=0.001"):
+        r4, r8 = get(4, m), get(8, m)
+        if r4 and r8:
+            c = r8["tx"] / r4["tx"]
+            tgt = (f" (target at most 1.25x: {'met' if c <= 1.25 else 'NOT met'})"
+                   if m == "rs+alq:bits=3" else "")
+            L.append(f"* (c) bytes sent per rank (link counters), 8 hosts / 4 hosts, "
+                     f"{LABELS[m]}: {r8['tx'] / 1e6:.2f} / {r4['tx'] / 1e6:.2f} MB = {c:.2f}x"
+                     f"{tgt}; payload {r8['sent'] / r4['sent']:.2f}x.")
+    return L
+
+
+def plot(res: dict, p: Dict[str, float], path: str) -> None:
+    """Predicted time per exchange against hosts, each method, per model and rate (hosts
+    with their own cores), with the measured wire times (replays) as markers."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = rows_of(res)
+    models = sorted({r["model"] for r in rows}) or ["resnet50"]
+    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
+    for i, model in enumerate(models):
+        for j, rate in enumerate(("1gbit", "10gbit")):
+            ax = axes[i][j]
+            for k, m in enumerate(FIXED):
+                ys = [predict(p, model, m, n, rate)["total"] for n in PREDICT_HOSTS]
+                line, = ax.plot(PREDICT_HOSTS, ys, label=LABELS[m], marker=".")
+                meas = [(r["hosts"], r["replay_s"]) for r in rows
+                        if (r["model"], r["rate"], r["method"]) == (model, rate, m)]
+                if meas:
+                    ax.scatter(*zip(*meas), color=line.get_color(), marker="x")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("hosts (one rank each)")
+            ax.set_ylabel("seconds per exchange")
+            ax.set_title(f"{model}, {rate} per host: model (lines), measured wire (x)")
+            ax.grid(True, which="both", alpha=0.3)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

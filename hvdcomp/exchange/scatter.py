@@ -1,0 +1,337 @@
+"""The reduce-scatter collective: shards to their owners, averaged there, re-encoded and
+allgathered, so each rank sends and decodes about two compressed gradients' worth whatever
+the number of ranks.
+
+Per fusion bucket, with N ranks and the bucket's scattered tensors cut into N shards
+(:mod:`hvdcomp.exchange.shards`: along quantization-bucket boundaries), on every rank:
+
+1. encode: each piece of every shard with the tensor's compressor and a key of its own
+   (``Piece.key``: this rank, the piece's tensor id); one frame per owner;
+2. communicate: frame r to rank r (``Transport.alltoall``); decode the N contributions to
+   this rank's own pieces in rank order (``Compressor.combine``, float32), average them
+   (``finalize``), re-encode each average with the second-stage compressor and key
+   (``Piece.key2``: the owner's rank, the piece's second tensor id, so an independent
+   Philox stream: unbiased compressors stay unbiased; biased ones keep a residual for it by
+   piece name, as DeepSpeed's compressed allreduce does for 1-bit Adam, Tang et al. 2021);
+   allgather the averaged pieces (``Transport.exchange``);
+3. decode: every owner's averaged pieces into the tensors' accumulators.
+
+Every rank decodes the same averaged messages, each coordinate from one message, so every
+rank holds the same result bit for bit.  With an unbiased compressor Q the result is
+unbiased, and its error is that of the second quantization of the average plus the average
+of the first ones: E||y - g||^2 = sum_r Var Q_r(g_r) / N^2 + E Var Q(a), with a the average
+of the decoded contributions (tests/exchange/test_scatter.py checks it).
+
+Bytes per rank: (N-1)/N of one compressed gradient out in step 2's all-to-all, 1/N of it to
+each of N-1 ranks in the allgather (a ring: (N-1)/N of the N averaged shards): about
+2 (N-1)/N, against (N-1) for the allgather collective.  Decode work per rank: two
+gradients' worth, against N.
+
+Training-loop semantics (as the allgather's, :mod:`hvdcomp.exchange.averaging`): stage-1
+frames carry each sender's presence bits and JOINED flag.  A rank without a gradient for a
+tensor (frozen or unused there, or joined) sends no message for its pieces; an owner
+averages the contributions present, counting zeros for ranks absent on some tensor and
+leaving out the joined ranks (the average is over ``size - joined``), and marks a piece
+absent in its stage-2 frame when no rank had that tensor: such a tensor has no average.
+Joined ranks still own their shards: they average and re-encode them like the others.
+A sparse gradient (``sparse_as_dense`` off) cannot be cut into dense shards: it is an
+encoder error (ValueError naming the tensor and the two ways out), raised on every rank.
+A cast (fp16, bf16: only without a summable carrier) keeps its range in both stages
+(:meth:`~hvdcomp.exchange.averaging.Averaging.cast_fallback`, the overflow rescue of
+:meth:`~hvdcomp.exchange.averaging.Averaging.combine`).
+
+Both stages' frames carry the sender's :class:`~hvdcomp.transport.framing.Stamp` (step,
+exchange id, SYNC flag), checked by every receiver: every rank sends a stage-1 frame to
+every owner (with no pieces for it, an empty one), so every rank sees every rank's stamp
+and ranks out of step raise :class:`~hvdcomp.errors.OutOfStep` on every rank.
+
+Errors (every rank raises, none waits): an encoder error goes out as an error frame to every
+owner, and so do the error marks of a rank that is stopping after an error (``failing``,
+:mod:`hvdcomp.exchange.shutdown`); every owner receives them, raises a
+:class:`~hvdcomp.errors.RankFailure` naming that rank, and still takes part in step 2's
+allgather with an error frame.  An owner that cannot decode a shard (a malformed message)
+sends an error frame in place of its averaged pieces, so every rank raises in step 2's
+allgather (the owner its own exception, the others a RankFailure naming the owner).
+Summable tensors and the tensors over the allgather travel as in
+:class:`~hvdcomp.exchange.collective.Allgather`, in the same bucket.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from ..compressors import BF16, FP16, Compressor, NoneCompressor
+from ..compressors.protocols import AdaptiveLevels, ReportsEvents
+from ..compressors.state import finite as all_finite
+from ..errors import RankFailure, WireFormatError
+from ..log import warn_limited
+from ..transport import Allreduce, Incoming, Outgoing, Stamp, Transport
+from ..transport.base import raise_failed
+from ..transport.framing import STOP_MARK, check_stamps
+from .averaging import Averaging
+from .collective import Allgather, _Job
+from .plan import Entry
+from .shards import Piece, layout, second_stage
+
+__all__ = ["ReduceScatter"]
+
+
+@dataclass
+class _ScatterJob:
+    gather: _Job                                  # the bucket's allgather and sums
+    scattered: List[Entry]                        # its tensors over the reduce-scatter
+    parts: Optional[List[np.ndarray]] = None      # frame per owner (None: no pieces)
+    stamp: Stamp = Stamp()                        # this rank's step, exchange id, SYNC
+    failure: Optional[BaseException] = None       # this rank's encoder error
+    failure_text: Optional[str] = None            # its error frames' text (a stop mark)
+    averaged: Optional[Incoming] = None           # every owner's averaged pieces
+    joined: int = 0                               # ranks that had joined (stage-1 flags)
+    events: List[str] = field(default_factory=list)
+
+
+class ReduceScatter(Allgather):
+    """The reduce-scatter collective (module docstring) for the entries marked ``scatter``;
+    the others as :class:`~hvdcomp.exchange.collective.Allgather`.
+
+    transport, allreduce, averaging, seed, ident: as Allgather's; buckets: the fusion
+    buckets (names); entries: name -> :class:`~hvdcomp.exchange.plan.Entry`; first_id: the
+    first tensor id free for the pieces (after the tensors' own).  Raises ValueError on one
+    rank.
+    """
+
+    def __init__(self, transport: Transport, allreduce: Optional[Allreduce],
+                 averaging: Averaging, seed: int, buckets: List[List[str]],
+                 entries: Dict[str, Entry], first_id: int, ident: int = 0):
+        super().__init__(transport, allreduce, averaging, seed, ident)
+        if self.size < 2:
+            raise ValueError("the reduce-scatter collective needs 2 or more ranks")
+        self.entries = entries
+        self.layout = layout(buckets, entries, self.size, first_id)
+        self.stage2: Dict[int, Compressor] = {}
+        for e in entries.values():
+            if e.scatter:
+                self.stage2.setdefault(id(e.compressor), second_stage(e.compressor))
+        self._piece_accs: Dict[int, torch.Tensor] = {}
+        self._none = NoneCompressor()
+
+    def pieces(self) -> List[Piece]:
+        """Every piece of every bucket, in bucket and owner order."""
+        return [p for b in self.layout for mine in b for p in mine]
+
+    def second_stages(self) -> List[Compressor]:
+        """The second-stage compressors that are not their first stage's (DGC's)."""
+        firsts = {id(e.compressor): e.compressor for e in self.entries.values() if e.scatter}
+        return [c for i, c in self.stage2.items() if c is not firsts[i]]
+
+    # --- the three stages ---------------------------------------------------------------
+    def encode(self, k, entries, step, stats, sync=False):
+        """The allgather part, then every piece of the bucket's shards, one frame per owner
+        with this rank's presence bits, JOINED flag and stamp (an encoder error becomes an
+        error frame to every owner; so does everything once ``failing``)."""
+        job = _ScatterJob(super().encode(k, [e for e in entries if not e.scatter], step,
+                                         stats, sync), [e for e in entries if e.scatter],
+                          stamp=Stamp(step, self.ident, bool(sync)))
+        if not any(self.layout[k]):
+            return job
+        failing = self.failing
+        if failing is not None:
+            job.failure = RankFailure(failing, self.rank)
+            job.failure_text = STOP_MARK + failing
+            job.parts = [Outgoing.failed(job.failure, job.failure_text).data] * self.size
+            return job
+        try:
+            flat = {e.name: self._gradient(e, step) for e in job.scattered}
+            parts = []
+            for mine in self.layout[k]:
+                msgs, present = [], []
+                for p in mine:
+                    g = flat[p.name]
+                    present.append(g is not None)
+                    msgs.append(None if g is None else self._encode_piece(
+                        p, g[p.lo:p.hi].reshape(p.shape), step))
+                parts.append(Outgoing(msgs, present, joined=self.averaging.joined,
+                                      stamp=job.stamp).data)
+            job.parts = parts
+        except Exception as exc:                    # noqa: BLE001 - re-raised on all ranks
+            job.failure = exc
+            job.parts = [Outgoing.failed(exc).data] * self.size
+        return job
+
+    def communicate(self, job, stats):
+        """All-to-all of the shards, their averages re-encoded, allgather of the averages;
+        then the allgather part.  Every rank makes every call; raises on every rank if any
+        rank failed (module docstring)."""
+        err = None
+        if job.parts is not None:
+            try:
+                self._scatter(job, stats)
+            except BaseException as e:              # noqa: BLE001 - after the allgather part
+                err = e
+        super().communicate(job.gather, stats)
+        if err is not None:
+            raise err
+
+    def decode(self, job, stats):
+        """The allgather part, then every owner's averaged pieces into the accumulators: a
+        tensor whose pieces are all absent (no rank had its gradient) has no average."""
+        out = super().decode(job.gather, stats)
+        if job.parts is None:
+            return out
+        stats.joined = max(stats.joined, job.joined)
+        stats.events.extend(job.events)
+        for ev in job.events:       # each owner drains the events of its own pieces
+            warn_limited(ev)
+        accs: Dict[str, torch.Tensor] = {}
+        finite: Dict[str, bool] = {}
+        seen: Dict[str, set] = {e.name: set() for e in job.scattered}
+        for r, mine in enumerate(self.layout[job.gather.k]):
+            for i, p in enumerate(mine):
+                seen[p.name].add(job.averaged.present_of(r, i))
+                if not job.averaged.present_of(r, i):
+                    continue
+                key = p.key2(job.gather.step, self.seed)
+                msg = job.averaged.message(r, i)
+                if msg is None:
+                    raise WireFormatError(f"rank {r} sent an empty message for the "
+                                          f"averaged shard {key.name}")
+                e = self.entries[p.name]
+                if p.name not in accs:
+                    accs[p.name] = self.averaging.accumulator(e)
+                    finite[p.name] = True
+                comp = self.stage2[id(e.compressor)]
+                dec = self.averaging._decoder(comp, msg, key)
+                finite[p.name] &= dec.decode(msg, key, accs[p.name][p.lo:p.hi])
+        for e in job.scattered:
+            if len(seen[e.name]) > 1:
+                raise WireFormatError(f"the owners disagree on whether any rank had a "
+                                      f"gradient of {e.name}")
+            if e.name in accs:
+                out[e.name] = self.averaging.finish(e, accs[e.name], finite[e.name],
+                                                    self._key(e, job.gather.step), stats,
+                                                    job.joined, averaged=True)
+        return out
+
+    def close(self):
+        super().close()
+        self._piece_accs.clear()
+
+    # --- helpers ------------------------------------------------------------------------
+    def _gradient(self, e: Entry, step: int) -> Optional[torch.Tensor]:
+        """``e``'s gradient as its compressor gets it, flat (None: absent); an adaptive
+        compressor observes the whole tensor (its statistics are the same as the
+        allgather's).  Raises ValueError for a sparse gradient."""
+        g = self.averaging.gradient(e)
+        if g is None:
+            return None
+        if g.is_sparse:
+            raise ValueError(f"the gradient of {e.name} is sparse, and the reduce-scatter "
+                             f"cuts dense shards: pass sparse_as_dense=True, or "
+                             f"collective='allgather' (indices and values to every rank)")
+        comp = e.compressor
+        if (isinstance(comp, AdaptiveLevels) and comp.wants_stats(step)
+                and g.is_floating_point() and all_finite(g)):
+            comp.observe(g)
+        return g.reshape(-1)
+
+    def _encode_piece(self, p: Piece, x: torch.Tensor, step: int):
+        """This rank's stage-1 message of piece ``p`` (a cast that would overflow: the
+        piece's own values, :meth:`Averaging.cast_fallback`)."""
+        key = p.key(step, self.rank, self.size, self.seed)
+        e = self.entries[p.name]
+        fallback = self.averaging.cast_fallback(e, x, key)
+        if fallback is not None:
+            return fallback
+        return e.compressor.encode(x, key)
+
+    def _scatter(self, job: _ScatterJob, stats) -> None:
+        k, n, me = job.gather.k, self.size, self.rank
+        what = f"bucket {k} of step {job.gather.step} (shards)"
+        frames = self.transport.alltoall(job.parts)
+        out_bytes = sum(len(p) for r, p in enumerate(job.parts) if r != me)
+        stats.bytes_sent += out_bytes
+        stats.traffic_bytes += out_bytes
+        stats.recv_bytes += sum(len(f) for s, f in enumerate(frames) if s != me)
+        failure, out = job.failure, None
+        if failure is None:
+            try:
+                try:
+                    raise_failed(frames, None, what)
+                except RankFailure:
+                    self.failure_seen = True    # every owner got that rank's error frame
+                    raise
+                incoming = Incoming(frames, len(self.layout[k][me]))
+                check_stamps(incoming.stamps, incoming.joined, job.stamp, me, what)
+                t0 = time.perf_counter()
+                out = self._reduce(job, incoming)
+                stats.reduce_s += time.perf_counter() - t0
+            except Exception as exc:                # noqa: BLE001 - re-raised on all ranks
+                failure = exc
+        else:
+            self.failure_seen = True                # this rank's error frames went to all
+        if failure is not None:
+            out = Outgoing.failed(failure, job.failure_text if failure is job.failure
+                                  else None)
+        try:
+            job.averaged = self.transport.exchange(
+                out, what=f"the averaged shards of bucket {k} of step {job.gather.step}",
+                counts=[len(mine) for mine in self.layout[k]])
+        except RankFailure:
+            self.failure_seen = True
+            raise
+        stats.bytes_sent += len(out)
+        stats.recv_bytes += sum(job.averaged.nbytes) - len(out)
+        stats.traffic_bytes += (n - 1) / n * sum(job.averaged.nbytes)
+
+    def _reduce(self, job: _ScatterJob, incoming: Incoming) -> Outgoing:
+        """This rank's frame of averaged pieces: for each piece, the contributions present
+        decoded in rank order and averaged over the ranks that had not joined, re-encoded
+        (a NONFINITE message where a contribution was NONFINITE; absent where no rank had
+        the tensor).  Also learns how many ranks had joined."""
+        mine = self.layout[job.gather.k][self.rank]
+        step = job.gather.step
+        job.joined = joined = sum(incoming.joined)
+        msgs, present_out = [], []
+        for i, p in enumerate(mine):
+            present = incoming.present(i)
+            present_out.append(any(present))
+            if not any(present):
+                msgs.append(None)
+                continue
+            e = self.entries[p.name]
+            acc = self._piece_acc(p, e.param.device)
+            keys = [p.key(step, r, self.size, self.seed) for r in range(self.size)]
+            fin, prescaled = self.averaging.combine(e, incoming.messages(i), keys, present,
+                                                    acc, joined)
+            if isinstance(e.compressor, ReportsEvents):
+                job.events.extend(f"{p.label}: {ev}" for ev in e.compressor.drain_events())
+            if fin:
+                self.averaging.mean(e, acc, keys[self.rank], joined, prescaled)
+                x = acc.view(p.shape)
+            else:                                   # NaN policy: the tensor is NaN on all
+                x = torch.full(p.shape, float("nan"), device=acc.device)
+            msgs.append(self._encode_average(e, p, x, step))
+        return Outgoing(msgs, present_out, joined=self.averaging.joined, stamp=job.stamp)
+
+    def _encode_average(self, e: Entry, p: Piece, x: torch.Tensor, step: int):
+        """The owner's stage-2 message of piece ``p``'s average ``x``: a cast whose wire
+        dtype cannot hold the finite average sends it as float32 (``none``)."""
+        comp = self.stage2[id(e.compressor)]
+        key = p.key2(step, self.seed)
+        if (isinstance(comp, (FP16, BF16)) and all_finite(x)
+                and not all_finite(x.to(comp.wire_dtype))):
+            return self._none.encode(x, key)
+        return comp.encode(x, key)
+
+    def _piece_acc(self, p: Piece, device) -> torch.Tensor:
+        """A zeroed float32 accumulator for piece ``p``, reused from step to step."""
+        acc = self._piece_accs.get(p.tensor_id)
+        if acc is None or acc.device != device:
+            acc = torch.zeros(p.numel, dtype=torch.float32, device=device)
+            self._piece_accs[p.tensor_id] = acc
+        else:
+            acc.zero_()
+        return acc

@@ -1,0 +1,202 @@
+"""Shards of the reduce-scatter collective: how a fusion bucket is cut among the ranks, which
+compressors can be cut, and what re-encodes a shard's average.
+
+A fusion bucket's scattered tensors, flattened and laid end to end in bucket order, are cut
+into ``N`` shards of about equal numbers of elements (shard r: rank r's, its *owner*); each
+cut is moved to the nearest *unit* boundary of the tensor it falls in, so a shard never
+splits a unit.  The part of one tensor inside one shard is a :class:`Piece`: the compressor
+encodes it as a tensor of its own (a message per piece), and its stage-1 and stage-2
+messages carry their own tensor ids, so every piece draws its own Philox streams.
+
+Units (:func:`unit`): a quantization bucket (``bucket_size``: QSGD, QSGDinf, NUQSGD, ALQ,
+AMQ, DQSG, and TernGrad and 1-bit EF with a bucket size), so every bucket quantizes exactly
+the coordinates it would in the whole tensor; a row (PSQ, BHQ: each piece is a matrix of
+whole rows, its row ranges and BHQ's blocks are the rows'); one element where the scale is
+the tensor's own (TernGrad and 1-bit EF with ``bucket_size=0``: each piece then has its own
+scale, and TernGrad its own clipping threshold) and for the sparsifiers and the casts (top-k,
+random-k and DGC select ``density`` of each piece).
+
+Stage 2 (:func:`second_stage`): the owner re-encodes its pieces' averages with the same
+compressor instance (same level table and version, residuals kept by piece name, on the
+owner), with keys of their own (world size 1: the average is one contribution); DGC's
+momentum correction, masking and clipping act on a rank's raw gradient only, so its second
+stage is a separate instance without them: top-k of the average with its residual (error
+feedback), at the same density schedule.
+
+Refused (:func:`refusal`): NDQSG and LAQ, for the reasons in :data:`REFUSED`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..compressors import (BF16, DGC, DQSG, FP16, BucketQuantizer, Compressor,
+                           NoneCompressor, RandK, TensorKey, TopK, get)
+from ..compressors.bucketing import TensorBuckets
+from ..compressors.psq import BHQ, PSQ, rows_of
+
+__all__ = ["Piece", "REFUSED", "refusal", "unit", "second_stage", "boundaries", "layout"]
+
+REFUSED = {
+    "ndqsg": "NDQSG's nested ranks send residues that decode only with side information "
+             "from the other ranks' messages of the same tensor (Abdi & Fekri 2019): the "
+             "owner of a shard re-encodes one average, which has no other ranks to nest "
+             "against, so the nested half of the ranks would have nothing to resolve with",
+    "laq": "LAQ's ranks skip uploads lazily and every receiver reuses each rank's last "
+           "upload (Sun et al. 2019): the owner of a shard would re-encode an average of "
+           "stale and fresh contributions every step, so no rank could ever skip and the "
+           "lazy rule's bound would not hold",
+}
+
+
+def refusal(comp: Compressor) -> Optional[str]:
+    """Why ``comp`` cannot travel over the reduce-scatter collective, or None if it can."""
+    if comp.name in REFUSED:
+        return REFUSED[comp.name]
+    try:
+        unit(comp, (1,))
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def unit(comp: Compressor, shape: Sequence[int]) -> int:
+    """Elements per unit of a tensor of ``shape`` sent with ``comp`` (module docstring).
+    Raises TypeError for a compressor hvdcomp cannot cut into shards."""
+    if comp.name in REFUSED:
+        raise TypeError(REFUSED[comp.name])
+    if isinstance(comp, (PSQ, BHQ)):
+        return max(rows_of(shape)[1], 1)
+    if isinstance(comp, TensorBuckets):
+        return comp.bucket_size or 1
+    if isinstance(comp, (BucketQuantizer, DQSG)):
+        return comp.bucket_size
+    if isinstance(comp, (NoneCompressor, FP16, BF16, TopK, RandK, DGC)):
+        return 1
+    raise TypeError(f"hvdcomp knows no way to cut {comp.name}'s messages into shards "
+                    f"(hvdcomp.exchange.shards.unit)")
+
+
+def second_stage(comp: Compressor) -> Compressor:
+    """The compressor that re-encodes the owners' averages (module docstring)."""
+    if isinstance(comp, DGC):
+        return get(comp.spec(), momentum_correction=False, masking=False, momentum=0.0,
+                   clip_norm=0.0)
+    return comp
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part ``[lo, hi)`` (flat elements) of tensor ``name`` in the shard of ``owner``.
+
+    shape: what the compressor encodes (``(hi - lo,)``, or whole rows for PSQ/BHQ);
+    tensor_id: the stage-1 messages' tensor id; ``tensor_id + 1``: the stage-2 message's.
+    dtype: the parameter's dtype (the stage-1 messages' header dtype; the stage-2 messages
+    carry float32 averages); None: not checked.
+    """
+    name: str
+    lo: int
+    hi: int
+    shape: Tuple[int, ...]
+    owner: int
+    tensor_id: int
+    dtype: Optional[torch.dtype] = None
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def label(self) -> str:
+        """``name[lo:hi]``: the name under which compressors keep the piece's state (the
+        second stage's: ``label + "/avg"``)."""
+        return f"{self.name}[{self.lo}:{self.hi}]"
+
+    def key(self, step: int, rank: int, size: int, seed: int) -> TensorKey:
+        """The key of ``rank``'s stage-1 message (its part of this piece's sum), with the
+        piece's shape and the parameter's dtype, so that decode checks the header's."""
+        return TensorKey(self.label, self.tensor_id, step, rank, size, seed,
+                         shape=tuple(self.shape), dtype=self.dtype)
+
+    def key2(self, step: int, seed: int) -> TensorKey:
+        """The key of the owner's stage-2 message (the re-encoded average: float32, the
+        piece's shape)."""
+        return TensorKey(self.label + "/avg", self.tensor_id + 1, step, self.owner, 1, seed,
+                         shape=tuple(self.shape),
+                         dtype=None if self.dtype is None else torch.float32)
+
+
+def boundaries(numels: Sequence[int], units: Sequence[int], n: int) -> List[int]:
+    """The ``n + 1`` cut points (offsets into the tensors laid end to end, non-decreasing,
+    first 0, last the total) of ``n`` shards: cut j aims at ``round(j * total / n)`` and
+    moves to the nearest multiple of its tensor's unit (counted from the tensor's start;
+    the tensor's end counts as one; half-way: the later)."""
+    total = sum(numels)
+    starts = [0]
+    for m in numels:
+        starts.append(starts[-1] + m)
+    cuts = [0]
+    t = 0                                   # the tensor the current target falls in
+    for j in range(1, n):
+        target = (j * total + n // 2) // n
+        while t < len(numels) and starts[t + 1] <= target:
+            t += 1
+        if t == len(numels):
+            c = total
+        else:
+            x, u = target - starts[t], units[t]
+            down = x // u * u
+            up = min(down + u, numels[t])
+            c = starts[t] + (up if up - x <= x - down else down)
+        cuts.append(max(cuts[-1], c))
+    cuts.append(total)
+    return cuts
+
+
+def _piece_shape(comp: Compressor, shape: Tuple[int, ...], lo: int, hi: int):
+    if isinstance(comp, (PSQ, BHQ)) and len(shape) >= 2:
+        d = max(rows_of(shape)[1], 1)
+        return ((hi - lo) // d, d)
+    if lo == 0 and hi == _numel(shape):
+        return tuple(shape) if isinstance(comp, (PSQ, BHQ)) else (hi,)
+    return (hi - lo,)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def layout(buckets: Sequence[Sequence[str]], entries: Dict, size: int,
+           first_id: int) -> List[List[List[Piece]]]:
+    """``out[k][r]``: the pieces of fusion bucket k owned by rank r (in bucket order), for
+    the entries of ``entries`` (name -> :class:`~hvdcomp.exchange.plan.Entry`) marked
+    ``scatter``.  Pieces are numbered in bucket, owner and tensor order; piece i has tensor
+    ids ``first_id + 2 i`` and ``+ 1``.  A tensor of 0 elements is one empty piece of rank
+    0's (its message says whether a rank had the gradient)."""
+    out: List[List[List[Piece]]] = []
+    count = 0
+    for names in buckets:
+        es = [entries[n] for n in names if entries[n].scatter]
+        numels = [e.param.numel() for e in es]
+        shapes = [tuple(e.param.shape) for e in es]
+        cuts = boundaries(numels, [unit(e.compressor, s) for e, s in zip(es, shapes)], size)
+        per_owner: List[List[Piece]] = []
+        for r in range(size):
+            mine, start = [], 0
+            for e, m, shape in zip(es, numels, shapes):
+                lo, hi = max(cuts[r], start) - start, min(cuts[r + 1], start + m) - start
+                if m == 0 and r == 0:           # an empty tensor: one empty piece, rank 0's
+                    lo = hi = 0
+                if hi > lo or (m == 0 and r == 0):
+                    mine.append(Piece(e.name, lo, hi, _piece_shape(e.compressor, shape, lo, hi),
+                                      r, first_id + 2 * count, e.param.dtype))
+                    count += 1
+                start += m
+            per_owner.append(mine)
+        out.append(per_owner)
+    return out
