@@ -294,11 +294,27 @@ def check_errors(rank, size):
                       (RuntimeError, "attach_optimizer"), (RuntimeError, "rank 1 failed"))
     state.close()
 
-    # ranks that disagree on the seed, or on the model: RuntimeError on every rank
+    # ranks that disagree on the seed, or on the model: Mismatch on every rank, agreed over
+    # DDP's group before anything else; the seed is named with each rank's value
     def disagree_seed():
         hvdcomp.ddp.HookState(golden.Golden(), "qsgd", seed=SEED + (rank == 1))
-    raises_everywhere(rank, disagree_seed, (RuntimeError, "disagree"),
-                      (RuntimeError, "disagree"))
+    seed_line = f"seed: {SEED} on rank{'s' if size > 2 else ''} 0"
+    raises_everywhere(rank, disagree_seed, (hvdcomp.Mismatch, seed_line),
+                      (hvdcomp.Mismatch, seed_line))
+    raises_everywhere(rank, disagree_seed, (hvdcomp.Mismatch, f"{SEED + 1} on rank 1"),
+                      (hvdcomp.Mismatch, f"{SEED + 1} on rank 1"))
+
+    # a rank a step ahead (as after loading another step's checkpoint): every collective
+    # carries the step, so every rank raises OutOfStep (DDP re-raises it as a RuntimeError
+    # quoting it), through the frames' stamps (qsgd) or the summed buffers' slots (none)
+    for spec in ("qsgd:bits=4,bucket_size=512", "none"):
+        ddp2 = DDP(golden.Golden())
+        st2 = hvdcomp.ddp.register(ddp2, spec, seed=SEED, min_compress_numel=16)
+        st2.step = 3 if rank == 1 else 0
+        raises_everywhere(rank, lambda: ddp2(golden.inputs(rank, 0)).backward(),
+                          (RuntimeError, "ranks out of step"),
+                          (RuntimeError, "ranks out of step"))
+        st2.close()
 
     def disagree_model():
         specs = dict(golden.SPECS)
