@@ -10,12 +10,23 @@ Horovod's own fp32 and fp16 allreduce (the summable path of hvdcomp.torch's exch
 each hvdcomp compressor through the allgather path.  Reported: median and spread of the
 exchange time, bytes on the wire per rank, and the encode / communicate / decode split.
 Results: bench/results/exchange_<model>.json and .md (written by the driver).
+
+With --ddp-methods, the same workers then time DistributedDataParallel on the same shapes,
+link and gradients, over torch.distributed (Gloo) started inside the same four processes:
+one step = ``ddp(x).backward()`` of a model whose gradient is the synthetic one, with
+hvdcomp's communication hook (``ddp+SPEC``: hvdcomp.ddp.HookState(SPEC)), PyTorch's own
+hooks (``ddp:allreduce``: no hook, DDP's fp32 allreduce; ``ddp:fp16``:
+default_hooks.fp16_compress_hook; ``ddp:powersgd:rank=R``: powerSGD_hook, Vogels et al.
+2019, error feedback and warm start on, compressing from the first timed step), and
+``ddp:noop`` (a hook that sends nothing: the cost of backward and DDP's bucketing alone).
+DDP's default 25 MB buckets (PowerSGD: one bucket, see ddp_rows).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -88,9 +99,146 @@ def worker(args):
         gc.collect()
         if rank == 0:
             print(json.dumps(row), flush=True)
+    if args.ddp_methods:
+        rows += ddp_rows(args, shapes, rank, hvd.size())
     if rank == 0:
         with open(args.json, "w") as f:
             json.dump(rows, f)
+
+
+class _Synthetic:
+    """A module whose parameters have the benchmark's shapes and whose loss ``sum_p (p *
+    G_p).sum()`` has this rank's synthetic gradient G_p (the Horovod rows' gradients)."""
+
+    @staticmethod
+    def build(shapes, rank):
+        import torch
+
+        class Synthetic(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                g = torch.Generator().manual_seed(100 + rank)
+                self.grads = []
+                for i, (_, shape) in enumerate(shapes):
+                    self.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(shape)))
+                    self.grads.append(torch.randn(shape, generator=g) * 1e-3)
+
+            def forward(self, x):
+                return sum((p * g).sum() for p, g in zip(self.parameters(), self.grads)) * x
+
+        return Synthetic()
+
+
+def _powersgd_bytes(shapes, rank_r: int, min_rate: float = 2.0) -> int:
+    """Bytes PowerSGD allreduces per step: P and Q (4 (n + m) r) for each tensor it
+    compresses (n = shape[0], m = the rest; compressed when n m >= (n + m) r min_rate),
+    the others in fp32 (its rule, torch.distributed.algorithms.ddp_comm_hooks)."""
+    total = 0
+    for _, shape in shapes:
+        n = shape[0]
+        m = 1
+        for d in shape[1:]:
+            m *= d
+        r = min(n, m, rank_r)
+        if len(shape) > 1 and n * m >= (n + m) * r * min_rate:
+            total += 4 * (n + m) * r
+        else:
+            total += 4 * n * m
+    return total
+
+
+def ddp_rows(args, shapes, rank, size):
+    """The DDP rows (module docstring): the slowest rank's time of one backward pass with
+    each hook, median of --reps after warm-up steps."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import hvdcomp.ddp
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(args.ddp_port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    numel = sum(math.prod(s) for _, s in shapes)
+    rows = []
+    for spec in _split_methods(args.ddp_methods):
+        model = _Synthetic.build(shapes, rank)
+        # PowerSGD in one bucket: with Gloo, the second all_reduce of each bucket is issued
+        # from a completion callback, whose order across buckets differs between ranks
+        # (Gloo then aborts: "collective mismatch"); one bucket has one order
+        powersgd = spec.startswith("ddp:powersgd")
+        ddp = DDP(model, bucket_cap_mb=1024) if powersgd else DDP(model)
+        state, nbytes, warm = None, None, 1
+        if spec == "ddp:allreduce":
+            nbytes = 4 * numel
+        elif spec == "ddp:noop":
+            ddp.register_comm_hook(None, _noop_hook)
+            nbytes = 0
+        elif spec == "ddp:fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            nbytes = 2 * numel
+        elif spec.startswith("ddp:powersgd:rank="):
+            r = int(spec.split("=")[1])
+            st = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=r,
+                                    start_powerSGD_iter=2, use_error_feedback=True,
+                                    warm_start=True)
+            ddp.register_comm_hook(st, psgd.powerSGD_hook)
+            nbytes, warm = _powersgd_bytes(shapes, r), 3   # 2 vanilla steps first
+        elif spec.startswith("ddp+"):
+            from hvdcomp.auto import from_spec
+            state = hvdcomp.ddp.HookState(ddp, from_spec(spec[4:]), seed=1)
+            ddp.register_comm_hook(state, hvdcomp.ddp.hook)
+        else:
+            raise ValueError(f"unknown DDP method {spec!r}")
+        x = torch.ones(())
+        times, stats = [], []
+        for rep in range(args.reps + warm):
+            dist.barrier()
+            t0 = time.perf_counter()
+            ddp(x).backward()
+            dt = time.perf_counter() - t0
+            if rep >= warm:
+                times.append(dt)
+                if state is not None:
+                    stats.append(state.last_stats)
+            for p in model.parameters():
+                p.grad = None
+        worst = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        worst = worst.tolist()
+        row = dict(method=spec, median_s=statistics.median(worst), min_s=min(worst),
+                   max_s=max(worst), fp32_bytes=4 * numel)
+        if stats:
+            row.update(bytes_per_rank=stats[-1].bytes_sent,
+                       encode_s=statistics.median(s.encode_s for s in stats),
+                       comm_s=statistics.median(s.comm_s for s in stats),
+                       decode_s=statistics.median(s.decode_s for s in stats),
+                       elements_by_compressor=_plan_elements(state))
+        else:
+            row.update(bytes_per_rank=nbytes, encode_s=0.0, comm_s=0.0, decode_s=0.0)
+        rows.append(row)
+        if state is not None:
+            state.close()
+        del ddp, model
+        gc.collect()
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    dist.destroy_process_group()
+    return rows
+
+
+def _plan_elements(state):
+    plan = {}
+    for e in state.exchange.entries.values():
+        plan[e.compressor.name] = plan.get(e.compressor.name, 0) + e.param.numel()
+    return plan
+
+
+def _noop_hook(state, bucket):
+    import torch
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def _split_methods(text):
@@ -99,7 +247,8 @@ def _split_methods(text):
 
 
 def driver(args):
-    res_path = os.path.join(ROOT, "bench", "results", f"exchange_{args.model}.json")
+    name = args.results or f"exchange_{args.model}"
+    res_path = os.path.join(ROOT, "bench", "results", f"{name}.json")
     res = {"model": args.model, "ranks": 4, "results": {}, "runs": {}}
     if os.path.exists(res_path):          # runs at other rates are kept
         with open(res_path) as f:
@@ -113,7 +262,7 @@ def driver(args):
                os.path.join(ROOT, "launch", "run"), "-np", "4", sys.executable,
                os.path.abspath(__file__), "--worker", "--model", args.model,
                "--reps", str(args.reps), "--methods", args.methods, "--json", path,
-               "--fusion-bytes", str(args.fusion_bytes)]
+               "--fusion-bytes", str(args.fusion_bytes), "--ddp-methods", args.ddp_methods]
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, timeout=3600)
         with open(path) as f:
@@ -133,10 +282,9 @@ def driver(args):
         res["runs"][stamp] = "python bench/exchange.py " + " ".join(sys.argv[1:])
         with open(res_path, "w") as f:
             json.dump(res, f, indent=1)
-    with open(os.path.join(ROOT, "bench", "results", f"exchange_{args.model}.table.md"),
-              "w") as f:
+    with open(os.path.join(ROOT, "bench", "results", f"{name}.table.md"), "w") as f:
         f.write(render(res))
-    plot(res, os.path.join(ROOT, "bench", "results", f"exchange_{args.model}.png"))
+    plot(res, os.path.join(ROOT, "bench", "results", f"{name}.png"))
 
 
 RATE_BITS = {"100mbit": 1e8, "1gbit": 1e9, "10gbit": 1e10}
@@ -213,6 +361,14 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--json", default="")
+    ap.add_argument("--results", default="",
+                    help="name of the results files in bench/results (default "
+                         "exchange_MODEL)")
+    ap.add_argument("--ddp-methods", default="",
+                    help="DDP rows after the Horovod rows, e.g. 'ddp:noop,ddp:allreduce,"
+                         "ddp:fp16,ddp:powersgd:rank=4,ddp:powersgd:rank=1,ddp+alq:bits=3'")
+    ap.add_argument("--ddp-port", type=int, default=29533,
+                    help="torch.distributed's rendezvous port for the DDP rows")
     ap.add_argument("--fusion-bytes", type=int, default=0,
                     help="fusion bucket size (default: the optimizer's default)")
     args = ap.parse_args()

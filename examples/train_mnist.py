@@ -3,11 +3,15 @@
     launch/run -np 4 .venv/bin/python examples/train_mnist.py                     # ALQ 3 bits
     launch/run -np 4 .venv/bin/python examples/train_mnist.py --compression none
     launch/run -np 8 .venv/bin/python examples/train_mnist.py --collective reduce_scatter
+    .venv/bin/torchrun --nproc_per_node 4 examples/train_mnist.py                 # DDP hook
 
 Each rank trains on its shard of the 4,000 training digits; gradients are exchanged as real
-encoded bytes.  Rank 0 prints, per epoch, the test accuracy on the 1,000 test digits, the
-bytes each rank sent and the compression ratio against fp32.  The same under horovodrun
-(Horovod's MPI controller, or --gloo):
+encoded bytes: under mpirun by hvdcomp.torch's DistributedOptimizer (Horovod), under torchrun
+(detected from its environment, or --launcher torchrun) by DistributedDataParallel with
+hvdcomp's communication hook (hvdcomp.ddp, Gloo).  The same seed gives the same messages on
+both.  Rank 0 prints, per epoch, the test accuracy on the 1,000 test digits, the bytes each
+rank sent and the compression ratio against fp32.  The same under horovodrun (Horovod's MPI
+controller, or --gloo):
 
     horovodrun -np 4 -H localhost:4 .venv/bin/python examples/train_mnist.py
     horovodrun --gloo -np 4 -H localhost:4 .venv/bin/python examples/train_mnist.py
@@ -31,7 +35,115 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mnist import FC300100, load_digits  # noqa: E402
 
-import hvdcomp.torch as hvd  # noqa: E402
+
+def under_torchrun() -> bool:
+    """torchrun (torch.distributed.run) sets TORCHELASTIC_RUN_ID for every worker."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+class HorovodJob:
+    """Horovod under mpirun: hvdcomp.torch's drop-in DistributedOptimizer."""
+    name = "Horovod (hvdcomp.torch.DistributedOptimizer)"
+
+    def __init__(self):
+        import hvdcomp.torch as hvd
+        self.hvd = hvd
+        hvd.init()
+        self.rank, self.size = hvd.rank(), hvd.size()
+
+    def wrap(self, model, opt, args):
+        """(the module to call, the optimizer to step, the exchange)"""
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        self.opt = self.hvd.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), compression=args.compression,
+            transport=args.transport, seed=args.seed, allreduce_summable=not args.no_allreduce,
+            collective=args.collective)
+        return model, self.opt
+
+    @property
+    def collective(self):
+        return self.opt.collective
+
+    @property
+    def compression(self):
+        return self.opt.compression
+
+    @property
+    def plan(self):
+        return self.opt.plan
+
+    @property
+    def last_stats(self):
+        return self.opt.last_stats
+
+    @property
+    def transport(self):
+        return self.opt.transport
+
+    def barrier(self):
+        self.hvd.allreduce(torch.zeros(1), name="start")
+
+    def gather(self, x: float, tag: str) -> torch.Tensor:
+        return self.hvd.allgather(torch.tensor([x], dtype=torch.float64), name=tag)
+
+    def close(self):
+        self.opt.close()
+
+
+class TorchrunJob:
+    """torchrun: DistributedDataParallel (Gloo) with hvdcomp's communication hook."""
+    name = "torch.distributed (DDP hook)"
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.dist = dist
+        dist.init_process_group("gloo")
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    collective = "allgather"     # the hook's carrier (torch.distributed) has no all-to-all
+
+    def wrap(self, model, opt, args):
+        import hvdcomp.ddp
+        if args.collective not in (None, "allgather"):
+            raise SystemExit(f"train_mnist.py: --collective {args.collective} needs the Horovod "
+                             f"path (mpirun or horovodrun); the DDP hook sends over the "
+                             f"allgather")
+        # (broadcasts rank 0's parameters) 25 MiB buckets given explicitly: DDP's default
+        # makes the first one 1 MiB; so one bucket per step, as the drop-in optimizer's
+        # 25 MiB fusion bucket, and the same frames on the wire
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+        self.state = hvdcomp.ddp.register(ddp, args.compression, optimizer=opt,
+                                          seed=args.seed,
+                                          allreduce_summable=not args.no_allreduce)
+        return ddp, opt
+
+    @property
+    def compression(self):
+        return self.state.compression
+
+    @property
+    def plan(self):
+        return self.state.plan
+
+    @property
+    def last_stats(self):
+        return self.state.last_stats
+
+    @property
+    def transport(self):
+        return self.state.exchange.transport.name
+
+    def barrier(self):
+        self.dist.barrier()
+
+    def gather(self, x: float, tag: str) -> torch.Tensor:
+        out = [torch.zeros(1, dtype=torch.float64) for _ in range(self.size)]
+        self.dist.all_gather(out, torch.tensor([x], dtype=torch.float64))
+        return torch.cat(out)
+
+    def close(self):
+        self.state.close()
+        self.dist.destroy_process_group()
 
 
 def main(argv=None):
@@ -55,8 +167,13 @@ def main(argv=None):
                     help="SGD weight decay (DGC folds it into the local gradient)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--transport", default="auto", choices=["auto", "mpi", "horovod"],
-                    help="carrier of the wire messages (default: mpi when MPI's world is "
-                         "Horovod's, else horovod, e.g. under horovodrun --gloo)")
+                    help="Horovod path: carrier of the wire messages (default: mpi when MPI's "
+                         "world is Horovod's, else horovod, e.g. under horovodrun --gloo)")
+    ap.add_argument("--launcher", default="auto", choices=["auto", "horovod", "torchrun"],
+                    help="auto: torchrun when its environment says so, else Horovod")
+    ap.add_argument("--no-allreduce", action="store_true",
+                    help="send the uncompressed tensors as wire messages too (no allreduce): "
+                         "the averages are then the same bits under mpirun and torchrun")
     ap.add_argument("--max-steps", type=int, default=0,
                     help="stop after this many steps in all (0: run every epoch in full)")
     ap.add_argument("--log-dir", default="",
@@ -73,36 +190,29 @@ def main(argv=None):
     except hvdcomp.ConfigError as e:
         # one clear line (from the first rank only) instead of a traceback per rank
         if all(os.environ.get(v, "0") == "0"
-               for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK")):
+               for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK", "RANK")):
             print(f"train_mnist.py: --compression {args.compression!r}: {e}", file=sys.stderr)
         sys.exit(2)
 
     t_start = time.time()
-    hvd.init()
+    torchrun = (args.launcher == "torchrun"
+                or (args.launcher == "auto" and under_torchrun()))
+    job = TorchrunJob() if torchrun else HorovodJob()
     torch.set_num_threads(1)
-    rank, size = hvd.rank(), hvd.size()
+    rank, size = job.rank, job.size
     # hvdcomp's start-up facts (transport, Auto's plan) at INFO from rank 0, warnings from all
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(name)s[{rank}] %(levelname)s: %(message)s")
     torch.manual_seed(args.seed)
     x_tr, y_tr, x_te, y_te = load_digits(args.seed)
     model = FC300100()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                           weight_decay=args.weight_decay)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=args.compression, transport=args.transport,
-                                   seed=args.seed, collective=args.collective)
-    collective = opt.collective
+    net, opt = job.wrap(model, opt, args)
     if rank == 0:
         print(f"hvdcomp main job: FC-300-100, {len(x_tr)} train / {len(x_te)} test MNIST "
-              f"digits, {size} ranks, compression {opt.compression.spec()}, collective "
-              f"{collective}", flush=True)
-        counts = {}
-        for n, c in opt.plan.items():
-            path = f"{c} over {opt.paths[n]}"
-            counts[path] = counts.get(path, 0) + 1
-        print(f"plan (tensors per compressor and path): {counts}", flush=True)
+              f"digits, {size} ranks, {job.name}, compression {job.compression.spec()}, "
+              f"collective {job.collective}", flush=True)
     metrics = Metrics(args.log_dir) if rank == 0 and args.log_dir else None
     show = rank == 0 and not args.no_progress
     try:
@@ -114,7 +224,7 @@ def main(argv=None):
     total = args.epochs * steps_per_epoch
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, total) / total)))
-    hvd.allreduce(torch.zeros(1), name="start")          # every rank starts the clock together
+    job.barrier()                                         # every rank starts the clock together
     t_train = time.time()
     steps = 0
     for epoch in range(1, args.epochs + 1):
@@ -129,11 +239,11 @@ def main(argv=None):
         it = tqdm(batches, desc=f"epoch {epoch}", leave=False, ncols=80) if show else batches
         for idx in it:
             opt.zero_grad()
-            loss = F.cross_entropy(model(x_tr[idx]), y_tr[idx])
+            loss = F.cross_entropy(net(x_tr[idx]), y_tr[idx])
             loss.backward()
             opt.step()
             sched.step()
-            st = opt.last_stats.as_dict()
+            st = job.last_stats.as_dict()
             sent += st["bytes_sent"]
             fp32 += st["fp32_bytes"]
             traffic += st["traffic_bytes"]
@@ -146,8 +256,7 @@ def main(argv=None):
         model.eval()
         with torch.no_grad():
             acc = (model(x_te).argmax(1) == y_te).float().mean().item() * 100
-        per_rank = hvd.allgather(torch.tensor([sent], dtype=torch.float64),
-                                 name=f"bytes.{epoch}")
+        per_rank = job.gather(sent, f"bytes.{epoch}")
         if rank == 0:
             lo, hi = per_rank.min().item(), per_rank.max().item()
             row = dict(epoch=epoch, test_acc=acc, bytes_per_rank=hi, fp32_bytes=fp32,
@@ -163,14 +272,15 @@ def main(argv=None):
         metrics.close()
     if rank == 0:
         print(f"final: test acc {history[-1]['test_acc']:.2f} %, compression "
-              f"{opt.compression.spec()}, ratio {history[-1]['ratio']:.2f}x, "
+              f"{job.compression.spec()}, ratio {history[-1]['ratio']:.2f}x, "
               f"wall {time.time() - t_start:.1f} s", flush=True)
         if args.json:
             import json
             with open(args.json, "w") as f:
-                json.dump({"compression": opt.compression.spec(), "collective": collective,
-                           "ranks": size, "transport": opt.transport,
+                json.dump({"compression": job.compression.spec(), "collective": job.collective,
+                           "ranks": size, "launcher": job.name, "transport": job.transport,
                            "args": vars(args), "epochs": history}, f, indent=1)
+    job.close()
 
 
 class Metrics:

@@ -65,10 +65,18 @@ class Averaging:
         self._accs: Dict[str, torch.Tensor] = {}
         self._none = NoneCompressor()
 
-    def gradient(self, e: Entry) -> Optional[torch.Tensor]:
+    def gradient(self, e: Entry, grads: Optional[Dict[str, Optional[torch.Tensor]]] = None
+                 ) -> Optional[torch.Tensor]:
         """``e``'s gradient as the compressor gets it: None when absent (no gradient, or
-        this rank has joined), dense unless sparse and not ``sparse_as_dense``, predivided."""
-        g = None if self.joined else e.param.grad
+        this rank has joined), dense unless sparse and not ``sparse_as_dense``, predivided.
+        ``grads``: {name: gradient, or None when absent} given by the launcher in place of
+        ``e.param.grad`` (the DDP hook's views into its bucket); None: ``e.param.grad``."""
+        if self.joined:
+            g = None
+        elif grads is not None and e.name in grads:
+            g = grads[e.name]
+        else:
+            g = e.param.grad
         if g is None:
             return None
         if g.is_sparse and self.sparse_as_dense:

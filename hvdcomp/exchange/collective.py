@@ -61,12 +61,14 @@ class Collective:
     """Three stages per fusion bucket.  For every bucket ``k`` of every step, in bucket
     order, on every rank, the pipeline calls
 
-        job = encode(k, entries, step, stats)   on its encode thread
-        communicate(job, stats)                 on its communicate thread
-        decode(job, stats) -> {name: average}   on its decode thread
+        job = encode(k, entries, step, stats, sync, grads)   on its encode thread
+        communicate(job, stats)                        on its communicate thread
+        decode(job, stats) -> {name: average}          on its decode thread
 
     so that bucket k is on the wire while k+1 is being encoded and k-1 decoded.  ``entries``
-    are the bucket's :class:`~hvdcomp.exchange.plan.Entry` objects; ``job`` is the
+    are the bucket's :class:`~hvdcomp.exchange.plan.Entry` objects; ``grads`` is None (each
+    entry's gradient is its parameter's ``grad``) or {name: gradient, None when absent} (the
+    DDP hook's views into its bucket: :meth:`hvdcomp.exchange.Exchange.call`); ``job`` is the
     collective's own per-bucket state; ``decode`` returns each tensor's average as a flat
     float32 tensor on the parameter's device (it may be reused by the next step).  ``stats``
     is the step's :class:`~hvdcomp.exchange.stats.StepStats`: a collective adds what it sends
@@ -102,8 +104,12 @@ class Collective:
     failure_seen: bool = False
 
     def encode(self, k: int, entries: Sequence[Entry], step: int, stats: StepStats,
-               sync: bool = False) -> Any:
-        """``sync``: the step was started by synchronize()/step(), not by backward."""
+               sync: bool = False, grads: Optional[Dict[str, Optional[torch.Tensor]]] = None,
+               failure: Optional[BaseException] = None) -> Any:
+        """``sync``: the step was started by synchronize()/step(), not by backward.
+        ``grads``: {name: gradient or None} instead of each parameter's ``.grad``.
+        ``failure``: this rank failed before encoding; the bucket's collectives still run,
+        carrying this rank's error marks, and ``communicate`` raises on every rank."""
         raise NotImplementedError
 
     def communicate(self, job: Any, stats: StepStats) -> None:
@@ -149,6 +155,8 @@ class _Job:
     incoming: Optional[Incoming] = None
     sparse: List[Entry] = field(default_factory=list)   # summed tensors sparse somewhere
     sparse_in: Optional[Incoming] = None
+    grads: Optional[Dict[str, Optional[torch.Tensor]]] = None   # None: each param.grad
+    failure: Optional[BaseException] = None      # this rank failed before encoding
 
 
 class Allgather(Collective):
@@ -175,20 +183,29 @@ class Allgather(Collective):
         self.rank, self.size, self.seed = transport.rank, transport.size, seed
         self.ident = int(ident) & 0xFFFFFFFF
 
-    def encode(self, k, entries, step, stats, sync=False):
+    def encode(self, k, entries, step, stats, sync=False, grads=None, failure=None):
         """Start the sums of the summable tensors, encode the others into one frame (an
-        encoder error becomes an error frame; so does everything once ``failing``)."""
-        job = _Job(k, step, bool(sync), [e for e in entries if not e.allreduce], None)
+        encoder error becomes an error frame; so does everything once ``failing``, or with
+        ``failure``: then the sums carry this rank's failure slot, so that every rank
+        raises in ``communicate``, this one ``failure``)."""
+        if failure is not None:
+            grads = {e.name: None for e in entries}
+        job = _Job(k, step, bool(sync), [e for e in entries if not e.allreduce], None,
+                   grads=grads, failure=failure)
         failing = self.failing
         by_dtype: Dict[torch.dtype, List[Entry]] = {}
         for e in entries:
             if e.allreduce:
                 by_dtype.setdefault(wire_dtype(e.compressor), []).append(e)
         for dt, es in by_dtype.items():
-            job.sums.append(self._start_sum(k, dt, es, job, failing is not None))
+            job.sums.append(self._start_sum(k, dt, es, job,
+                                            failing is not None or failure is not None))
         if job.messages:
             if failing is not None:
                 job.out = Outgoing.failed(RankFailure(failing, self.rank), STOP_MARK + failing)
+                return job
+            if failure is not None:
+                job.out = Outgoing.failed(failure)
                 return job
             try:
                 job.out = self._frame(job.messages, job)
@@ -224,7 +241,7 @@ class Allgather(Collective):
         for s in job.sums:
             self._check_slots(s, job)
         for i, s in enumerate(job.sums):
-            self._sum_again(job.k, i, s, stats)
+            self._sum_again(job.k, i, s, stats, job.grads)
             counts = s.counts
             for j, (e, _) in enumerate(s.groups):
                 dense, sparse = counts[3 * j] > 0, counts[3 * j + 1] > 0
@@ -278,7 +295,7 @@ class Allgather(Collective):
         """This rank's frame for ``entries``: a message per tensor it has a gradient for."""
         msgs, present = [], []
         for e in entries:
-            g = self.averaging.gradient(e)
+            g = self.averaging.gradient(e, job.grads)
             present.append(g is not None)
             msgs.append(None if g is None else self._encode(e, g, job.step))
         return Outgoing(msgs, present, joined=self.averaging.joined,
@@ -342,12 +359,12 @@ class Allgather(Collective):
     # --- sums -----------------------------------------------------------------------------
     def _start_sum(self, k: int, dt: torch.dtype, es: List[Entry], job: _Job,
                    failing: bool = False) -> _Sum:
-        """Flatten the gradients of ``es`` cast to ``dt``, append the counts and the
-        per-rank slots (this rank's :func:`slot_code`, 0 when ``failing``: then the
-        gradients are zeros), start the sum."""
+        """Flatten the gradients of ``es`` (``job.grads``, else each ``.grad``) cast to
+        ``dt``, append the counts and the per-rank slots (this rank's :func:`slot_code`, 0
+        when ``failing``: then the gradients are zeros), start the sum."""
         parts, groups, counts = [], [], []
         for e in es:
-            g = None if failing else self.averaging.gradient(e)
+            g = None if failing else self.averaging.gradient(e, job.grads)
             n = e.param.numel()
             if g is None or g.is_sparse:
                 parts.append(torch.zeros(n, dtype=dt, device=e.param.device))
@@ -375,6 +392,8 @@ class Allgather(Collective):
         failed = [r for r, c in enumerate(codes) if c == 0]
         if failed:
             self.failure_seen = True
+            if job.failure is not None and codes[self.rank] == 0:
+                raise job.failure               # this rank's own error, as with a frame
             r = failed[0]
             raise RankFailure(f"hvdcomp: rank {r} stopped in bucket {job.k} of step "
                               f"{job.step} (it raised an exception, was interrupted or exited "
@@ -397,7 +416,7 @@ class Allgather(Collective):
                 f"step() calls of each optimizer (a rank that skipped an iteration or called "
                 f"step() twice?)", bad)
 
-    def _sum_again(self, k: int, i: int, s: _Sum, stats: StepStats) -> None:
+    def _sum_again(self, k: int, i: int, s: _Sum, stats: StepStats, grads=None) -> None:
         """Tensors whose sum is not finite although no rank's gradient was: sum them again
         in float32, each rank's gradient divided by the world size first (every rank sees
         the same sums, so every rank takes part)."""
@@ -410,7 +429,7 @@ class Allgather(Collective):
             return
         parts = []
         for e, n in redo:
-            g = self.averaging.gradient(e)
+            g = self.averaging.gradient(e, grads)
             parts.append(torch.zeros(n, device=e.param.device) if g is None or g.is_sparse
                          else g.reshape(-1).to(torch.float32) / self.size)
         flat = torch.cat(parts)

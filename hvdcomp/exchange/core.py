@@ -1,17 +1,19 @@
 """The exchange core: a plan, fusion buckets and a pipeline driving a collective (the
 allgather, or the reduce-scatter when some tensors take it).
 
-Any launcher drives it the same way (the drop-in optimizer today, a DDP communication hook
-next): per step ``begin(step)``, ``ready(name)`` as each gradient becomes final,
-``finish()`` for the averages; ``before_step()`` / ``after_step(step)`` around the
-parameter update, for the compressors that need the training loop (the opt-in protocols of
-:mod:`hvdcomp.compressors.protocols`).  A rank that has run out of data takes part in the
-others' steps with ``begin(step, joined=True)`` and ``finish()``: it contributes nothing,
-and the others' averages count only the ranks that have not joined.
+Any launcher drives it the same way.  The drop-in optimizer: per step ``begin(step)``,
+``ready(name)`` as each gradient becomes final, ``finish()`` for the averages, over fixed
+fusion buckets.  The DDP communication hook, whose buckets DDP forms: ``call(...)`` per DDP
+bucket.  Both: ``before_step()`` / ``after_step(step)`` around the parameter update (or its
+two halves, ``report_param_deltas`` and ``refit_levels``), for the compressors that need
+the training loop (the opt-in protocols of :mod:`hvdcomp.compressors.protocols`).  A rank
+that has run out of data takes part in the others' steps with ``begin(step, joined=True)``
+and ``finish()``: it contributes nothing, and the others' averages count only the ranks
+that have not joined.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -26,7 +28,7 @@ from .averaging import Averaging
 from . import shutdown
 from .buckets import agree_settings, check_replicas, fuse, handshake
 from .collective import Allgather
-from .pipeline import Pipeline
+from .pipeline import Done, Pipeline
 from .plan import Entry, Plan
 from .scatter import ReduceScatter
 from .stats import StepStats
@@ -41,7 +43,8 @@ class Exchange:
     compression: the compressor for tensors that qualify (``none`` for the rest: see
       :mod:`hvdcomp.exchange.plan`), or an :class:`hvdcomp.Auto`.
     transport: the byte carrier; allreduce: the carrier of summable tensors, or None.
-    fusion_bytes: gradient bytes per fusion bucket (ValueError if < 1).
+    fusion_bytes: gradient bytes per fusion bucket (ValueError if < 1); None: no fixed
+      buckets, the exchange runs through :meth:`call` only.
     seed: the shared seed of the Philox streams; average: False for a sum (op=Sum);
     predivide: Horovod's gradient_predivide_factor; sparse_as_dense: densify sparse
     gradients before sending them (else they travel as indices and values, uncompressed).
@@ -65,7 +68,7 @@ class Exchange:
 
     def __init__(self, named_params: Sequence[Tuple[str, torch.Tensor]],
                  compression, transport: Transport, *, allreduce: Optional[Allreduce] = None,
-                 fusion_bytes: int = 25 * 2**20, min_compress_numel: int = 1024,
+                 fusion_bytes: Optional[int] = 25 * 2**20, min_compress_numel: int = 1024,
                  compress_1d: bool = False, seed: int = 0, average: bool = True,
                  predivide: float = 1.0, sparse_as_dense: bool = False, ident: int = 0,
                  check_replicas: bool = True,
@@ -78,7 +81,7 @@ class Exchange:
         # before anything else: ranks that disagree would measure different things (Auto)
         agree_settings(transport, {"collective": collective},
                        "the collective (allgather, reduce_scatter or auto)")
-        self.buckets = fuse(named_params, fusion_bytes)
+        self.buckets = [] if fusion_bytes is None else fuse(named_params, fusion_bytes)
         self.plan = Plan(named_params, compression, transport, allreduce,
                          min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                          collective=collective)
@@ -93,13 +96,16 @@ class Exchange:
                               "transport prefix": getattr(transport, "prefix", ""),
                               "allreduce prefix": (allreduce.prefix if allreduce is not None
                                                    else None),
-                              "fusion_bytes": int(fusion_bytes),
+                              "fusion_bytes": (None if fusion_bytes is None
+                                               else int(fusion_bytes)),
                               "min_compress_numel": int(min_compress_numel),
                               "compress_1d": bool(compress_1d),
                               "collective": collective, "exchange id": self.ident,
                               "check_replicas": bool(check_replicas)},
                   self.buckets, self.entries)
-        self.cuda_aware = report_cuda(named_params, self.rank)
+        # (MPI's CUDA support matters to the MPI-based carriers only)
+        self.cuda_aware = (report_cuda(named_params, self.rank)
+                           if transport.name in ("mpi", "horovod") else None)
         if self.rank == 0:
             report_plan(self)
         self.averaging = Averaging(self.size, average, predivide, sparse_as_dense)
@@ -114,7 +120,7 @@ class Exchange:
         if transport.interprocess:
             shutdown.register(self.pipeline, self.rank)
         self._check_replicas = bool(check_replicas)
-        self._before: Optional[list] = None
+        self.params_before: Optional[List[torch.Tensor]] = None
 
     @property
     def entries(self) -> Dict[str, Entry]:
@@ -174,9 +180,7 @@ class Exchange:
         (ranks must agree on it: a rank that calls step() twice is out of step).  The first
         call compares the parameters' values across ranks (``check_replicas``):
         :class:`~hvdcomp.errors.Mismatch` on every rank if they differ."""
-        if self._check_replicas:
-            self._check_replicas = False
-            check_replicas(self.transport, [(e.name, e.param) for e in self.entries.values()])
+        self.check_replicas_once()
         self.averaging.joined = bool(joined)
         self.pipeline.begin(step, sync)
 
@@ -197,6 +201,30 @@ class Exchange:
         failed to encode) on the calling thread."""
         return self.pipeline.finish()
 
+    def check_replicas_once(self) -> None:
+        """The first time only, if built with ``check_replicas``: compare the parameters'
+        values across ranks (:func:`~.buckets.check_replicas`; collective, with no
+        collective of this exchange in flight: ``begin`` calls it, the DDP hook before its
+        first ``call``).  :class:`~hvdcomp.errors.Mismatch` on every rank if they differ."""
+        if self._check_replicas:
+            self._check_replicas = False
+            check_replicas(self.transport, [(e.name, e.param) for e in self.entries.values()])
+
+    def call(self, k: int, names: Sequence[str], grads: Dict[str, torch.Tensor], step: int,
+             done: Done, failure: Optional[BaseException] = None) -> None:
+        """Exchange the gradients ``grads`` ({name: gradient} for each of ``names``) of step
+        ``step`` now, as one collective bucket numbered ``k``, and return at once; ``done(
+        results, stats, error)`` runs on the pipeline's decode thread when they are averaged
+        (see :meth:`hvdcomp.exchange.pipeline.Pipeline.call`).  Every rank makes the same
+        calls in the same order.  ``failure``: this rank could not prepare the call (it still
+        takes part; every rank's ``done`` gets an error).  ValueError for a name the
+        exchange does not hold;
+        RuntimeError during a step of begin / ready / finish."""
+        unknown = [n for n in names if n not in self.entries]
+        if unknown:
+            raise ValueError(f"call(): not parameters of this exchange: {unknown}")
+        self.pipeline.call(k, [self.entries[n] for n in names], step, grads, done, failure)
+
     def close(self) -> None:
         """Stop the worker threads (they hold this exchange, its buffers and its compressors'
         state until then).  Call between steps; the exchange cannot be used afterwards."""
@@ -204,21 +232,32 @@ class Exchange:
 
     # --- around the parameter update ------------------------------------------------
     def before_step(self) -> None:
-        """Call before the parameters are updated (a ParamDeltas compressor needs their
-        change: they are copied)."""
-        self._before = ([e.param.detach().clone() for e in self.entries.values()]
-                        if isinstance(self.compression, ParamDeltas) else None)
+        """Call before the parameters are updated: a ParamDeltas compressor needs their
+        change, so they are copied into ``params_before`` (None for other compressors;
+        part of a checkpoint taken between before_step and after_step)."""
+        self.params_before = ([e.param.detach().clone() for e in self.entries.values()]
+                              if isinstance(self.compression, ParamDeltas) else None)
 
     def after_step(self, step: int) -> None:
-        """Call after the parameters of step ``step`` were updated, on every rank: a
-        ParamDeltas compressor gets ``sum ||theta_{k+1} - theta_k||^2``; an AdaptiveLevels
-        compressor that collected statistics during ``step`` refits (:func:`refit`)."""
-        comp = self.compression
-        if self._before is not None:
+        """Call after the parameters of step ``step`` were updated, on every rank:
+        :meth:`report_param_deltas` then :meth:`refit_levels`."""
+        self.report_param_deltas(step)
+        self.refit_levels(step)
+
+    def report_param_deltas(self, step: int) -> None:
+        """A ParamDeltas compressor gets ``sum ||theta_{k+1} - theta_k||^2`` of step
+        ``step`` (the parameters now against ``params_before``); nothing without
+        ``params_before``."""
+        if self.params_before is not None:
             sq = sum(float((e.param.detach() - b).double().pow(2).sum())
-                     for e, b in zip(self.entries.values(), self._before))
-            self._before = None
-            comp.after_step(step, sq)
+                     for e, b in zip(self.entries.values(), self.params_before))
+            self.params_before = None
+            self.compression.after_step(step, sq)
+
+    def refit_levels(self, step: int) -> None:
+        """An AdaptiveLevels compressor that collected statistics during ``step`` refits
+        (:func:`refit`; collective: every rank calls it, with no call in flight)."""
+        comp = self.compression
         if isinstance(comp, AdaptiveLevels) and comp.wants_stats(step):
             refit(comp, self.transport, step)
 

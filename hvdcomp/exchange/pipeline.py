@@ -5,21 +5,43 @@ communicate thread has the bucket before on the wire and the decode thread decod
 before that, and backward goes on computing earlier layers.  Buckets go through every stage
 in the fixed bucket order on every rank, whatever order they become ready in.  Kernels, MPI
 and PyTorch release the GIL while they work.
+
+A launcher that forms its own buckets (the DDP communication hook: one call per DDP bucket)
+uses :meth:`Pipeline.call` instead of begin / ready / finish: the same threads, in call order.
 """
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..log import logger
 from .collective import Collective
 from .plan import Entry
 from .stats import StepStats
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "Done"]
+
+# done(results, stats, error) of Pipeline.call
+Done = Callable[[Dict[str, torch.Tensor], StepStats, Optional[BaseException]], None]
+
+
+@dataclass
+class _Call:
+    """One exchange of an explicit group of tensors (:meth:`Pipeline.call`)."""
+    k: int
+    entries: List[Entry]
+    step: int
+    grads: Dict[str, torch.Tensor]
+    done: Done
+    stats: StepStats
+    error: Optional[BaseException] = None
+    failure: Optional[BaseException] = None     # raised by the launcher before the call
 
 
 class Pipeline:
@@ -109,9 +131,34 @@ class Pipeline:
             raise err
         return self._results, self._stats
 
+    def call(self, k: int, entries: Sequence[Entry], step: int,
+             grads: Dict[str, torch.Tensor], done: Done,
+             failure: Optional[BaseException] = None) -> None:
+        """Exchange ``entries`` of step ``step`` as one collective bucket numbered ``k``,
+        outside begin / ready / finish, and return at once: the pipeline's threads encode,
+        communicate and decode the calls in call order, so every rank must make the same
+        calls in the same order.  ``grads``: {name: gradient} for every entry (read on the
+        encode thread: leave them unchanged until ``done``).
+
+        ``done(results, stats, error)`` runs on the decode thread once the call is over:
+        {name: average (flat float32, reused by the next call of the same tensor)} and the
+        call's own :class:`StepStats`, or ({}, stats, the exception) after an error, raised
+        by the collective on every rank as for a bucket.  ``done`` must not raise (what it
+        raises is logged and dropped: nothing waits for it).  ``failure``: an exception the
+        launcher met while preparing the call on this rank; the call still makes its
+        collectives (contributing nothing) and fails on every rank (this rank with
+        ``failure``, the others with a RuntimeError naming the bucket).  RuntimeError
+        during a step of begin / ready / finish."""
+        if self._in_step:
+            raise RuntimeError("call() during a step of begin/ready/finish: finish() first")
+        self._start()
+        self._q.put(("call", _Call(k, list(entries), step, grads, done, StepStats(step=step),
+                                   failure=failure)))
+
     def close(self) -> None:
         """Stop the threads (they hold the collective and its buffers until then) and free
-        the collective's buffers.  Call between steps; the pipeline cannot run afterwards."""
+        the collective's buffers.  Call between steps, with every call done; the pipeline
+        cannot run afterwards."""
         if self._in_step:
             raise RuntimeError("close() during a step: call finish() first")
         self.stop()
@@ -198,8 +245,17 @@ class Pipeline:
                 ready, nxt, (step, sync) = set(), 0, val
                 continue
             if kind == "stop":
-                self._cq.put((None, "stop"))
+                self._cq.put((None, None, None))
                 return
+            if kind == "call":
+                job = None
+                try:
+                    job = self._encode(val.k, val.entries, val.step, val.stats,
+                                       grads=val.grads, failure=val.failure)
+                except BaseException as e:      # handed to the call's done()
+                    val.error = e
+                self._cq.put((val.k, job, val))
+                continue
             ready.add(val)
             # Fixed bucket order on every rank: wait for bucket `nxt` even if later ones
             # are ready first.
@@ -208,43 +264,51 @@ class Pipeline:
                 # bucket's collectives must never depend on another thread's timing.
                 job = None
                 try:
-                    job = self._encode(nxt, step, sync)
+                    job = self._encode(nxt, self._entries[nxt], step, self._stats, sync)
                 except BaseException as e:      # surfaced by finish()
                     self._set_error(e)
-                self._cq.put((nxt, job))
+                self._cq.put((nxt, job, None))
                 nxt += 1
 
-    def _encode(self, k: int, step: int, sync: bool):
-        st = self._stats
-        for e in self._entries[k]:
+    def _encode(self, k: int, entries: List[Entry], step: int, st: StepStats,
+                sync: bool = False, grads: Optional[Dict[str, torch.Tensor]] = None,
+                failure: Optional[BaseException] = None):
+        for e in entries:
             st.compressors[e.name] = e.compressor.name
             st.fp32_bytes += 4 * e.param.numel()
         t0 = time.perf_counter()
-        job = self.collective.encode(k, self._entries[k], step, st, sync)
+        job = self.collective.encode(k, entries, step, st, sync, grads, failure)
         st.encode_s += time.perf_counter() - t0
         return job
 
     def _communicator(self) -> None:
         while True:
-            k, job = self._cq.get()
+            k, job, call = self._cq.get()
             if k is None:
-                self._dq.put((None, None))
+                self._dq.put((None, None, None))
                 return
             if job is not None:                 # every bucket goes on the wire (see above)
+                st = self._stats if call is None else call.stats
                 try:
                     t0 = time.perf_counter()
-                    self.collective.communicate(job, self._stats)
-                    self._stats.comm_s += time.perf_counter() - t0
-                except BaseException as e:      # surfaced by finish()
-                    self._set_error(e)
+                    self.collective.communicate(job, st)
+                    st.comm_s += time.perf_counter() - t0
+                except BaseException as e:      # surfaced by finish() / the call's done()
+                    if call is None:
+                        self._set_error(e)
+                    else:
+                        call.error = e
                     job = None                  # nothing to decode
-            self._dq.put((k, job))
+            self._dq.put((k, job, call))
 
     def _decoder(self) -> None:
         while True:
-            k, job = self._dq.get()
+            k, job, call = self._dq.get()
             if k is None:
                 return
+            if call is not None:
+                self._finish_call(job, call)
+                continue
             if job is not None and self._error is None:
                 try:                            # local work only: may stop after an error
                     t0 = time.perf_counter()
@@ -254,3 +318,18 @@ class Pipeline:
                     self._set_error(e)
             if k == len(self.buckets) - 1:
                 self._done.set()
+
+    def _finish_call(self, job, call: _Call) -> None:
+        results: Dict[str, torch.Tensor] = {}
+        if job is not None and call.error is None:
+            try:
+                t0 = time.perf_counter()
+                results = self.collective.decode(job, call.stats)
+                call.stats.decode_s += time.perf_counter() - t0
+            except BaseException as e:          # handed to the call's done()
+                call.error, results = e, {}
+        try:
+            call.done(results, call.stats, call.error)
+        except BaseException:                   # noqa: BLE001 - keep the thread alive
+            logger.error("the done() of call %d (step %d) raised; dropped:\n%s", call.k,
+                         call.step, traceback.format_exc())

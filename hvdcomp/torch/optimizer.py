@@ -31,7 +31,7 @@ from torch.autograd import Variable
 from .. import compressors
 from ..auto import Auto, from_spec, merge_collective, spec_collective
 from ..compressors import Compressor
-from ..compressors.protocols import MomentumCorrection
+from ..exchange import momentum
 from ..exchange.buckets import agree_settings
 from ..transport import HorovodTransport
 from ..transport import select as select_transport
@@ -115,6 +115,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, sparse_as_dense, transport, fusion_bytes,
                  min_compress_numel, compress_1d, seed, check_replicas, collective,
+                 allreduce_summable,
                  hvd):
         super(self.__class__, self).__init__(params)
         self._ident = next(_created)
@@ -150,6 +151,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "min_compress_numel": _plain(min_compress_numel),
             "compress_1d": _plain(compress_1d), "seed": _plain(seed),
             "check_replicas": _plain(check_replicas),
+            "allreduce_summable": _plain(allreduce_summable),
             "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in named]},
             "the DistributedOptimizer settings")
         compression, spec_collective = _as_compressor(compression)
@@ -168,7 +170,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                   min_compress_numel=min_compress_numel,
                                   compress_1d=compress_1d, seed=seed, average=average,
                                   predivide=gradient_predivide_factor,
-                                  sparse_as_dense=sparse_as_dense, collective=collective)
+                                  sparse_as_dense=sparse_as_dense, collective=collective,
+                                  allreduce_summable=allreduce_summable)
         self._compression = self._exchange.compression     # with Auto: Auto's compressor
         self._named = named
         self._corrected = self._momentum_corrected()
@@ -192,32 +195,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         momentum and weight decay go into the local gradient before compression and the
         averaged update is applied as ``p -= lr * update``.  Empty for other compressors and
         for optimizers other than SGD (those apply their own rule to the average)."""
-        comp = self._compression
-        if not (isinstance(comp, MomentumCorrection) and comp.handles_momentum
-                and isinstance(self, torch.optim.SGD)):
-            return {}
-        mine = {n: e.param for n, e in self._exchange.entries.items() if e.compressor is comp}
-        ids = {id(p) for p in mine.values()}
-        for group in self.param_groups:
-            if not any(id(p) in ids for p in group["params"]):
-                continue
-            if group.get("nesterov") or group.get("dampening") or group.get("maximize"):
-                raise ValueError(f"{comp.name} applies momentum correction itself (plain "
-                                 f"momentum u = m u + g, then p -= lr * update); Nesterov "
-                                 f"momentum, dampening and maximize are not supported with it")
-        return mine
+        return momentum.corrected(self._compression, self._exchange.entries, self)
 
     def _groups(self) -> Dict[int, dict]:
-        return {id(p): g for g in self.param_groups for p in g["params"]}
+        return momentum.groups_by_param(self.param_groups)
 
     def _prepare(self, name: str, p: torch.Tensor, groups: Dict[int, dict]) -> None:
         """DGC's local gradient: weight decay folded in before momentum correction and
         selection, as the paper's reference code does."""
-        if name in self._corrected and p.grad is not None and not p.grad.is_sparse:
-            wd = groups[id(p)].get("weight_decay", 0.0)
-            if wd:
-                with torch.no_grad():
-                    p.grad.add_(p.detach(), alpha=wd)
+        if name in self._corrected:
+            momentum.fold_weight_decay(p, p.grad, groups[id(p)])
 
     # --- the exchange, driven by backward -----------------------------------------------
     def _hook_trainable(self) -> None:
@@ -243,11 +230,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _begin(self, sync: bool = False) -> None:
         if self._corrected:
-            groups = self._groups()
             # also under the names of the reduce-scatter's pieces of those parameters
             self._exchange.set_momentum(
-                {n: float(groups[id(p)].get("momentum", 0.0) or 0.0)
-                 for n, p in self._corrected.items()})
+                momentum.momentum_factors(self._corrected, self._groups()))
         self._readied = set()
         self._exchange.begin(self._hvdcomp_step, sync=sync)
 
@@ -387,25 +372,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _update(self, closure):
         ex = self._exchange
         ex.before_step()
-        hidden = {n: p.grad for n, p in self._corrected.items()
-                  if p.grad is not None and not p.grad.is_sparse}
-        for n in hidden:
-            self._corrected[n].grad = None
+        hidden = momentum.hide(self._corrected)
         try:
             loss = super(self.__class__, self).step(closure)
         finally:
-            for n, g in hidden.items():
-                self._corrected[n].grad = g
+            momentum.restore(self._corrected, hidden)
         if hidden:                                # DGC: p -= lr * averaged update
-            groups = self._groups()
-            with torch.no_grad():
-                for n, g in hidden.items():
-                    p = self._corrected[n]
-                    lr = groups[id(p)]["lr"]
-                    if isinstance(lr, torch.Tensor):
-                        p.sub_(g * lr)
-                    else:
-                        p.add_(g, alpha=-lr)
+            momentum.apply_hidden(self._corrected, hidden, self._groups())
         ex.after_step(self._hvdcomp_step)      # LAQ's rule, ALQ/AMQ's refit
         self._hvdcomp_step += 1
         self._fresh = False
@@ -557,7 +530,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
                          *, transport=None, fusion_bytes=25 * 2**20, min_compress_numel=1024,
                          compress_1d=False, seed=0, check_replicas=True,
-                         collective=None):
+                         collective=None, allreduce_summable=True):
     """Wrap ``optimizer`` so that ``p.grad`` holds gradients averaged across ranks, sent with
     ``compression`` as real encoded bytes, when ``loss.backward()`` returns (README,
     "Training-loop semantics").
@@ -600,6 +573,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     check_replicas: at the first step, compare a digest of the parameters' values across
         ranks and raise on every rank if they differ (forgotten
         ``hvd.broadcast_parameters``); False when they differ on purpose.
+    allreduce_summable: summable tensors (``none``, ``fp16``, ``bf16``) through Horovod's
+        allreduce (default); False: as wire messages decoded in rank order like the others
+        (every average then bit-identical to the DDP hook's with the same setting).
 
     Raises ValueError / TypeError for invalid settings, :class:`hvdcomp.Mismatch` (a
     RuntimeError) on every rank if the ranks disagree on the model or any setting (each
@@ -623,5 +599,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     return cls(optimizer.param_groups, named_parameters, compression,
                backward_passes_per_step, op, gradient_predivide_factor, sparse_as_dense,
                transport, fusion_bytes, min_compress_numel, compress_1d, seed, check_replicas,
-               collective,
-               hvd)
+               collective, allreduce_summable, hvd)

@@ -2,15 +2,18 @@
 
 :class:`Transport` carries bytes: ``exchange(Outgoing) -> Incoming`` sends one rank's framed
 messages of a fusion bucket to every rank (:mod:`.framing`: the frame, the error frame), on a
-variable-length allgather.  Two interchangeable carriers with identical results (a setting,
+variable-length allgather.  Interchangeable carriers with identical results (a setting,
 ``transport=``):
   "mpi"      mpi4py: counts with Allgather, then Allgatherv of MPI.BYTE (default)
   "horovod"  Horovod's allgather of uint8 tensors, with the counts gathered first
+  "torch"    torch.distributed's all_gather (Gloo or NCCL) of counts, then of the bytes
+             padded to the longest (:mod:`.torch_dist`; the DDP hook's carrier)
 
-Both split messages of 2**31 bytes or more into rounds (MPI counts are C ints).
+All split messages of 2**31 bytes or more into rounds (MPI counts are C ints).
 ``alltoall(parts) -> parts`` (a variable-length all-to-all: part r to rank r) carries the
 shards of the reduce-scatter collective: mpi4py's Alltoallv, or Horovod's alltoall with
-splits, the counts of every pair gathered first.
+splits, the counts of every pair gathered first (the "torch" carrier has none: the DDP hook
+uses the allgather).
 
 :func:`select` picks the carrier for a job that runs Horovod (the drop-in optimizer's
 ``transport=``): by default "mpi" only when MPI's world is Horovod's world, rank for rank
@@ -18,7 +21,7 @@ splits, the counts of every pair gathered first.
 there is no MPI world, or no mpi4py); an explicit "mpi" whose world differs raises.
 
 :class:`Allreduce` carries summable buffers (in-place sums); :class:`HorovodAllreduce` is
-Horovod's.
+Horovod's, :class:`TorchDistAllreduce` torch.distributed's.
 """
 import itertools
 import os
@@ -31,10 +34,12 @@ from .framing import (Incoming, Outgoing, Stamp, check_stamps, error_frame, fram
                       join_frames, split_frames)
 from .horovod import HorovodAllreduce, HorovodTransport
 from .mpi import MPITransport, mpi_world, thread_level_problem
+from .torch_dist import TorchDistAllreduce, TorchDistTransport
 
 __all__ = ["Transport", "Allreduce", "MPITransport", "HorovodTransport", "HorovodAllreduce",
-           "make", "select", "Outgoing", "Incoming", "Stamp", "split_frames", "join_frames",
-           "error_frame", "frame_error", "check_stamps"]
+           "TorchDistTransport", "TorchDistAllreduce", "make", "select", "Outgoing",
+           "Incoming", "Stamp", "split_frames", "join_frames", "error_frame", "frame_error",
+           "check_stamps"]
 
 # set by MPI launchers in every process they start (Open MPI; MPICH/Hydra and PMI-2; PMIx)
 LAUNCHER_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
@@ -42,12 +47,15 @@ _checks = itertools.count()
 
 
 def make(name: str, **kwargs) -> Transport:
-    """A transport by name ("mpi" or "horovod"); raises ValueError otherwise."""
+    """A transport by name ("mpi", "horovod" or "torch": the latter needs ``group=``, a
+    process group of its own); raises ValueError otherwise."""
     if name == "mpi":
         return MPITransport(**kwargs)
     if name == "horovod":
         return HorovodTransport(**kwargs)
-    raise ValueError(f"unknown transport {name!r}; valid: 'mpi', 'horovod'")
+    if name == "torch":
+        return TorchDistTransport(**kwargs)
+    raise ValueError(f"unknown transport {name!r}; valid: 'mpi', 'horovod', 'torch'")
 
 
 def _mpi_is_horovods(hvd, thread_level: bool) -> Tuple[bool, Union[str, ImportError]]:

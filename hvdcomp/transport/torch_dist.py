@@ -1,0 +1,100 @@
+"""The torch.distributed carriers: bytes over ``all_gather`` (counts first, then every rank's
+bytes padded to the longest, since Gloo's all_gather needs equal sizes), sums over
+``all_reduce``.
+
+Each carrier runs on a process group of its own (:func:`private_group`, as
+:class:`~hvdcomp.transport.MPITransport` duplicates its communicator): the exchange calls
+the bytes carrier from its communicate thread and starts sums from its encode thread, and
+torch.distributed matches collectives of one group by the order in which they are issued,
+so two threads must never share a group, nor hvdcomp share one with DDP's own collectives
+(its buffer broadcasts, the unused-parameter map).
+
+Gloo carries CPU tensors; NCCL carries CUDA tensors only: with NCCL the bytes are staged
+through a buffer on the current CUDA device.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .base import Allreduce, Transport
+
+__all__ = ["TorchDistTransport", "TorchDistAllreduce", "private_group", "group_device"]
+
+
+def private_group(group=None):
+    """A new process group with the ranks and backend of ``group`` (default: the default
+    group).  Collective: every rank of the default group must call it, in the same order."""
+    group = group or dist.group.WORLD
+    return dist.new_group(ranks=dist.get_process_group_ranks(group),
+                          backend=dist.get_backend(group))
+
+
+def group_device(group) -> torch.device:
+    """Where ``group``'s collectives take their tensors: the current CUDA device for NCCL,
+    the CPU otherwise."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class TorchDistTransport(Transport):
+    """Framed messages over ``group`` (a process group used by nothing else: see the module
+    docstring), with torch.distributed initialized.  ``max_chunk`` as in
+    :class:`~hvdcomp.transport.Transport`."""
+    name = "torch"
+
+    def __init__(self, group, max_chunk: int = 0):
+        super().__init__(max_chunk)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.device = group_device(group)
+
+    def _gather(self, t: torch.Tensor) -> List[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t, group=self.group)
+        return out
+
+    def _allgather_counts(self, n: int) -> List[int]:
+        got = self._gather(torch.tensor([n], dtype=torch.int64, device=self.device))
+        return [int(c) for c in torch.cat(got).cpu()]
+
+    def _allgatherv(self, data: np.ndarray, counts: Sequence[int]) -> List[np.ndarray]:
+        longest = max(counts)
+        if longest == 0:                      # nothing from anyone: no collective needed
+            return [np.empty(0, np.uint8) for _ in counts]
+        buf = np.zeros(longest, dtype=np.uint8)
+        buf[:len(data)] = data
+        got = self._gather(torch.from_numpy(buf).to(self.device))
+        return [g[:c].cpu().numpy() for g, c in zip(got, counts)]
+
+    def allreduce_sum(self, arr):
+        t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float64).copy()).to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t.cpu().numpy()
+
+    def broadcast(self, arr, root=0):
+        t = torch.from_numpy(np.ascontiguousarray(arr).copy()).to(self.device)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, root), group=self.group)
+        return t.cpu().numpy()
+
+
+class TorchDistAllreduce(Allreduce):
+    """Asynchronous ``all_reduce`` (SUM) of summable buffers over ``group`` (its own group:
+    see the module docstring); float32, float64, float16 and bfloat16 buffers on the
+    group's device.  Sums are in the backend's order (Gloo's ring, NCCL's), not rank order:
+    equal on every rank, but not bit-equal to another carrier's."""
+    dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+    def __init__(self, group):
+        self.group = group
+
+    def start(self, buf, name):
+        return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def wait(self, handle: Optional[dist.Work]):
+        handle.wait()

@@ -1,0 +1,72 @@
+"""Checkpoint and resume through the DDP hook (under torchrun; one mode per launch):
+
+    full    N + K steps without interruption; saves the final parameters
+    first   N steps; saves a checkpoint per rank (model, optimizer, HookState)
+    resume  new processes: loads the checkpoint, K more steps; saves the final parameters
+
+test_ddp.py checks that ``resume`` ends with exactly the parameters of ``full``, for
+compressors whose state matters: ALQ with a refit just before and just after the checkpoint,
+DGC (momentum and residuals, the optimizer's momentum handed over), EF-SignSGD and TopK
+(residuals), LAQ (its lazy rule needs the last step's parameters), NDQSG, TernGrad (the step
+feeds the Philox keys)."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import golden
+import hvdcomp.ddp
+
+N, K = 3, 3
+SPECS = ["alq:bits=3,bucket_size=512,refit_steps=3/5,refit_every=0",
+         "dgc:density=0.05", "signef", "topk:density=0.05", "laq:bits=4", "ndqsg:bits=4",
+         "terngrad"]
+
+
+def inputs(rank, step):
+    return golden.inputs(rank, 100 + step)       # no NaN (that is golden's last step only)
+
+
+def build(spec, rank):
+    model = golden.Golden()
+    opt = golden.optimizer(model)
+    ddp = DDP(model, bucket_cap_mb=0.002)
+    state = hvdcomp.ddp.HookState(ddp, spec, optimizer=opt, min_compress_numel=16, seed=5)
+    return model, opt, ddp, state
+
+
+def main(mode, outdir):
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    for spec in SPECS:
+        model, opt, ddp, state = build(spec, rank)
+        ckpt = golden.out_path(outdir, "ckpt", spec, size, rank)
+        if mode == "resume":
+            saved = torch.load(ckpt)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            state.load_state_dict(saved["hook"])
+            assert state.step == N
+        ddp.register_comm_hook(state, hvdcomp.ddp.hook)
+        steps = {"full": range(N + K), "first": range(N), "resume": range(N, N + K)}[mode]
+        for step in steps:
+            opt.zero_grad()
+            ddp(inputs(rank, step)).backward()
+            opt.step()
+        if mode == "first":
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "hook": state.state_dict()}, ckpt)
+        else:
+            assert state.step == N + K
+            torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
+                       golden.out_path(outdir, mode, spec, size, rank))
+        state.close()
+    print(f"[rank {rank}] resume {mode} OK", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
