@@ -128,14 +128,24 @@ class ReduceScatter(Allgather):
         return [c for i, c in self.stage2.items() if c is not firsts[i]]
 
     # --- the three stages ---------------------------------------------------------------
-    def encode(self, k, entries, step, stats, sync=False):
+    def encode(self, k, entries, step, stats, sync=False, grads=None, failure=None):
         """The allgather part, then every piece of the bucket's shards, one frame per owner
         with this rank's presence bits, JOINED flag and stamp (an encoder error becomes an
-        error frame to every owner; so does everything once ``failing``)."""
+        error frame to every owner; so does everything once ``failing``, or with
+        ``failure``).  ``grads`` (the DDP hook's per-call gradients) is not served: the
+        reduce-scatter's buckets are the exchange's own fusion buckets."""
+        if grads is not None and any(e.scatter for e in entries):
+            raise ValueError("the reduce-scatter collective serves the exchange's own fusion "
+                             "buckets (begin/ready/finish), not per-call gradients")
         job = _ScatterJob(super().encode(k, [e for e in entries if not e.scatter], step,
-                                         stats, sync), [e for e in entries if e.scatter],
+                                         stats, sync, grads, failure),
+                          [e for e in entries if e.scatter],
                           stamp=Stamp(step, self.ident, bool(sync)))
         if not any(self.layout[k]):
+            return job
+        if failure is not None:
+            job.failure = failure
+            job.parts = [Outgoing.failed(failure).data] * self.size
             return job
         failing = self.failing
         if failing is not None:
