@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from .auto import Auto, from_spec
 from .compressors import Compressor
+from .errors import ConfigError
 from .exchange import Exchange, StepStats
 from .exchange import momentum
 from .exchange.buckets import agree_settings
@@ -70,7 +71,12 @@ def _as_compression(compression):
     if compression is None:
         compression = os.environ.get("HVDCOMP_COMPRESSION") or "none"
     if isinstance(compression, str):
-        return from_spec(compression)                  # "auto+SPEC" gives Auto(SPEC)
+        comp, collective = from_spec(compression)      # "auto+SPEC" gives Auto(SPEC)
+        if collective == "reduce_scatter":
+            raise ConfigError(f"compression {compression!r}: the DDP hook sends over the "
+                              f"allgather (torch.distributed has no variable-length "
+                              f"all-to-all here); drop the 'rs+' prefix")
+        return comp
     if isinstance(compression, (Auto, Compressor)):
         return compression
     raise TypeError(f"compression must be an hvdcomp compressor, an hvdcomp.Auto or a spec "
