@@ -228,7 +228,9 @@ class HookState:
         self.exchange = Exchange(self._named, self._compression, transport,
                                  allreduce=TorchDistAllreduce(sums) if self._summable else None,
                                  fusion_bytes=None, ident=self._ident,
-                                 check_replicas=self._check_replicas, **self._settings)
+                                 check_replicas=self._check_replicas,
+                                 collective="allgather",     # torch_dist has no all-to-all
+                                 **self._settings)
         self._sums_group = sums
         self._names = {id(p): n for n, p in self._named}
         atexit.register(_stop_at_exit, weakref.ref(self))

@@ -47,7 +47,10 @@ def mpirun(n, script, *args, outdir, timeout=900) -> str:
 def test_golden_covers_every_compressor():
     """The bit-for-bit comparison below runs every registered compressor."""
     import hvdcomp
-    assert {s.split(":")[0] for s in golden.COMPRESSORS} == set(hvdcomp.available())
+    # (hvdcomp's own: other test modules register compressors of their own)
+    assert {s.split(":")[0] for s in golden.COMPRESSORS} == {
+        n for n in hvdcomp.available()
+        if type(hvdcomp.get(n)).__module__.startswith("hvdcomp.")}
 
 
 @pytest.fixture(scope="module", params=[2, 4])
