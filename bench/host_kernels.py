@@ -103,16 +103,7 @@ class Lib:
     name = "host"
 
     def __init__(self, path: str, threads: int):
-        lib = ctypes.CDLL(path)
-        lib.hvd_host_kernel_count.restype = ctypes.c_int
-        lib.hvd_host_kernel_name.restype = ctypes.c_char_p
-        lib.hvd_host_kernel_name.argtypes = [ctypes.c_int]
-        lib.hvd_host_kernel_signature.restype = ctypes.c_char_p
-        lib.hvd_host_kernel_signature.argtypes = [ctypes.c_int]
-        lib.hvd_host_launch.restype = ctypes.c_int
-        lib.hvd_host_launch.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint,
-                                        ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
-        lib.hvd_host_last_error.restype = ctypes.c_char_p
+        lib = host.declare(ctypes.CDLL(path))
         self.lib = lib
         self.threads = threads
         self.kernels = {lib.hvd_host_kernel_name(k).decode():

@@ -170,6 +170,22 @@ def _build(path: str) -> None:
         shutil.rmtree(tmp + ".d", ignore_errors=True)
 
 
+def declare(lib):
+    """Set the ctypes signatures of a built library's launch entry points (kernel count,
+    names and signatures, launch, last error) and return it; also used by
+    bench/host_kernels.py on libraries built from other versions of the sources."""
+    lib.hvd_host_kernel_count.restype = ctypes.c_int
+    lib.hvd_host_kernel_name.restype = ctypes.c_char_p
+    lib.hvd_host_kernel_name.argtypes = [ctypes.c_int]
+    lib.hvd_host_kernel_signature.restype = ctypes.c_char_p
+    lib.hvd_host_kernel_signature.argtypes = [ctypes.c_int]
+    lib.hvd_host_launch.restype = ctypes.c_int
+    lib.hvd_host_launch.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint,
+                                    ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+    lib.hvd_host_last_error.restype = ctypes.c_char_p
+    return lib
+
+
 def load():
     """Build (if needed) and load the library; verify its ABI and every kernel signature."""
     global _lib
@@ -180,17 +196,8 @@ def load():
             from ._common import discover
             discover()
             raise RuntimeError("hvdcomp: no kernels found in " + kernel_dir())
-        lib = ctypes.CDLL(library_path())
+        lib = declare(ctypes.CDLL(library_path()))
         lib.hvd_host_abi_version.restype = ctypes.c_int
-        lib.hvd_host_kernel_count.restype = ctypes.c_int
-        lib.hvd_host_kernel_name.restype = ctypes.c_char_p
-        lib.hvd_host_kernel_name.argtypes = [ctypes.c_int]
-        lib.hvd_host_kernel_signature.restype = ctypes.c_char_p
-        lib.hvd_host_kernel_signature.argtypes = [ctypes.c_int]
-        lib.hvd_host_launch.restype = ctypes.c_int
-        lib.hvd_host_launch.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint,
-                                        ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
-        lib.hvd_host_last_error.restype = ctypes.c_char_p
         lib.hvd_host_openmp.restype = ctypes.c_int
         for f in (lib.hvd_host_simd, lib.hvd_host_max_simd, lib.hvd_host_set_simd):
             f.restype = ctypes.c_int
