@@ -186,7 +186,7 @@ def ddp_rows(args, shapes, rank, size):
             nbytes, warm = _powersgd_bytes(shapes, r), 3   # 2 vanilla steps first
         elif spec.startswith("ddp+"):
             from hvdcomp.auto import from_spec
-            state = hvdcomp.ddp.HookState(ddp, from_spec(spec[4:]), seed=1)
+            state = hvdcomp.ddp.HookState(ddp, from_spec(spec[4:])[0], seed=1)
             ddp.register_comm_hook(state, hvdcomp.ddp.hook)
         else:
             raise ValueError(f"unknown DDP method {spec!r}")
