@@ -229,6 +229,9 @@ class Exchange:
         """Stop the worker threads (they hold this exchange, its buffers and its compressors'
         state until then).  Call between steps; the exchange cannot be used afterwards."""
         self.pipeline.close()
+        transport = getattr(self.collective, "transport", None)
+        if transport is not None:
+            transport.close()           # stop listening for farewells
 
     # --- around the parameter update ------------------------------------------------
     def before_step(self) -> None:

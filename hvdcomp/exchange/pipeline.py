@@ -20,12 +20,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import OutOfStep
 from ..log import logger
 from .collective import Collective
 from .plan import Entry
 from .stats import StepStats
 
 __all__ = ["Pipeline", "Done"]
+
+#: Seconds between two looks at the transport's farewells while a step is waited for.
+_POLL_S = 0.2
 
 # done(results, stats, error) of Pipeline.call
 Done = Callable[[Dict[str, torch.Tensor], StepStats, Optional[BaseException]], None]
@@ -72,6 +76,9 @@ class Pipeline:
         self._dq: "queue.Queue" = queue.Queue()
         self._threads: List[threading.Thread] = []
         self._closed = False
+        #: The farewell text of a rank that left while this one waited for a step (the
+        #: step's collective will never complete: the exit handler aborts at once).
+        self.peer_departed: Optional[str] = None
         self._reset(0)
 
     @property
@@ -119,12 +126,26 @@ class Pipeline:
 
     def finish(self) -> Tuple[Dict[str, torch.Tensor], StepStats]:
         """Submit what is left, wait, and return the results and the step's statistics;
-        re-raises the step's first error on the calling thread."""
+        re-raises the step's first error on the calling thread.  Raises
+        :class:`~hvdcomp.errors.OutOfStep` when, while it waits, another rank says farewell
+        after an earlier step (:mod:`hvdcomp.exchange.shutdown`): that rank's part will never
+        come."""
         if not self._in_step:
             raise RuntimeError("finish() outside a step")
         for k in range(len(self.buckets)):
             self._submit(k)
-        self._done.wait()
+        transport = getattr(self.collective, "transport", None)
+        ident = getattr(self.collective, "ident", 0)
+        while not self._done.wait(_POLL_S):
+            gone = transport.departed(ident) if transport is not None else None
+            if gone is not None and gone[0] < self.step and not self._done.is_set():
+                self.peer_departed = gone[1]
+                raise OutOfStep(
+                    f"hvdcomp: {gone[1]}, while this rank (rank {transport.rank}) waits for "
+                    f"its part of step {self.step}: the ranks ran different numbers of steps "
+                    f"(a rank skipped an iteration or a batch? with uneven data every rank "
+                    f"calls hvd.join() at its end). This step's collectives can never "
+                    f"complete: the job is aborted.")
         self._in_step = False
         if self._error is not None:
             err, self._error = self._error, None

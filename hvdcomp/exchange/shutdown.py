@@ -27,7 +27,14 @@ A rank that dies outright (SIGKILL, a crash in native code) sends nothing: the l
 (mpirun, horovodrun) notices and ends the other ranks, and names the rank that died.
 
 A normal exit between steps does nothing collective (the other ranks may still be running
-their own code).
+their own code), but it says farewell (:func:`farewell`): one small message per other rank
+with each exchange's last step.  A rank that is waiting for a later step of that exchange
+(the ranks ran different numbers of steps: one skipped an iteration, or the data was uneven
+without hvd.join()) would otherwise wait forever, since no step counter can tell a skipped
+iteration from a normal one until the counts differ at the end; it raises
+:class:`~hvdcomp.errors.OutOfStep` quoting the farewell, and its exit handler aborts the
+job at once (its collective can never complete).  Carriers whose own shutdown already fails
+the other ranks' collectives (Horovod) send nothing.
 """
 from __future__ import annotations
 
@@ -43,7 +50,7 @@ from typing import Optional
 
 from ..log import logger
 
-__all__ = ["register", "exit_timeout", "stop_all"]
+__all__ = ["register", "exit_timeout", "stop_all", "farewell"]
 
 _pipelines: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _order = itertools.count()
@@ -129,6 +136,23 @@ def stop_all(exc: Optional[BaseException], timeout: float) -> bool:
     return ok[0]
 
 
+def farewell(pipes, rank: int) -> None:
+    """This rank is leaving normally: tell the other ranks (no waiting,
+    :meth:`~hvdcomp.transport.Transport.farewell`) each pipeline's last step, so that a
+    rank waiting for a later step raises instead of waiting forever."""
+    for p in pipes:
+        coll = p.collective
+        transport = getattr(coll, "transport", None)
+        if transport is None:
+            continue
+        ident = getattr(coll, "ident", 0)
+        try:
+            transport.farewell(p.step, ident, f"rank {rank} left: it exited normally after "
+                               f"step {p.step} of exchange {ident}")
+        except Exception as e:              # noqa: BLE001 - leaving anyway
+            logger.debug("farewell of rank %d failed: %s", rank, e)
+
+
 def _abort(text: str) -> None:
     logger.critical(text)
     for h in logger.handlers + logging.getLogger().handlers + [logging.lastResort]:
@@ -159,6 +183,12 @@ def _at_exit() -> None:
     if not pipes:
         return
     rank = pipes[0]._shutdown_rank
+    gone = [p.peer_departed for p in pipes if p.peer_departed]
+    if gone:
+        _abort(f"hvdcomp: rank {rank}: {gone[0]}, while this rank waited for a later step "
+               f"(OutOfStep above); aborting the job (MPI_Abort)")
+    if exc is None and not any(p.in_step for p in pipes):
+        farewell(pipes, rank)
     timeout = exit_timeout()
     if not stop_all(exc, timeout):
         _abort(f"hvdcomp: rank {rank}: the other ranks did not complete the step with this "

@@ -36,6 +36,23 @@ class Transport:
     def __init__(self, max_chunk: int = 0):
         self._max_chunk = max_chunk
 
+    def farewell(self, step: int, ident: int, text: str) -> None:
+        """Tell the other ranks, without waiting for them, that this rank is leaving after
+        step ``step`` of exchange ``ident`` (``text``: for their error message).  A carrier
+        on which a rank still waiting for this one would wait forever implements it (MPI);
+        on the others it does nothing (Horovod's shutdown fails the other ranks' pending
+        collectives)."""
+
+    def close(self) -> None:
+        """Stop listening for farewells (the exchange is closing)."""
+
+    def departed(self, ident: int) -> Optional[Tuple[int, str]]:
+        """(last step, text) of a farewell another rank sent for exchange ``ident`` on this
+        transport, or None.  Polled by a rank waiting for a step
+        (:meth:`hvdcomp.exchange.pipeline.Pipeline.finish`): a rank that left after step s
+        will never send its part of a later step."""
+        return None
+
     @property
     def max_chunk(self) -> int:
         return self._max_chunk or max(INT_MAX // max(self.size, 1), 1)

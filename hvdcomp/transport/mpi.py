@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 import sys
-from typing import List, Optional, Sequence, Tuple
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -110,6 +112,11 @@ def check_thread_level(provided: int, horovod_mpi: bool, MPI, several: bool = Fa
         f"transport='horovod'.")
 
 
+_BYE_TAG = 7
+_BYE_MAX = 1024
+_BYE = struct.Struct("<QI")          # a farewell: last step (u64), exchange id (u32), text
+
+
 class MPITransport(Transport):
     """Allgatherv and Alltoallv over a private duplicate of ``comm`` (default MPI.COMM_WORLD), so hvdcomp's
     traffic never matches a user's own mpi4py messages.
@@ -133,6 +140,60 @@ class MPITransport(Transport):
         self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        # Farewells (Transport.farewell): one small message per other rank on a communicator
+        # of their own, received by a standing Irecv that a waiting rank polls from its own
+        # thread while the communicate thread is inside a collective (MPI_THREAD_MULTIPLE).
+        self._bye_comm = self.comm.Dup()
+        self._bye_buf = np.zeros(_BYE.size + _BYE_MAX, dtype=np.uint8)
+        self._bye_req = None
+        self._bye_status = MPI.Status()
+        self._byes: Dict[int, Tuple[int, str]] = {}
+        self._bye_sent: list = []
+        self._listening = MPI.Query_thread() == MPI.THREAD_MULTIPLE and self.size > 1
+        self._listen()
+
+    def _listen(self) -> None:
+        if self._listening:
+            self._bye_req = self._bye_comm.Irecv([self._bye_buf, self._MPI.BYTE],
+                                                 source=self._MPI.ANY_SOURCE, tag=_BYE_TAG)
+
+    def farewell(self, step: int, ident: int, text: str) -> None:
+        """Send the farewell to every other rank (one eager message each; waits at most a
+        second for the sends), then stop listening for theirs."""
+        MPI = self._MPI
+        if self.size < 2 or MPI.Is_finalized():
+            return
+        data = np.frombuffer(_BYE.pack(int(step), int(ident) & 0xFFFFFFFF)
+                             + text.encode("utf-8", "replace")[:_BYE_MAX], dtype=np.uint8)
+        reqs = [self._bye_comm.Isend([data, MPI.BYTE], dest=r, tag=_BYE_TAG)
+                for r in range(self.size) if r != self.rank]
+        self._bye_sent.append((reqs, data))        # both must live until the sends end
+        deadline = time.monotonic() + 1.0
+        while not MPI.Request.Testall(reqs) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def departed(self, ident: int) -> Optional[Tuple[int, str]]:
+        while self._bye_req is not None and self._bye_req.Test(self._bye_status):
+            n = self._bye_status.Get_count(self._MPI.BYTE)
+            if n >= _BYE.size:
+                step, who = _BYE.unpack_from(self._bye_buf)
+                text = bytes(self._bye_buf[_BYE.size:n]).decode("utf-8", "replace")
+                self._byes.setdefault(who, (step, text))
+            self._listen()
+        return self._byes.get(int(ident) & 0xFFFFFFFF)
+
+    def close(self) -> None:
+        self._stop_listening()
+
+    def _stop_listening(self) -> None:
+        self._listening = False
+        req, self._bye_req = self._bye_req, None
+        if req is not None and not self._MPI.Is_finalized():
+            try:
+                req.Cancel()
+                req.Wait()
+            except Exception:                   # noqa: BLE001 - leaving anyway
+                pass
 
     def _allgather_counts(self, n: int) -> List[int]:
         mine = np.array([n], dtype=np.int64)

@@ -7,6 +7,7 @@ on every rank.  Selecting cases (-k, node ids) runs only those in the worker.  w
 is no assert script: it makes one rank fail, and the job must end (issue 15).
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -140,6 +141,26 @@ def test_one_failing_rank_ends_the_job_over_the_reduce_scatter(mode, n, tmp_path
     _one_failing_rank(mode, "mpi", "reduce_scatter", n, tmp_path)
 
 
+@pytest.mark.parametrize("transport", ["mpi", "horovod"])
+def test_a_rank_that_skipped_an_iteration_is_reported(transport, tmp_path):
+    """Rank 1 skips one iteration, so it leaves after 9 steps while rank 0 waits for its
+    part of step 10 (no step counter can tell a skipped iteration from a normal one before
+    that).  The job ends within 30 s of rank 1's exit with a non-zero status and no crash;
+    rank 0 raises naming rank 1 and its last step (mpi: OutOfStep quoting rank 1's farewell;
+    horovod: Horovod's own shutdown error, which names no rank)."""
+    out = _one_failing_rank("skip", transport, "allgather", 2, tmp_path)
+    assert "[rank 1] left after its last step" in out, out[-4000:]
+    text = (tmp_path / "rank0.failure").read_text()
+    if transport == "mpi":
+        assert "OutOfStep" in text and "rank 1 left" in text, text
+        # rank 1 ran one step fewer: rank 0 waits in the step after rank 1's last
+        m = re.search(r"after step (\d+) of exchange.*waits for its part of step (\d+)",
+                      text, re.S)
+        assert m and int(m.group(2)) == int(m.group(1)) + 1, text
+    else:
+        assert "shut down" in text, text
+
+
 def _one_failing_rank(mode, transport, collective, n, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT]),
                HVDCOMP_TEST_OUT=str(tmp_path))
@@ -163,6 +184,8 @@ def _one_failing_rank(mode, transport, collective, n, tmp_path):
                   "Fatal Python error"):
         assert crash not in out, f"{mode}/{transport}: {crash}\n{out[-6000:]}"
     assert "trained to the end" not in out, out[-4000:]
+    if mode == "skip":
+        return out
     if mode == "kill":
         assert "rank 1" in out and "signal 9" in out, out[-4000:]
         return

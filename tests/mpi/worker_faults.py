@@ -1,14 +1,17 @@
 """Issue 15 items 5 and 10: one rank fails in the middle of training; the job must end.
 
     worker_faults.py MODE TRANSPORT [COLLECTIVE]
-        (MODE: raise-mid, raise-between, interrupt, kill; COLLECTIVE: allgather (default)
-        or reduce_scatter)
+        (MODE: raise-mid, raise-between, interrupt, kill, skip; COLLECTIVE: allgather
+        (default) or reduce_scatter)
 
 Rank 1, at step 3: raises a ValueError in the middle of its backward pass (after the last
 layer's gradients went to the exchange), or between two steps, or gets SIGINT during
 backward (KeyboardInterrupt), or kills itself with SIGKILL.  The other ranks train on;
 they must raise a RankFailure naming rank 1 (written to rank<r>.failure before it goes
-uncaught), except after SIGKILL, where the launcher ends them.  The model sends its
+uncaught), except after SIGKILL, where the launcher ends them.  "skip": rank 1 skips
+iteration 3 (no backward, no step) and so ends one step before the others, which then wait
+for its part of their last step: they must raise (OutOfStep, written to rank<r>.failure)
+instead of waiting forever; rank 1 writes fault.time when it leaves.  The model sends its
 weight matrices as QSGD wire messages through TRANSPORT and its biases through Horovod's
 allreduce, in several buckets.
 """
@@ -65,6 +68,8 @@ def main():
             g = torch.Generator().manual_seed(100 * step + rank)
             x, y = torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
             failing = rank == 1 and step == FAIL_STEP
+            if failing and mode == "skip":
+                continue
             if failing:                           # when the fault happens, for the driver
                 with open(os.path.join(out, "fault.time"), "w") as f:
                     f.write(repr(time.time()))
@@ -84,10 +89,19 @@ def main():
             opt.zero_grad()
             loss.backward()
             opt.step()
-    except hvdcomp.RankFailure as e:
+    except (hvdcomp.RankFailure, hvdcomp.OutOfStep) as e:
         with open(os.path.join(out, f"rank{rank}.failure"), "w") as f:
-            f.write(f"{e.rank}\n{e}")
+            f.write(f"{getattr(e, 'rank', '')}\n{type(e).__name__}: {e}")
         raise
+    except Exception as e:                # noqa: BLE001 - Horovod's own errors, for the driver
+        with open(os.path.join(out, f"rank{rank}.failure"), "w") as f:
+            f.write(f"\n{type(e).__name__}: {e}")
+        raise
+    if mode == "skip" and rank == 1:
+        with open(os.path.join(out, "fault.time"), "w") as f:
+            f.write(repr(time.time()))
+        print(f"[rank {rank}] left after its last step (mode {mode})", flush=True)
+        return
     print(f"[rank {rank}] trained to the end (mode {mode})", flush=True)
 
 
