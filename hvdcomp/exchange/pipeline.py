@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import OutOfStep
+from ..errors import OutOfStep, RankFailure, WireFormatError
 from ..log import logger
 from .collective import Collective
 from .plan import Entry
@@ -30,6 +30,8 @@ __all__ = ["Pipeline", "Done"]
 
 #: Seconds between two looks at the transport's farewells while a step is waited for.
 _POLL_S = 0.2
+#: Seconds a failed step looks for a farewell that explains the failure.
+_GRACE_S = 0.5
 
 # done(results, stats, error) of Pipeline.call
 Done = Callable[[Dict[str, torch.Tensor], StepStats, Optional[BaseException]], None]
@@ -137,20 +139,43 @@ class Pipeline:
         transport = getattr(self.collective, "transport", None)
         ident = getattr(self.collective, "ident", 0)
         while not self._done.wait(_POLL_S):
-            gone = transport.departed(ident) if transport is not None else None
-            if gone is not None and gone[0] < self.step and not self._done.is_set():
-                self.peer_departed = gone[1]
-                raise OutOfStep(
-                    f"hvdcomp: {gone[1]}, while this rank (rank {transport.rank}) waits for "
-                    f"its part of step {self.step}: the ranks ran different numbers of steps "
-                    f"(a rank skipped an iteration or a batch? with uneven data every rank "
-                    f"calls hvd.join() at its end). This step's collectives can never "
-                    f"complete: the job is aborted.")
+            gone = self._departed(transport, ident)
+            if gone is not None and not self._done.is_set():
+                self.peer_departed = gone
+                raise OutOfStep(self._departed_text(gone, transport))
         self._in_step = False
         if self._error is not None:
             err, self._error = self._error, None
+            # a rank that left may also have failed this step's collectives (Horovod's
+            # shutdown fails the other ranks' pending allreduces): its farewell says why
+            ours = isinstance(err, (RankFailure, OutOfStep, WireFormatError))
+            gone = self._departed(transport, ident, wait=0.0 if ours else _GRACE_S)
+            if gone is not None:
+                self.peer_departed = gone
+                raise OutOfStep(self._departed_text(gone, transport)) from err
             raise err
         return self._results, self._stats
+
+    def _departed(self, transport, ident: int, wait: float = 0.0) -> Optional[str]:
+        """The farewell text of a rank that left after an earlier step than this one (looking
+        for up to ``wait`` seconds on a transport that carries farewells), or None."""
+        if transport is None or not transport.farewells:
+            return None
+        deadline = time.monotonic() + wait
+        while True:
+            gone = transport.departed(ident)
+            if gone is not None and gone[0] < self.step:
+                return gone[1]
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+
+    def _departed_text(self, gone: str, transport) -> str:
+        return (f"hvdcomp: {gone}, while this rank (rank {transport.rank}) waits for its part "
+                f"of step {self.step}: the ranks ran different numbers of steps (a rank "
+                f"skipped an iteration or a batch? with uneven data every rank calls "
+                f"hvd.join() at its end). This step's collectives can never complete: the "
+                f"job is aborted.")
 
     def call(self, k: int, entries: Sequence[Entry], step: int,
              grads: Dict[str, torch.Tensor], done: Done,

@@ -36,6 +36,9 @@ class Transport:
     def __init__(self, max_chunk: int = 0):
         self._max_chunk = max_chunk
 
+    #: This carrier delivers farewells (:meth:`farewell`, :meth:`departed`).
+    farewells = False
+
     def farewell(self, step: int, ident: int, text: str) -> None:
         """Tell the other ranks, without waiting for them, that this rank is leaving after
         step ``step`` of exchange ``ident`` (``text``: for their error message).  A carrier

@@ -152,6 +152,10 @@ class MPITransport(Transport):
         self._listening = MPI.Query_thread() == MPI.THREAD_MULTIPLE and self.size > 1
         self._listen()
 
+    @property
+    def farewells(self) -> bool:
+        return self._bye_req is not None or bool(self._byes)
+
     def _listen(self) -> None:
         if self._listening:
             self._bye_req = self._bye_comm.Irecv([self._bye_buf, self._MPI.BYTE],
