@@ -1,16 +1,22 @@
 """Packaging: a non-editable install ships every package and the kernel sources
 (setuptools ships only package files: kernels/ is mapped to the package hvdcomp.kernels in
-pyproject.toml), and the installed ``hvdcomp`` command works from it."""
+pyproject.toml), and ``pip install .`` into a fresh venv gives a working ``hvdcomp``
+command whose host kernel build compiles from the installed sources."""
+import importlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tomllib
 import zipfile
 
 import pytest
 
 import hvdcomp
+from hvdcomp.backends import _common, host
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -55,22 +61,137 @@ def test_wheel_contains_packages_kernel_sources_and_license(wheel):
     assert any(n.endswith(".dist-info/entry_points.txt") for n in names)
 
 
-def test_installed_command_runs_from_the_install(wheel, tmp_path):
-    # Installed (not editable) into its own folder, run from elsewhere: the package, its
-    # kernel sources and the console script all come from the install.
-    target = tmp_path / "site"
-    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                        "--target", str(target), str(wheel)], capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    env = dict(os.environ, PYTHONPATH=str(target))
-    env.pop("HVDCOMP_KERNEL_DIR", None)
-    p = subprocess.run([str(target / "bin" / "hvdcomp"), "info", "--json"], cwd=tmp_path,
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
+def _declared_version():
+    """The version pyproject.toml declares, read from its one source as text (the attribute
+    its [tool.setuptools.dynamic] table names), without importing anything."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        attr = tomllib.load(f)["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    module, name = attr.rsplit(".", 1)                         # hvdcomp, __version__
+    with open(os.path.join(ROOT, *module.split("."), "__init__.py")) as f:
+        m = re.search(rf"^{name}\s*=\s*[\"']([^\"']+)[\"']", f.read(), re.M)
+    assert m, f"{attr} not found"
+    return m.group(1)
+
+
+def _dependencies(tmp_path):
+    """This interpreter's installed packages except hvdcomp itself (its editable install
+    included), as symlinks in one folder: the fresh venv reads its dependencies from there
+    instead of downloading them."""
+    out = tmp_path / "deps"
+    out.mkdir()
+    for site in dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")):
+        for name in sorted(os.listdir(site)) if os.path.isdir(site) else ():
+            if (name.lower().startswith(("hvdcomp", "__editable__", "__pycache__"))
+                    or name.endswith(".pth") or (out / name).exists()):
+                continue
+            (out / name).symlink_to(os.path.join(site, name))
+    return out
+
+
+def _text_value(out, section, key):
+    """The value of ``key`` in ``section`` of ``hvdcomp info``'s text output (a line with
+    the section's name, then ``  key   value`` lines)."""
+    m = re.search(rf"^{section}\n((?:  .*\n)*)", out, re.M)
+    assert m, f"no section {section} in:\n{out}"
+    v = re.search(rf"^  {re.escape(key)} +(.*)$", m.group(1), re.M)
+    assert v, f"{section}.{key} not in:\n{out}"
+    return v.group(1).strip()
+
+
+def test_pip_install_into_a_fresh_venv(tmp_path, monkeypatch):
+    """#13 item 3: ``pip install .`` (not editable) of a copy of the checkout into a fresh
+    venv, then that venv's ``hvdcomp info --json`` console script and ``python -m hvdcomp
+    info``, from a folder outside the checkout.  The venv sees this interpreter's packages
+    (torch, numpy, mpi4py, Horovod, pip, setuptools) through a .pth file, but not hvdcomp:
+    the package, its kernel sources and the console script come from the install alone, and
+    nothing is downloaded (--no-index)."""
+    version = _declared_version()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    vpy = str(venv / "bin" / "python")
+    site = subprocess.run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()"
+                           "['purelib'])"], capture_output=True, text=True, check=True,
+                          timeout=60).stdout.strip()
+    assert site.startswith(str(venv)), site
+    with open(os.path.join(site, "hvdcomp_test_deps.pth"), "w") as f:
+        f.write(f"{_dependencies(tmp_path)}\n")
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "__pycache__", "build", "*.egg-info", ".pytest_cache"))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "HVDCOMP_KERNEL_DIR", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    p = subprocess.run([vpy, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                        "--no-build-isolation", str(src)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+
+    # installed, not linked: the dist-info says so, and the files are in the venv
+    dist = os.path.join(site, f"hvdcomp-{version}.dist-info")
+    with open(os.path.join(dist, "METADATA")) as f:
+        assert f"\nVersion: {version}\n" in f.read()
+    with open(os.path.join(dist, "direct_url.json")) as f:
+        assert not json.load(f).get("dir_info", {}).get("editable", False)
+    kdir = os.path.join(site, "hvdcomp", "kernels")
+    sources = {f for f in os.listdir(os.path.join(ROOT, "kernels"))
+               if f.endswith((".cu", ".cuh", ".h", ".cpp"))}
+    assert sources and sources <= set(os.listdir(kdir)), sorted(sources - set(os.listdir(kdir)))
+
+    # the console script (the host library: from this checkout's cache, same key)
+    p = subprocess.run([str(venv / "bin" / "hvdcomp"), "info", "--json"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(p.stdout)
-    assert d["kernels"]["dir"] == str(target / "hvdcomp" / "kernels")
-    assert d["versions"]["hvdcomp"] == hvdcomp.__version__
-    # (registered by hvdcomp itself: other test modules register compressors of their own)
+    import numpy
+    import torch
+    assert d["versions"]["hvdcomp"] == version
+    assert d["versions"]["torch"] == torch.__version__
+    assert d["versions"]["numpy"] == numpy.__version__
+    for mod in ("mpi4py", "horovod"):
+        try:
+            want = importlib.import_module(mod).__version__
+        except ImportError:
+            want = None
+        assert d["versions"][mod] == want, mod
+    if d["versions"]["horovod"]:
+        import horovod.torch as hvd
+        assert d["horovod"] == {"installed": True, "mpi": bool(hvd.mpi_built()),
+                                "gloo": bool(hvd.gloo_built()), "nccl": bool(hvd.nccl_built()),
+                                "cuda": bool(hvd.cuda_built())}
+    assert d["kernels"]["dir"] == kdir
+    assert d["kernels"]["sha256"] == _common.source_hash(
+        directory=os.path.join(ROOT, "kernels"))               # the same bytes as kernels/
+    assert d["kernels"]["kernels"] == len(_common.SIGNATURES) > 0
     assert set(d["compressors"]) == {n for n in hvdcomp.available()
                                      if type(hvdcomp.get(n)).__module__.startswith("hvdcomp.")}
+    loads = host.is_available()
+    assert d["host_build"]["loads"] is loads
+    if loads:       # the same sources and compiler: the library this checkout built
+        assert d["host_build"]["library"] == host.library_path()
+
+    # python -m hvdcomp
+    p = subprocess.run([vpy, "-m", "hvdcomp", "info"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _text_value(p.stdout, "versions", "hvdcomp") == version
+    assert _text_value(p.stdout, "versions", "torch") == torch.__version__
+    assert _text_value(p.stdout, "kernels", "dir") == kdir
+    assert _text_value(p.stdout, "host_build", "loads") == str(loads)
+
+    # The host build from the installed sources alone: its compile command (the installed
+    # folder as the kernel folder) preprocessed with -M lists every file it includes; each of
+    # hvdcomp's is in the installed folder (or the generated kernel registry), every kernel
+    # source among them.  (A full build takes minutes on 2 cores: the cached library above
+    # has the installed sources' hash in its name.)
+    monkeypatch.setenv("HVDCOMP_KERNEL_DIR", kdir)
+    deps = tmp_path / "host.d"
+    cmd = host.compile_command(str(deps)) + ["-M"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    files = {os.path.realpath(f) for f in deps.read_text().replace("\\\n", " ").split()[1:]}
+    ours = {f for f in files if not f.startswith(("/usr/", "/lib", "/opt/"))}
+    registry = os.path.realpath(str(deps) + ".d")
+    assert ours and all(os.path.dirname(f) in (os.path.realpath(kdir), registry)
+                        for f in ours), sorted(ours)
+    assert {os.path.join(os.path.realpath(kdir), f) for f in _common.HOST_SOURCES} <= files
