@@ -14,6 +14,7 @@ except ImportError as _e:
         f"hvdcomp.exchange work without Horovod.") from _e
 from horovod.torch import *  # noqa: F401,F403,E402  (the whole horovod.torch surface)
 
+from ..transport.mpi import horovod_threads_disabled  # noqa: E402
 from .exchange import Exchange, StepStats
 from .optimizer import DistributedOptimizer, join  # join: hvdcomp's, over Horovod's
 
@@ -29,10 +30,16 @@ def init(*args, **kwargs):
     thread of the other ranks still using MPI then crashes (a segmentation fault).  With
     mpi4py owning MPI, MPI is finalized only at interpreter exit, after hvdcomp's exit
     handler has stopped its threads (:mod:`hvdcomp.exchange.shutdown`).  mpi4py requests
-    MPI_THREAD_MULTIPLE, what Horovod requests too."""
+    MPI_THREAD_MULTIPLE, what Horovod requests too.
+
+    Except with HOROVOD_MPI_THREADS_DISABLE=1 (an MPI without thread support): Horovod then
+    starts MPI itself with MPI_THREAD_SINGLE from its background thread, as its
+    documentation says, and hvdcomp's messages go through Horovod's allgather (the mpi
+    transport needs MPI_THREAD_MULTIPLE next to Horovod: :mod:`hvdcomp.transport.mpi`)."""
     if (_hvd.mpi_built() and any(os.environ.get(v) for v in _MPI_LAUNCH)
             and not os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
-            and os.environ.get("HOROVOD_CONTROLLER", "mpi").lower() != "gloo"):
+            and os.environ.get("HOROVOD_CONTROLLER", "mpi").lower() != "gloo"
+            and not horovod_threads_disabled()):
         try:
             from mpi4py import MPI  # noqa: F401 - initializes MPI
         except ImportError:

@@ -12,12 +12,15 @@ first backward hook and ``step()``) also need MPI_THREAD_MULTIPLE.  So does a se
 exchanges may run at the same time, each on its own communicator, e.g. when one backward
 pass produces gradients for two optimizers.  :class:`MPITransport` checks the provided
 level when it is built (:func:`check_thread_level`); with less, ``transport="horovod"``
-makes no MPI call of hvdcomp's own.
+makes no MPI call of hvdcomp's own (the default then).  With HOROVOD_MPI_THREADS_DISABLE=1
+(Horovod's setting for an MPI without thread support) Horovod starts MPI at
+MPI_THREAD_SINGLE (:func:`hvdcomp.torch.init` leaves it to Horovod).
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import struct
 import sys
 import time
@@ -27,8 +30,8 @@ import numpy as np
 
 from .base import Transport
 
-__all__ = ["MPITransport", "cuda_aware", "check_thread_level", "horovod_on_mpi", "mpi4py",
-           "mpi_world", "thread_level_problem"]
+__all__ = ["MPITransport", "cuda_aware", "check_thread_level", "horovod_on_mpi",
+           "horovod_threads_disabled", "mpi4py", "mpi_world", "thread_level_problem"]
 
 
 def mpi4py():
@@ -84,6 +87,14 @@ def cuda_aware() -> Optional[bool]:
     return bool(fn())
 
 
+def horovod_threads_disabled() -> bool:
+    """Whether $HOROVOD_MPI_THREADS_DISABLE is a positive integer (read as Horovod reads it:
+    its leading digits): Horovod's setting for an MPI without thread support, with which it
+    starts MPI at MPI_THREAD_SINGLE itself (:func:`hvdcomp.torch.init`)."""
+    m = re.match(r"\s*\+?(\d+)", os.environ.get("HOROVOD_MPI_THREADS_DISABLE", ""))
+    return bool(m and int(m.group(1)) > 0)
+
+
 def horovod_on_mpi() -> bool:
     """Whether horovod.torch is initialized in this process and runs on MPI (not Gloo)."""
     hvd = sys.modules.get("horovod.torch")
@@ -104,6 +115,8 @@ def check_thread_level(provided: int, horovod_mpi: bool, MPI, several: bool = Fa
            "concurrently" if horovod_mpi else
            "the exchanges of several optimizers may call MPI concurrently" if several else
            "hvdcomp's communicate thread calls MPI, and it is not the main thread")
+    if horovod_threads_disabled():
+        why += "; HOROVOD_MPI_THREADS_DISABLE is set, so Horovod started MPI without threads"
     raise RuntimeError(
         f"hvdcomp: the MPI library provides {names.get(provided, provided)}; the mpi "
         f"transport needs {names[need]} ({why}). Start MPI with it (mpi4py requests "

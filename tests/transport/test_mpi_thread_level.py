@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hvdcomp.transport.mpi import check_thread_level
+from hvdcomp.transport.mpi import check_thread_level, horovod_threads_disabled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MPI = SimpleNamespace(THREAD_SINGLE=0, THREAD_FUNNELED=1, THREAD_SERIALIZED=2,
@@ -56,3 +56,18 @@ def test_mpi_transport_checks_the_provided_level(level, ok):
         assert "built" in p.stdout, p.stdout
     else:
         assert "provides MPI_THREAD_FUNNELED" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("value,disabled", [("1", True), (" 2", True), ("1x", True),
+                                            ("0", False), ("", False), ("no", False),
+                                            (None, False)])
+def test_horovod_threads_disabled_is_read_as_horovod_reads_it(value, disabled, monkeypatch):
+    """Horovod: strtol(HOROVOD_MPI_THREADS_DISABLE) > 0 (leading digits, else 0)."""
+    if value is None:
+        monkeypatch.delenv("HOROVOD_MPI_THREADS_DISABLE", raising=False)
+    else:
+        monkeypatch.setenv("HOROVOD_MPI_THREADS_DISABLE", value)
+    assert horovod_threads_disabled() is disabled
+    with pytest.raises(RuntimeError) as e:
+        check_thread_level(0, True, MPI)
+    assert ("HOROVOD_MPI_THREADS_DISABLE is set" in str(e.value)) is disabled
