@@ -38,7 +38,7 @@ import numpy as np
 
 __all__ = ["uniform_levels", "exponential_levels", "num_levels", "expected_variance",
            "empirical_variance", "FoldedNormal", "HistogramModel", "fit_alq", "fit_amq",
-           "model_from_stats"]
+           "model_from_stats", "refine"]
 
 
 def num_levels(bits: int) -> int:
@@ -70,6 +70,44 @@ def empirical_variance(r: np.ndarray, weights: np.ndarray, levels: np.ndarray) -
     j = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, len(levels) - 2)
     lo, hi = levels[j], levels[j + 1]
     return float(np.sum(np.asarray(weights, dtype=np.float64) * (hi - r) * (r - lo)))
+
+
+def refine(levels, bits: int) -> np.ndarray:
+    """A finer table of ``num_levels(bits)`` levels that holds every level of ``levels``
+    (increasing, from 0 to 1, at most that many levels): each of its m intervals is cut
+    into equal parts, ``num_levels(bits) - 1`` parts in all, ``P // m`` per interval and one
+    more in each of the ``P % m`` lowest (where normalized gradient magnitudes crowd).  So
+    3 bits -> 5: each of the 3 intervals of {0, l1, l2, 1} in 5 parts, 16 levels (QSGD's
+    uniform 3-bit table becomes the uniform 5-bit one).  float32 (ready for the kernels),
+    strictly increasing: a cut that rounds onto a neighbour in float32 (an interval only a
+    few float32 values wide) moves by one float32 step, so every level is distinct.
+
+    Every coordinate's variance (Eq. 2) under the finer table is at most the one under
+    ``levels`` (its bracketing levels are no farther apart on either side), and an interval
+    of width d cut in k parts has worst case d^2 / (4 k^2) in place of d^2 / 4: between k
+    (magnitudes close to a level of ``levels``) and k^2 (magnitudes spread over the
+    interval) times smaller.  Raises ValueError for a table that is not increasing from 0
+    to 1 or has more levels than ``bits`` allows."""
+    lv = np.asarray(levels, dtype=np.float64).reshape(-1)
+    total = num_levels(bits) - 1
+    m = lv.size - 1
+    if m < 1 or m > total or lv[0] != 0.0 or lv[-1] != 1.0 or not np.all(np.diff(lv) > 0):
+        raise ValueError(f"refine: need an increasing table from 0 to 1 of 2..{total + 1} "
+                         f"levels, got {lv.tolist()}")
+    parts = np.full(m, total // m)
+    parts[:total % m] += 1
+    out = [lv[0]]
+    for j in range(m):
+        a, b, k = lv[j], lv[j + 1], int(parts[j])
+        out.extend(a + (b - a) * np.arange(1, k) / k)
+        out.append(b)
+    f = np.asarray(out, dtype=np.float32)
+    f[0], f[-1] = 0.0, 1.0
+    for j in range(1, f.size - 1):                  # distinct in float32, 1 stays on top
+        f[j] = max(f[j], np.nextafter(f[j - 1], np.float32(2)))
+    for j in range(f.size - 2, 0, -1):
+        f[j] = min(f[j], np.nextafter(f[j + 1], np.float32(0)))
+    return f
 
 
 _SQRT2 = math.sqrt(2.0)

@@ -10,22 +10,26 @@ Per fusion bucket, with N ranks and the bucket's scattered tensors cut into N sh
 2. communicate: frame r to rank r (``Transport.alltoall``); decode the N contributions to
    this rank's own pieces in rank order (``Compressor.combine``, float32), average them
    (``finalize``), re-encode each average with the second-stage compressor and key
-   (``Piece.key2``: the owner's rank, the piece's second tensor id, so an independent
-   Philox stream: unbiased compressors stay unbiased; biased ones keep a residual for it by
-   piece name, as DeepSpeed's compressed allreduce does for 1-bit Adam, Tang et al. 2021);
+   (:func:`~hvdcomp.exchange.shards.second_stage`: the bucketed quantizers with 2 more bits
+   and their table refined; ``Piece.key2``: the owner's rank, the piece's second tensor
+   id, so an independent Philox stream: unbiased compressors stay unbiased; biased ones
+   keep a residual for it by piece name, as DeepSpeed's compressed allreduce does for
+   1-bit Adam, Tang et al. 2021);
    allgather the averaged pieces (``Transport.exchange``);
 3. decode: every owner's averaged pieces into the tensors' accumulators.
 
 Every rank decodes the same averaged messages, each coordinate from one message, so every
 rank holds the same result bit for bit.  With an unbiased compressor Q the result is
 unbiased, and its error is that of the second quantization of the average plus the average
-of the first ones: E||y - g||^2 = sum_r Var Q_r(g_r) / N^2 + E Var Q(a), with a the average
-of the decoded contributions (tests/exchange/test_scatter.py checks it).
+of the first ones: E||y - g||^2 = sum_r Var Q_r(g_r) / N^2 + E Var Q2(a), with a the
+average of the decoded contributions and Q2 the second stage
+(tests/exchange/test_scatter.py checks it).
 
-Bytes per rank: (N-1)/N of one compressed gradient out in step 2's all-to-all, 1/N of it to
-each of N-1 ranks in the allgather (a ring: (N-1)/N of the N averaged shards): about
-2 (N-1)/N, against (N-1) for the allgather collective.  Decode work per rank: two
-gradients' worth, against N.
+Bytes per rank, with m1 and m2 the stage-1 and stage-2 messages of one whole gradient (equal
+but for the bucketed quantizers, whose m2 has 2 more bits a coordinate): (N-1)/N m1 out in
+step 2's all-to-all, m2/N to each of N-1 ranks in the allgather (a ring: (N-1)/N of the N
+averaged shards): about (N-1)/N (m1 + m2), against (N-1) m1 for the allgather collective.
+Decode work per rank: two gradients' worth, against N.
 
 Training-loop semantics (as the allgather's, :mod:`hvdcomp.exchange.averaging`): stage-1
 frames carry each sender's presence bits and JOINED flag.  A rank without a gradient for a
@@ -123,9 +127,11 @@ class ReduceScatter(Allgather):
         return [p for b in self.layout for mine in b for p in mine]
 
     def second_stages(self) -> List[Compressor]:
-        """The second-stage compressors that are not their first stage's (DGC's)."""
+        """The second-stage compressors that keep state of their own (DGC's residuals of
+        the averaged shards; a quantizer's finer stage follows its first stage's table and
+        has none)."""
         firsts = {id(e.compressor): e.compressor for e in self.entries.values() if e.scatter}
-        return [c for i, c in self.stage2.items() if c is not firsts[i]]
+        return [c for i, c in self.stage2.items() if c is not firsts[i] and c.keeps_state]
 
     # --- the three stages ---------------------------------------------------------------
     def encode(self, k, entries, step, stats, sync=False, grads=None, failure=None):

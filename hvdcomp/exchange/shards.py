@@ -16,12 +16,28 @@ the tensor's own (TernGrad and 1-bit EF with ``bucket_size=0``: each piece then 
 scale, and TernGrad its own clipping threshold) and for the sparsifiers and the casts (top-k,
 random-k and DGC select ``density`` of each piece).
 
-Stage 2 (:func:`second_stage`): the owner re-encodes its pieces' averages with the same
-compressor instance (same level table and version, residuals kept by piece name, on the
-owner), with keys of their own (world size 1: the average is one contribution); DGC's
-momentum correction, masking and clipping act on a rank's raw gradient only, so its second
-stage is a separate instance without them: top-k of the average with its residual (error
-feedback), at the same density schedule.
+Stage 2 (:func:`second_stage`): the owner re-encodes its pieces' averages with keys of their
+own (world size 1: the average is one contribution).  The bucketed quantizers (QSGD,
+QSGDinf, NUQSGD, ALQ, AMQ) use :data:`FINER_BITS` more bits there (at most 8), with a table
+that holds the first stage's (:class:`~hvdcomp.compressors.quantizers.Finer`: the family's
+own table at those bits while the first stage has its initial one, the fitted table with
+each interval cut into equal parts once fitted; same version).  Why: the second quantization
+adds E Var Q2(a) to the first stage's sum_r Var Q(g_r) / N^2, and with Q2 = Q, Var Q(a) is
+about one rank's quantization error of a gradient of the average's norm, not 1/N of it: on
+real FC-300-100 gradients (bench/second_stage.py: ALQ 3 bits, batch 32 per rank) the
+two-stage estimate had 2.7 to 7.0 times the allgather's variance at 4 ranks and 3.1 to 9.6
+at 8, and the main job lost 2 points at 4 ranks (bench/results/train_rs.md).  With 2 more
+bits: 1.08 to 1.11 times at 4 ranks, 1.10 to 1.16 at 8.  Cost: the averaged shards are all of a rank's stage-2 traffic, so
+a rank sends (N-1)/N m_b + m_(b+2)/N bytes of its own (b + 2/N bits a coordinate: 3.5 in
+place of 3 at 4 ranks, 3.25 at 8) and the ring carries (N-1)/N (m_b + m_(b+2)) in place of
+2 (N-1)/N m_b (a third more at 3 bits).  Error feedback on the owner (a residual of what the
+re-quantization lost, added to the next step's average) would make each step's estimate
+biased and add state; the finer stage keeps the estimate unbiased and has none.
+The other compressors re-encode with the same instance (same level table and version,
+residuals kept by piece name, on the owner); DGC's momentum correction, masking and
+clipping act on a rank's raw gradient only, so its second stage is a separate instance
+without them: top-k of the average with its residual (error feedback), at the same density
+schedule.
 
 Refused (:func:`refusal`): NDQSG and LAQ, for the reasons in :data:`REFUSED`.
 """
@@ -32,12 +48,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..compressors import (BF16, DGC, DQSG, FP16, BucketQuantizer, Compressor,
-                           NoneCompressor, RandK, TensorKey, TopK, get)
+from ..compressors import (ALQ, AMQ, BF16, DGC, DQSG, FP16, NUQSGD, QSGD, BucketQuantizer,
+                           Compressor, NoneCompressor, QSGDInf, RandK, TensorKey, TopK, get)
+from ..compressors.quantizers import Finer
 from ..compressors.bucketing import TensorBuckets
 from ..compressors.psq import BHQ, PSQ, rows_of
 
-__all__ = ["Piece", "REFUSED", "refusal", "unit", "second_stage", "boundaries", "layout"]
+__all__ = ["Piece", "REFUSED", "FINER_BITS", "refusal", "unit", "second_stage", "boundaries",
+           "layout"]
+
+FINER_BITS = 2      # extra bits of the bucketed quantizers' second stage (module docstring)
 
 REFUSED = {
     "ndqsg": "NDQSG's nested ranks send residues that decode only with side information "
@@ -80,7 +100,12 @@ def unit(comp: Compressor, shape: Sequence[int]) -> int:
 
 
 def second_stage(comp: Compressor) -> Compressor:
-    """The compressor that re-encodes the owners' averages (module docstring)."""
+    """The compressor that re-encodes the owners' averages (module docstring): QSGD,
+    QSGDinf, NUQSGD, ALQ and AMQ below 8 bits: a :class:`Finer` of ``comp`` at
+    ``min(bits + FINER_BITS, 8)``; DGC: top-k of the average with residuals; the others:
+    ``comp`` itself."""
+    if isinstance(comp, (QSGD, QSGDInf, NUQSGD, ALQ, AMQ)) and comp.bits < 8:
+        return Finer(comp, min(comp.bits + FINER_BITS, 8))
     if isinstance(comp, DGC):
         return get(comp.spec(), momentum_correction=False, masking=False, momentum=0.0,
                    clip_norm=0.0)
