@@ -27,9 +27,10 @@ about one rank's quantization error of a gradient of the average's norm, not 1/N
 real FC-300-100 gradients (bench/second_stage.py: ALQ 3 bits, batch 32 per rank) the
 two-stage estimate had 2.7 to 7.0 times the allgather's variance at 4 ranks and 3.1 to 9.6
 at 8, and the main job lost 2 points at 4 ranks (bench/results/train_rs.md).  With 2 more
-bits: 1.08 to 1.11 times at 4 ranks, 1.10 to 1.16 at 8.  Cost: the averaged shards are all of a rank's stage-2 traffic, so
-a rank sends (N-1)/N m_b + m_(b+2)/N bytes of its own (b + 2/N bits a coordinate: 3.5 in
-place of 3 at 4 ranks, 3.25 at 8) and the ring carries (N-1)/N (m_b + m_(b+2)) in place of
+bits: 1.08 to 1.11 times at 4 ranks, 1.10 to 1.16 at 8, and the main job meets its target.
+Cost: the averaged shards are all of a rank's stage-2 traffic, so a rank sends
+(N-1)/N m_b + m_(b+2)/N bytes of its own (b + 2/N bits a coordinate: 3.5 in place of 3 at
+4 ranks, 3.25 at 8) and the ring carries (N-1)/N (m_b + m_(b+2)) in place of
 2 (N-1)/N m_b (a third more at 3 bits).  Error feedback on the owner (a residual of what the
 re-quantization lost, added to the next step's average) would make each step's estimate
 biased and add state; the finer stage keeps the estimate unbiased and has none.
