@@ -545,8 +545,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         string may name the collective: "rs+alq:bits=3" (reduce-scatter), "ag+..."
         (allgather), after "auto+" if any.
     collective: "allgather" (every rank's messages to every rank), "reduce_scatter"
-        (shards averaged by their owners, re-encoded and allgathered: about 2(N-1)/N of a
-        compressed gradient per rank instead of N-1; hvdcomp.exchange.scatter) or "auto"
+        (shards averaged by their owners, re-encoded at 2 more bits for the quantizers and
+        allgathered: about 2(N-1)/N of a compressed gradient per rank instead of N-1;
+        hvdcomp.exchange.scatter) or "auto"
         (per tensor, by the cost model); None: the spec string's, else "auto" with Auto and
         "allgather" otherwise.  ConfigError when it contradicts the spec string, on one rank
         with "reduce_scatter", or for NDQSG and LAQ with "reduce_scatter" (they cannot work
