@@ -51,6 +51,13 @@ def _msg_alq(shape) -> int:
     return get("alq:bits=3").message_bytes(tuple(shape))      # exact (fixed length)
 
 
+def _msg_alq2(shape) -> int:
+    """The reduce-scatter's second-stage message of an averaged ALQ shard (2 bits finer)."""
+    from hvdcomp.compressors import get
+    from hvdcomp.exchange.shards import second_stage
+    return second_stage(get("alq:bits=3")).message_bytes(tuple(shape))
+
+
 def _msg_dgc(shape, density=0.001) -> int:
     from hvdcomp.compressors.sparse import num_selected
     n = math.prod(shape)
@@ -147,7 +154,9 @@ def account(model: str, method: str, n: int) -> Dict[str, float]:
         lay = layout([big], {m: _E(m, shapes[m]) for m in big}, n, 0)[0]
         frames = [_frame(len(mine)) + sum(msg(p.shape) for p in mine) for mine in lay]
         ring(frames)                              # the all-to-all (same bytes and steps)
-        ring(frames)                              # the allgather of the averaged pieces
+        msg2 = _msg_alq2 if fam == "alq" else msg
+        ring([_frame(len(mine)) + sum(msg2(p.shape) for p in mine) for mine in lay])
+        #                                           the allgather of the averaged pieces
         pieces = sum(len(m) for m in lay)
         elems = sum(math.prod(shapes[m]) for m in big)
         acc["enc"] += elems + elems / n           # stage 1, and the owner's re-encoding
