@@ -41,6 +41,21 @@ so backward raises on every rank (the failing rank its own exception, the others
 :class:`hvdcomp.RankFailure`, a RuntimeError, naming it) instead of hanging; so does a
 rank that raises while preparing a bucket (its summed buffers carry its failure slot).
 Ranks out of step (a rank that skipped a backward pass) raise :class:`hvdcomp.OutOfStep`.
+
+Uneven inputs (``torch.distributed.algorithms.Join([ddp_model])``): a rank that has run out
+of inputs shadows the others' buckets (DDP calls the hook outside any backward pass, with
+zeros); the hook sends nothing for it.  With DDP's default
+``divide_by_initial_world_size=True`` its gradients are absent (the average divides by the
+world size, as DDP's own all-reduce does); with ``False`` the rank has joined and the
+average divides by the ranks that have not (as ``hvd.join()``; ``last_stats.joined``).
+LAQ cannot leave a rank out (it would reuse the joined rank's last upload): ValueError on
+every rank in either case, as NDQSG's for any absent rank.  The DDP model given to
+:class:`HookState` (or :func:`register`) says which; a state built from the bare module
+divides by the world size.
+
+Sparse gradients (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``, trainable)
+are refused when the state is set up (TypeError on every rank, naming the parameters): DDP
+hands such a parameter to the hook as a sparse bucket, which the exchange cannot write back.
 """
 import atexit
 import itertools
@@ -53,7 +68,7 @@ import torch
 import torch.distributed as dist
 
 from .auto import Auto, from_spec
-from .compressors import Compressor
+from .compressors import LAQ, Compressor
 from .errors import ConfigError
 from .exchange import Exchange, StepStats
 from .exchange import momentum
@@ -104,6 +119,22 @@ def _inner(model) -> torch.nn.Module:
     return model
 
 
+def _sparse_names(module: torch.nn.Module, named: List[Tuple[str, torch.Tensor]]) -> List[str]:
+    """Names of the trainable parameters that get sparse gradients: the weights of
+    ``nn.Embedding`` / ``nn.EmbeddingBag`` modules with ``sparse=True`` (DDP's own rule)."""
+    ids = {id(p): n for n, p in named}
+    return sorted({ids[id(m.weight)] for m in module.modules()
+                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                   and m.sparse and id(m.weight) in ids})
+
+
+def _in_backward() -> bool:
+    """Whether the caller runs inside a backward pass (the autograd engine's current graph
+    task; FSDP asks the same).  True where torch cannot tell."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is None or task() != -1
+
+
 def check_backend(devices: Set[str], backend: str) -> None:
     """ValueError unless ``backend`` carries parameters on ``devices`` (device types): Gloo
     for CPU parameters, NCCL for CUDA ones, one device type."""
@@ -135,9 +166,10 @@ class HookState:
       momentum factor to the compressor, folds its weight decay into the local gradient,
       keeps the compressor's tensors out of the SGD's own update (step pre/post hooks on
       the optimizer; its ``param_groups`` are left alone) and applies ``p -= lr * average``
-      to them.  Without one, the first step raises RuntimeError (the SGD would apply its
-      momentum a second time); Nesterov momentum, dampening or maximize: ValueError.  See
-      :meth:`attach_optimizer`.
+      to them (``step(closure)``: the closure, whose backward is the exchange, runs
+      before the gradients are set aside).  Without one, the first step raises
+      RuntimeError (the SGD would apply its momentum a second time); Nesterov momentum,
+      dampening or maximize: ValueError.  See :meth:`attach_optimizer`.
     seed: the shared seed of the Philox streams (checked equal on every rank).
     check_replicas: at the first step, compare a digest of the parameters' values across
       ranks and raise (:class:`hvdcomp.Mismatch`, every rank's backward) if they differ;
@@ -171,6 +203,10 @@ class HookState:
         self._ident = next(_created)
         self._named: List[Tuple[str, torch.Tensor]] = [
             (n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._sparse = _sparse_names(module, self._named)
+        # the DDP model, when given: its Join setting (divide_by_initial_world_size)
+        self._ddp = (weakref.ref(model) if isinstance(
+            model, torch.nn.parallel.DistributedDataParallel) else None)
         self._compression = _as_compression(compression)
         self._settings = dict(seed=int(seed), min_compress_numel=int(min_compress_numel),
                               compress_1d=bool(compress_1d))
@@ -188,6 +224,7 @@ class HookState:
         self.step = 0
         self.last_stats: Optional[StepStats] = None
         self._in_step = False
+        self._joined = False                # this step: DDP's Join shadow calls
         self._seen = 0
         self._step_stats = StepStats()
         self._in_flight = 0                 # calls handed to the exchange, not yet done
@@ -220,8 +257,16 @@ class HookState:
             "compression": _spec(self._compression), "backend": dist.get_backend(group),
             "devices": sorted(devices), "allreduce_summable": self._summable,
             "check_replicas": self._check_replicas, **self._settings,
-            "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in self._named]},
+            "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in self._named],
+            "sparse gradients": self._sparse},
             "the DDP hook settings")
+        if self._sparse:                      # (every rank alike: agreed above)
+            raise TypeError(
+                f"hvdcomp.ddp: {self._sparse} get sparse gradients (nn.Embedding or "
+                f"nn.EmbeddingBag with sparse=True); the DDP hook averages dense buckets "
+                f"only: build them with sparse=False (DDP then hands the hook their dense "
+                f"gradients), or train them with the drop-in optimizer (hvdcomp.torch), "
+                f"which sends sparse gradients as indices and values")
         check_backend(devices, dist.get_backend(group))
         transport = TorchDistTransport(private_group(group))
         sums = private_group(group)
@@ -267,8 +312,20 @@ class HookState:
             self._opt_hooks = [optimizer.register_step_pre_hook(self._before_opt_step),
                                optimizer.register_step_post_hook(self._after_opt_step)]
 
-    def _before_opt_step(self, optimizer, args, kwargs) -> None:
+    def _before_opt_step(self, optimizer, args, kwargs):
+        # A closure (zero_grad, backward) must run before the gradients are hidden: its
+        # backward pass is the exchange.  Run it here and hand the step its loss.  (args[0]
+        # is the optimizer itself: the hook sees step's own arguments.)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            if "closure" in kwargs:
+                kwargs = dict(kwargs, closure=lambda: loss)
+            else:
+                args = (args[0], lambda: loss) + tuple(args[2:])
         self._hidden = momentum.hide(self._corrected)
+        return tuple(args), kwargs
 
     def _after_opt_step(self, optimizer, args, kwargs) -> None:
         hidden, self._hidden = self._hidden, {}
@@ -302,12 +359,11 @@ class HookState:
         # What this rank has: DDP passes a zero slot for a parameter this rank did not use
         # (find_unused_parameters), whose .grad is then still None; it is absent, as on the
         # Horovod path (averaging.py: absent somewhere counts zeros, except LAQ / NDQSG).
+        # A rank that has joined (DDP's Join) has nothing (module docstring).
         mine: Dict[str, Optional[torch.Tensor]] = {}
+        if self._joined:
+            return {n: None for n in names}
         for n, p, g in zip(names, params, grads):
-            if p.grad is not None and p.grad.is_sparse:
-                raise TypeError(f"hvdcomp.ddp.hook: the gradient of {n} is sparse; DDP "
-                                f"communication hooks get dense buckets only (use "
-                                f"nn.Embedding(sparse=False), or the drop-in optimizer)")
             mine[n] = g if p.grad is not None else None
             if n in self._corrected:                 # DGC: weight decay on the local gradient
                 momentum.fold_weight_decay(p, mine[n], self._groups[id(p)])
@@ -318,6 +374,9 @@ class HookState:
         self._step_stats = StepStats(step=self.step)
         self._seen = 0
         self._in_step = True                    # (also if a check below raises)
+        # DDP's Join: a rank out of inputs calls the hook outside backward (with zeros)
+        self._joined = not _in_backward()
+        ex.set_joined(self._joined and not self._divide_by_world_size())
         if momentum.handles_momentum(ex.compression) and self._optimizer is None:
             raise RuntimeError(
                 f"hvdcomp.ddp: {ex.compression.name} applies momentum correction itself "
@@ -332,6 +391,16 @@ class HookState:
                                                                   self._groups))
         ex.report_param_deltas(self.step - 1)   # LAQ: the update since the last step
         ex.before_step()
+
+    def _divide_by_world_size(self) -> bool:
+        """Under DDP's Join: whether the average divides by the world size (DDP's
+        ``divide_by_initial_world_size``, default True; always True without the DDP model),
+        so that a joined rank is absent rather than joined.  False for LAQ, which cannot
+        leave a rank out (it raises on every rank)."""
+        if isinstance(self.exchange.compression, LAQ):
+            return False
+        ddp = self._ddp() if self._ddp is not None else None
+        return bool(getattr(ddp, "_divide_by_initial_world_size", True))
 
     def _exchange_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         self.setup()
@@ -353,6 +422,10 @@ class HookState:
         # backward: the call still takes part in the bucket's collectives (Exchange.call)
         failure: Optional[BaseException] = None
         try:
+            if bucket.buffer().is_sparse:     # (refused at set-up, unless DDP guessed more)
+                raise TypeError(f"hvdcomp.ddp.hook: the gradient of {names} is sparse; the "
+                                f"hook averages dense buckets only (use sparse=False, or "
+                                f"the drop-in optimizer)")
             mine = self._prepare(names, bucket.parameters(), grads)
         except Exception as e:                       # noqa: BLE001 - raised on every rank
             failure, mine = e, {}
@@ -401,13 +474,16 @@ class HookState:
         acc = self._step_stats
         acc.bytes_sent += st.bytes_sent
         acc.fp32_bytes += st.fp32_bytes
+        acc.recv_bytes += st.recv_bytes
         acc.traffic_bytes += st.traffic_bytes
         acc.compressors.update(st.compressors)
         acc.nonfinite.extend(st.nonfinite)
         acc.events.extend(st.events)
+        acc.joined = max(acc.joined, st.joined)
         acc.encode_s += st.encode_s
         acc.comm_s += st.comm_s
         acc.decode_s += st.decode_s
+        acc.reduce_s += st.reduce_s
 
     # --- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

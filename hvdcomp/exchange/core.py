@@ -184,6 +184,12 @@ class Exchange:
         self.averaging.joined = bool(joined)
         self.pipeline.begin(step, sync)
 
+    def set_joined(self, joined: bool) -> None:
+        """For :meth:`call` (between steps): whether this rank has joined and takes part in
+        the others' calls from now on with no gradients (DDP's Join; ``begin`` sets it for
+        begin / ready / finish)."""
+        self.averaging.joined = bool(joined)
+
     def ready(self, name: str) -> None:
         """The gradient of ``name`` is final for this step; its bucket goes when complete.
         RuntimeError outside a step."""
