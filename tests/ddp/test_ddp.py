@@ -54,17 +54,34 @@ def test_golden_covers_every_compressor():
 
 
 @pytest.fixture(scope="module", params=[2, 4])
-def golden_runs(request, tmp_path_factory):
-    """The golden training of every compressor through the drop-in optimizer (mpirun) and
-    through the hook (torchrun; DDP buckets small and large on 2 ranks, small on 4: many
-    buckets and DDP's rebuild after the first iteration); results saved per rank."""
+def cases_run(request, tmp_path_factory):
+    """worker_cases.py under torchrun on n ranks: the hook's cases, then the first part of
+    the checkpoint test (worker_resume.run("first"): N + K steps, a checkpoint after N)."""
+    n = request.param
+    out = tmp_path_factory.mktemp(f"ddp{n}")
+    return n, out, torchrun(n, "worker_cases.py", outdir=out)
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(cases_run):
+    """worker_ddp.py under torchrun on the same ranks: the golden training through the hook
+    (DDP buckets small and large on 2 ranks, small on 4: many buckets and DDP's rebuild
+    after the first iteration); then, these being new processes, the second part of the
+    checkpoint test (worker_resume.run("resume") of cases_run's checkpoint).  Results saved
+    per rank."""
+    n, out, _ = cases_run
+    tags = ("small", "large") if n == 2 else ("small",)
+    torchrun(n, "worker_ddp.py", out, ",".join(tags), "resume", outdir=out)
+    return n, out, tags
+
+
+@pytest.fixture(scope="module")
+def golden_runs(ddp_runs):
+    """The golden training of every compressor through the drop-in optimizer (mpirun) too."""
     if not HAVE_MPI:
         pytest.skip("mpirun or Horovod missing (launch/setup installs them)")
-    n = request.param
-    out = tmp_path_factory.mktemp(f"golden{n}")
+    n, out, tags = ddp_runs
     mpirun(n, "worker_hvd.py", out, outdir=out)
-    tags = ("small", "large") if n == 2 else ("small",)
-    torchrun(n, "worker_ddp.py", out, ",".join(tags), outdir=out)
     return n, out, tags
 
 
@@ -97,26 +114,29 @@ def test_hook_gives_the_optimizers_averages_bit_for_bit(golden_runs, spec):
         assert hvd["params"]["conv.weight"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_hook_cases(n, tmp_path):
+def test_hook_cases(cases_run):
     """Transport, stateless compressors against a single-process reference, the summable
-    path, static_graph, an unused and a frozen parameter, no_sync, Auto, the errors."""
-    out = torchrun(n, "worker_cases.py", outdir=tmp_path)
+    path, static_graph, an unused and a frozen parameter, no_sync, Auto, the errors; issue
+    14's training loops (GradScaler, clipping, closures, a GAN's two DDP models, sparse
+    embeddings refused, Join with uneven inputs, casts that keep range, DGC with two param
+    groups and LambdaLR) against plain torch."""
+    n, out, log = cases_run
     for r in range(n):
-        f = tmp_path / f"rank{r}.ok"
-        assert f.exists(), f"rank {r} did not finish:\n{out[-4000:]}"
+        f = out / f"rank{r}.ok"
+        assert f.exists(), f"rank {r} did not finish:\n{log[-4000:]}"
         assert f.read_text().startswith("ddp cases OK")
 
 
-@pytest.mark.parametrize("n", [2])      # (4 ranks: the same code, 90 s more on 2 cores)
-def test_checkpoint_resumes_exactly_in_new_processes(n, tmp_path):
+def test_checkpoint_resumes_exactly_in_new_processes(ddp_runs):
+    """The run of worker_cases' launch checkpointed after N steps and went on K more; the
+    processes of worker_ddp's launch load the checkpoint and take the K steps: the same
+    parameters, bit for bit."""
     import worker_resume
-    for mode in ("full", "first", "resume"):
-        torchrun(n, "worker_resume.py", mode, tmp_path, outdir=tmp_path)
+    n, out, _ = ddp_runs
     for spec in worker_resume.SPECS:
         for r in range(n):
-            full = torch.load(golden.out_path(tmp_path, "full", spec, n, r))
-            resumed = torch.load(golden.out_path(tmp_path, "resume", spec, n, r))
+            full = torch.load(golden.out_path(out, "full", spec, n, r))
+            resumed = torch.load(golden.out_path(out, "resume", spec, n, r))
             for name, p in full.items():
                 assert torch.equal(p, resumed[name]), (spec, r, name)
 

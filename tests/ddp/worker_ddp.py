@@ -1,7 +1,11 @@
 """The golden training through the DDP hook (under torchrun), with DDP buckets small (many
 buckets, rebuilt after the first iteration) and large (one), a parameter unused on rank 1
 in one step (find_unused_parameters=True): each compressor's averaged
-gradients of every step and the final parameters, saved per rank for test_ddp.py."""
+gradients of every step and the final parameters, saved per rank for test_ddp.py.
+
+``worker_ddp.py OUTDIR TAGS resume``: then, in these processes, the second part of the
+checkpoint test (worker_resume.run("resume"): the checkpoint that worker_cases.py's launch
+saved in OUTDIR, K more steps)."""
 import sys
 
 import torch
@@ -10,11 +14,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import golden
 import hvdcomp.ddp
+import worker_resume
 
 BUCKETS = {"small": 0.002, "large": 25}      # bucket_cap_mb
 
 
-def main(outdir, tags="small,large"):
+def main(outdir, tags="small,large", resume=""):
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -39,6 +44,9 @@ def main(outdir, tags="small,large"):
                        golden.out_path(outdir, "ddp", spec, size, rank, tag))
             state.close()
     print(f"[rank {rank}] ddp golden OK", flush=True)
+    if resume:
+        worker_resume.run("resume", outdir, rank, size)
+        print(f"[rank {rank}] resume OK", flush=True)
     dist.destroy_process_group()
 
 

@@ -1,15 +1,20 @@
-"""Checkpoint and resume through the DDP hook (under torchrun; one mode per launch):
+"""Checkpoint and resume through the DDP hook (under torchrun):
 
-    full    N + K steps without interruption; saves the final parameters
-    first   N steps; saves a checkpoint per rank (model, optimizer, HookState)
+    first   N + K steps without interruption, saving a checkpoint per rank (model,
+            optimizer, HookState) after step N and the final parameters at the end (run by
+            worker_cases.py's launch, after its cases)
     resume  new processes: loads the checkpoint, K more steps; saves the final parameters
+            (run by worker_ddp.py's launch, after the golden training)
 
-test_ddp.py checks that ``resume`` ends with exactly the parameters of ``full``, for
-compressors whose state matters: ALQ with a refit just before and just after the checkpoint,
-DGC (momentum and residuals, the optimizer's momentum handed over), EF-SignSGD and TopK
-(residuals), LAQ (its lazy rule needs the last step's parameters), NDQSG, TernGrad (the step
-feeds the Philox keys)."""
-import os
+(No launch of its own: each torchrun start costs 15-30 s on 2 cores.)
+
+test_ddp.py checks that ``resume`` ends with exactly the parameters of the uninterrupted
+run, for compressors whose state matters: ALQ with a refit just before and just after the
+checkpoint, DGC (momentum and residuals, the optimizer's momentum handed over), EF-SignSGD
+and TopK (residuals), LAQ (its lazy rule needs the last step's parameters), NDQSG, TernGrad
+(the step feeds the Philox keys).  Taking the checkpoint must not disturb the run (it
+continues from the same objects), so the uninterrupted run and the checkpointed one are one.
+"""
 import sys
 
 import torch
@@ -33,14 +38,18 @@ def build(spec, rank):
     model = golden.Golden()
     opt = golden.optimizer(model)
     ddp = DDP(model, bucket_cap_mb=0.002)
-    state = hvdcomp.ddp.HookState(ddp, spec, optimizer=opt, min_compress_numel=16, seed=5)
+    # (allreduce_summable=False: the uncompressed tensors as wire messages too, decoded in
+    # rank order.  Gloo's all_reduce adds 4 ranks' values in an order that depends on where
+    # they sit in the summed buffer, i.e. on DDP's buckets, which each process rebuilds
+    # after its own first iteration: the resumed run's first step would differ in the last
+    # bits from the uninterrupted run's fourth.)
+    state = hvdcomp.ddp.HookState(ddp, spec, optimizer=opt, min_compress_numel=16, seed=5,
+                                  allreduce_summable=False)
     return model, opt, ddp, state
 
 
-def main(mode, outdir):
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank, size = dist.get_rank(), dist.get_world_size()
+def run(mode, outdir, rank, size):
+    """``first`` or ``resume`` (module docstring) on this rank, torch.distributed set up."""
     for spec in SPECS:
         model, opt, ddp, state = build(spec, rank)
         ckpt = golden.out_path(outdir, "ckpt", spec, size, rank)
@@ -51,19 +60,24 @@ def main(mode, outdir):
             state.load_state_dict(saved["hook"])
             assert state.step == N
         ddp.register_comm_hook(state, hvdcomp.ddp.hook)
-        steps = {"full": range(N + K), "first": range(N), "resume": range(N, N + K)}[mode]
-        for step in steps:
+        for step in {"first": range(N + K), "resume": range(N, N + K)}[mode]:
             opt.zero_grad()
             ddp(inputs(rank, step)).backward()
             opt.step()
-        if mode == "first":
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                        "hook": state.state_dict()}, ckpt)
-        else:
-            assert state.step == N + K
-            torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
-                       golden.out_path(outdir, mode, spec, size, rank))
+            if mode == "first" and step == N - 1:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                            "hook": state.state_dict()}, ckpt)
+        assert state.step == N + K
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
+                   golden.out_path(outdir, {"first": "full"}.get(mode, mode), spec, size, rank))
         state.close()
+
+
+def main(mode, outdir):
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    run(mode, outdir, rank, size)
     print(f"[rank {rank}] resume {mode} OK", flush=True)
     dist.destroy_process_group()
 
