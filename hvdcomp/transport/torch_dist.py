@@ -54,23 +54,27 @@ class TorchDistTransport(Transport):
         self.size = dist.get_world_size(group)
         self.device = group_device(group)
 
-    def _gather(self, t: torch.Tensor) -> List[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(out, t, group=self.group)
-        return out
+    def _gather(self, t: torch.Tensor) -> np.ndarray:
+        """Every rank's ``t`` (1-D, the same size on every rank), back to back in rank order,
+        as one host array: ``all_gather_into_tensor`` into one buffer (the list form makes
+        Gloo gather into a flat buffer of its own and copy it out per rank)."""
+        out = torch.empty(self.size * t.numel(), dtype=t.dtype, device=self.device)
+        dist.all_gather_into_tensor(out, t, group=self.group)
+        return out.cpu().numpy()
 
     def _allgather_counts(self, n: int) -> List[int]:
         got = self._gather(torch.tensor([n], dtype=torch.int64, device=self.device))
-        return [int(c) for c in torch.cat(got).cpu()]
+        return [int(c) for c in got]
 
     def _allgatherv(self, data: np.ndarray, counts: Sequence[int]) -> List[np.ndarray]:
         longest = max(counts)
         if longest == 0:                      # nothing from anyone: no collective needed
             return [np.empty(0, np.uint8) for _ in counts]
-        buf = np.zeros(longest, dtype=np.uint8)
+        buf = np.empty(longest, dtype=np.uint8)
         buf[:len(data)] = data
+        buf[len(data):] = 0
         got = self._gather(torch.from_numpy(buf).to(self.device))
-        return [g[:c].cpu().numpy() for g, c in zip(got, counts)]
+        return [got[r * longest:r * longest + c] for r, c in enumerate(counts)]
 
     def allreduce_sum(self, arr):
         t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float64).copy()).to(self.device)
