@@ -1,6 +1,6 @@
-"""The torch.distributed carriers: bytes over ``all_gather`` (counts first, then every rank's
-bytes padded to the longest, since Gloo's all_gather needs equal sizes), sums over
-``all_reduce``.
+"""The torch.distributed carriers: bytes over an all-gather into one tensor (counts first,
+then every rank's bytes padded to the longest, since Gloo's all-gather needs equal sizes),
+sums over ``all_reduce``.
 
 Each carrier runs on a process group of its own (:func:`private_group`, as
 :class:`~hvdcomp.transport.MPITransport` duplicates its communicator): the exchange calls
@@ -23,6 +23,10 @@ import torch.distributed as dist
 from .base import Allreduce, Transport
 
 __all__ = ["TorchDistTransport", "TorchDistAllreduce", "private_group", "group_device"]
+
+
+# all_gather_single: PyTorch 2.13's name (all_gather_into_tensor warns there)
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def private_group(group=None):
@@ -56,10 +60,9 @@ class TorchDistTransport(Transport):
 
     def _gather(self, t: torch.Tensor) -> np.ndarray:
         """Every rank's ``t`` (1-D, the same size on every rank), back to back in rank order,
-        as one host array: ``all_gather_into_tensor`` into one buffer (the list form makes
-        Gloo gather into a flat buffer of its own and copy it out per rank)."""
+        as one host array (gathered into one tensor: no list of per-rank outputs)."""
         out = torch.empty(self.size * t.numel(), dtype=t.dtype, device=self.device)
-        dist.all_gather_into_tensor(out, t, group=self.group)
+        _gather_into(out, t, group=self.group)
         return out.cpu().numpy()
 
     def _allgather_counts(self, n: int) -> List[int]:
