@@ -190,8 +190,7 @@ def ddp_rows(args, shapes, rank, size):
             ddp.register_comm_hook(st, psgd.powerSGD_hook)
             nbytes, warm = _powersgd_bytes(shapes, r), 3   # 2 vanilla steps first
         elif spec.startswith("ddp+"):
-            from hvdcomp.auto import from_spec
-            state = hvdcomp.ddp.HookState(ddp, from_spec(spec[4:]), seed=1)
+            state = hvdcomp.ddp.HookState(ddp, spec[4:], seed=1)     # the spec string
             ddp.register_comm_hook(state, hvdcomp.ddp.hook)
         else:
             raise ValueError(f"unknown DDP method {spec!r}")
@@ -262,7 +261,8 @@ def driver(args):
             res = old
     out_rows = res["results"]
     for rate in args.rates.split(","):
-        path = os.path.join("/tmp", f"hvdcomp-exchange-{args.model}-{rate}.json")
+        # (this run's own file: another checkout may be running the benchmark too)
+        path = os.path.join("/tmp", f"hvdcomp-{name}-{rate}-{os.getpid()}.json")
         cmd = [os.path.join(ROOT, "launch", "netem"), rate, "--",
                os.path.join(ROOT, "launch", "run"), "-np", "4", sys.executable,
                os.path.abspath(__file__), "--worker", "--model", args.model,
