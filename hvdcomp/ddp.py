@@ -33,7 +33,8 @@ What the hook does with one DDP bucket (``hook(state, bucket)``):
    then the bytes; zero-length messages included).
 5. On its decode thread: every rank's messages decoded in rank order, averaged in float32
    (a tensor non-finite on any rank is NaN on every rank), written into the bucket in its
-   dtype; the Future completes with the bucket.  After the step's last bucket, an ALQ/AMQ
+   dtype (float32 buckets: decoded into the bucket itself, no copy); the Future completes
+   with the bucket.  After the step's last bucket, an ALQ/AMQ
    that collected statistics refits (summed over ranks, fitted on rank 0, broadcast).
 
 An encoder that raises on one rank sends an error frame instead: every rank's Future fails,
@@ -441,7 +442,8 @@ class HookState:
                 if error is None:
                     for n, g in zip(names, grads):
                         avg = results.get(n)
-                        if avg is not None:          # None: no rank had it (DDP: zeros)
+                        # None: no rank had it (DDP: zeros); decoded into g itself: no copy
+                        if avg is not None and avg.data_ptr() != g.data_ptr():
                             g.copy_(avg.view(g.shape))
             except BaseException as e:           # noqa: BLE001 - handed to the Future
                 error = e
@@ -461,7 +463,11 @@ class HookState:
 
         with self._lock:
             self._in_flight += 1
-        ex.call(bucket.index(), names, mine, step, done, failure)
+        # float32 buckets: the averages are decoded straight into the bucket's views
+        # (Exchange.call's ``out``: read by the encoder before the decoder writes them)
+        out = {n: g for n, g in zip(names, grads)
+               if g.dtype == torch.float32 and g.is_contiguous()}
+        ex.call(bucket.index(), names, mine, step, done, failure, out)
         if last:
             self._in_step = False
             self.step += 1

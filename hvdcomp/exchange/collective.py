@@ -63,14 +63,17 @@ class Collective:
 
         job = encode(k, entries, step, stats, sync, grads)   on its encode thread
         communicate(job, stats)                        on its communicate thread
-        decode(job, stats) -> {name: average}          on its decode thread
+        decode(job, stats, out) -> {name: average}     on its decode thread
 
     so that bucket k is on the wire while k+1 is being encoded and k-1 decoded.  ``entries``
     are the bucket's :class:`~hvdcomp.exchange.plan.Entry` objects; ``grads`` is None (each
     entry's gradient is its parameter's ``grad``) or {name: gradient, None when absent} (the
     DDP hook's views into its bucket: :meth:`hvdcomp.exchange.Exchange.call`); ``job`` is the
     collective's own per-bucket state; ``decode`` returns each tensor's average as a flat
-    float32 tensor on the parameter's device (it may be reused by the next step).  ``stats``
+    float32 tensor on the parameter's device (it may be reused by the next step), written
+    into ``out[name]`` where ``out`` (None, or {name: tensor}) has a contiguous float32
+    tensor of the parameter's numel there (the DDP hook's views into its bucket; a
+    collective may ignore ``out``: the caller copies what is not already there).  ``stats``
     is the step's :class:`~hvdcomp.exchange.stats.StepStats`: a collective adds what it sends
     (``bytes_sent``, ``traffic_bytes``), ``events``, ``nonfinite`` and ``joined``; the
     pipeline records
@@ -115,7 +118,8 @@ class Collective:
     def communicate(self, job: Any, stats: StepStats) -> None:
         raise NotImplementedError
 
-    def decode(self, job: Any, stats: StepStats) -> Dict[str, torch.Tensor]:
+    def decode(self, job: Any, stats: StepStats,
+               out: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -257,9 +261,11 @@ class Allgather(Collective):
             stats.bytes_sent += len(out)
             stats.traffic_bytes += (self.size - 1) / self.size * sum(job.sparse_in.nbytes)
 
-    def decode(self, job, stats):
+    def decode(self, job, stats, out=None):
         """Every rank's messages decoded in rank order (``Compressor.combine``) and
-        averaged; the sums unflattened and averaged."""
+        averaged; the sums unflattened and averaged (each into ``out[name]`` where it can
+        serve: :meth:`Averaging.accumulator`)."""
+        dest = out or {}
         out = {}
         for s in job.sums:
             counts = s.counts
@@ -275,13 +281,15 @@ class Allgather(Collective):
                 if e.name in s.fallback:
                     acc, prescaled = s.fallback[e.name], True
                 else:
-                    acc = sl.to(torch.float32).clone()
+                    acc = (sl.to(torch.float32).clone() if e.name not in dest else
+                           self.averaging.accumulator(e, dest[e.name]).copy_(sl))
                 out[e.name] = self.averaging.finish(e, acc, True, self._key(e, job.step),
                                                     stats, joined, prescaled)
         if job.sparse:
             out.update(self._decode_frames(job.sparse, job.sparse_in, job.step, stats))
         if job.messages:
-            out.update(self._decode_frames(job.messages, job.incoming, job.step, stats))
+            out.update(self._decode_frames(job.messages, job.incoming, job.step, stats,
+                                           dest))
         return out
 
     def close(self):
@@ -318,7 +326,8 @@ class Allgather(Collective):
         return comp.encode(g, key)
 
     def _decode_frames(self, entries: Sequence[Entry], incoming: Incoming, step: int,
-                       stats: StepStats) -> Dict[str, torch.Tensor]:
+                       stats: StepStats, dest: Optional[Dict[str, torch.Tensor]] = None
+                       ) -> Dict[str, torch.Tensor]:
         out = {}
         joined = sum(incoming.joined)
         stats.joined = max(stats.joined, joined)
@@ -331,7 +340,7 @@ class Allgather(Collective):
             if any(m is not None and m.codec == coo.CODEC for m in msgs):
                 out[e.name] = self._sparse_average(e, msgs, keys, present, joined, stats)
                 continue
-            acc = self.averaging.accumulator(e)
+            acc = self.averaging.accumulator(e, dest.get(e.name) if dest else None)
             finite, prescaled = self.averaging.combine(e, msgs, keys, present, acc, joined)
             if isinstance(e.compressor, ReportsEvents):
                 events = [f"{e.name}: {ev}" for ev in e.compressor.drain_events()]

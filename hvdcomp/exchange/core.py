@@ -217,19 +217,24 @@ class Exchange:
             check_replicas(self.transport, [(e.name, e.param) for e in self.entries.values()])
 
     def call(self, k: int, names: Sequence[str], grads: Dict[str, torch.Tensor], step: int,
-             done: Done, failure: Optional[BaseException] = None) -> None:
+             done: Done, failure: Optional[BaseException] = None,
+             out: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """Exchange the gradients ``grads`` ({name: gradient} for each of ``names``) of step
         ``step`` now, as one collective bucket numbered ``k``, and return at once; ``done(
         results, stats, error)`` runs on the pipeline's decode thread when they are averaged
         (see :meth:`hvdcomp.exchange.pipeline.Pipeline.call`).  Every rank makes the same
         calls in the same order.  ``failure``: this rank could not prepare the call (it still
-        takes part; every rank's ``done`` gets an error).  ValueError for a name the
+        takes part; every rank's ``done`` gets an error).  ``out``: {name: tensor} where the
+        averages may be written (a contiguous float32 tensor of the parameter's numel; the
+        DDP hook passes its bucket's views, which the encoder has read by then), saving a
+        copy; the results are then those tensors, flattened.  ValueError for a name the
         exchange does not hold;
         RuntimeError during a step of begin / ready / finish."""
         unknown = [n for n in names if n not in self.entries]
         if unknown:
             raise ValueError(f"call(): not parameters of this exchange: {unknown}")
-        self.pipeline.call(k, [self.entries[n] for n in names], step, grads, done, failure)
+        self.pipeline.call(k, [self.entries[n] for n in names], step, grads, done, failure,
+                           out)
 
     def close(self) -> None:
         """Stop the worker threads (they hold this exchange, its buffers and its compressors'

@@ -48,6 +48,7 @@ class _Call:
     stats: StepStats
     error: Optional[BaseException] = None
     failure: Optional[BaseException] = None     # raised by the launcher before the call
+    out: Optional[Dict[str, torch.Tensor]] = None   # where the averages may be written
 
 
 class Pipeline:
@@ -179,7 +180,8 @@ class Pipeline:
 
     def call(self, k: int, entries: Sequence[Entry], step: int,
              grads: Dict[str, torch.Tensor], done: Done,
-             failure: Optional[BaseException] = None) -> None:
+             failure: Optional[BaseException] = None,
+             out: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """Exchange ``entries`` of step ``step`` as one collective bucket numbered ``k``,
         outside begin / ready / finish, and return at once: the pipeline's threads encode,
         communicate and decode the calls in call order, so every rank must make the same
@@ -187,7 +189,9 @@ class Pipeline:
         encode thread: leave them unchanged until ``done``).
 
         ``done(results, stats, error)`` runs on the decode thread once the call is over:
-        {name: average (flat float32, reused by the next call of the same tensor)} and the
+        {name: average (flat float32, reused by the next call of the same tensor; where
+        ``out`` has a contiguous float32 tensor of the tensor's numel, e.g. ``grads``' own,
+        the average is written there and is that tensor, flattened)} and the
         call's own :class:`StepStats`, or ({}, stats, the exception) after an error, raised
         by the collective on every rank as for a bucket.  ``done`` must not raise (what it
         raises is logged and dropped: nothing waits for it).  ``failure``: an exception the
@@ -199,7 +203,7 @@ class Pipeline:
             raise RuntimeError("call() during a step of begin/ready/finish: finish() first")
         self._start()
         self._q.put(("call", _Call(k, list(entries), step, grads, done, StepStats(step=step),
-                                   failure=failure)))
+                                   failure=failure, out=out)))
 
     def close(self) -> None:
         """Stop the threads (they hold the collective and its buffers until then) and free
@@ -370,7 +374,7 @@ class Pipeline:
         if job is not None and call.error is None:
             try:
                 t0 = time.perf_counter()
-                results = self.collective.decode(job, call.stats)
+                results = self.collective.decode(job, call.stats, call.out)
                 call.stats.decode_s += time.perf_counter() - t0
             except BaseException as e:          # handed to the call's done()
                 call.error, results = e, {}

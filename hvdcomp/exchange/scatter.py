@@ -191,10 +191,12 @@ class ReduceScatter(Allgather):
         if err is not None:
             raise err
 
-    def decode(self, job, stats):
+    def decode(self, job, stats, out=None):
         """The allgather part, then every owner's averaged pieces into the accumulators: a
-        tensor whose pieces are all absent (no rank had its gradient) has no average."""
-        out = super().decode(job.gather, stats)
+        tensor whose pieces are all absent (no rank had its gradient) has no average.
+        ``out``: as the allgather's, for the tensors that take it (the scattered ones go to
+        the accumulators)."""
+        out = super().decode(job.gather, stats, out)
         if job.parts is None:
             return out
         stats.joined = max(stats.joined, job.joined)

@@ -1,6 +1,6 @@
-"""The torch.distributed carriers: bytes over ``all_gather`` (counts first, then every rank's
-bytes padded to the longest, since Gloo's all_gather needs equal sizes), sums over
-``all_reduce``.
+"""The torch.distributed carriers: bytes over an all-gather into one tensor (counts first,
+then every rank's bytes padded to the longest, since Gloo's all-gather needs equal sizes),
+sums over ``all_reduce``.
 
 Each carrier runs on a process group of its own (:func:`private_group`, as
 :class:`~hvdcomp.transport.MPITransport` duplicates its communicator): the exchange calls
@@ -23,6 +23,10 @@ import torch.distributed as dist
 from .base import Allreduce, Transport
 
 __all__ = ["TorchDistTransport", "TorchDistAllreduce", "private_group", "group_device"]
+
+
+# all_gather_single: PyTorch 2.13's name (all_gather_into_tensor warns there)
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def private_group(group=None):
@@ -54,23 +58,26 @@ class TorchDistTransport(Transport):
         self.size = dist.get_world_size(group)
         self.device = group_device(group)
 
-    def _gather(self, t: torch.Tensor) -> List[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(out, t, group=self.group)
-        return out
+    def _gather(self, t: torch.Tensor) -> np.ndarray:
+        """Every rank's ``t`` (1-D, the same size on every rank), back to back in rank order,
+        as one host array (gathered into one tensor: no list of per-rank outputs)."""
+        out = torch.empty(self.size * t.numel(), dtype=t.dtype, device=self.device)
+        _gather_into(out, t, group=self.group)
+        return out.cpu().numpy()
 
     def _allgather_counts(self, n: int) -> List[int]:
         got = self._gather(torch.tensor([n], dtype=torch.int64, device=self.device))
-        return [int(c) for c in torch.cat(got).cpu()]
+        return [int(c) for c in got]
 
     def _allgatherv(self, data: np.ndarray, counts: Sequence[int]) -> List[np.ndarray]:
         longest = max(counts)
         if longest == 0:                      # nothing from anyone: no collective needed
             return [np.empty(0, np.uint8) for _ in counts]
-        buf = np.zeros(longest, dtype=np.uint8)
+        buf = np.empty(longest, dtype=np.uint8)
         buf[:len(data)] = data
+        buf[len(data):] = 0
         got = self._gather(torch.from_numpy(buf).to(self.device))
-        return [g[:c].cpu().numpy() for g, c in zip(got, counts)]
+        return [got[r * longest:r * longest + c] for r, c in enumerate(counts)]
 
     def allreduce_sum(self, arr):
         t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float64).copy()).to(self.device)

@@ -136,6 +136,53 @@ def test_absent_everywhere_has_no_average_and_absent_somewhere_counts_zeros(spec
 
 
 @pytest.mark.parametrize("summable", [False, True])
+@pytest.mark.parametrize("spec", ["none", "qsgd:bits=4,bucket_size=16"])
+def test_call_writes_the_averages_into_out_where_it_serves(spec, summable):
+    """Exchange.call's ``out`` (the DDP hook's bucket views): a contiguous float32 tensor of
+    the parameter's size receives the average itself (its old contents ignored), bit for
+    bit the average of the same call without ``out``; any other (float16, another size) is
+    left alone and the average comes in the exchange's own buffer."""
+    n, names = 2, ["a", "b", "c"]
+
+    def fn(rank, tp, ar):
+        params = [(m, torch.nn.Parameter(torch.zeros(8, 8))) for m in names]
+        ex = Exchange(params, hvdcomp.get(spec), tp, allreduce=ar if summable else None,
+                      min_compress_numel=16, fusion_bytes=None)
+        grads = {m: _grad(m, rank) for m in names}
+        out = {"a": torch.full((8, 8), float("nan")),              # served: overwritten
+               "b": torch.full((8, 8), 7.0, dtype=torch.float16),  # not float32
+               "c": torch.full((65,), 7.0)}                       # not its size
+        got, finished = [], threading.Event()
+
+        def done(res, stats, err):
+            got.append((err, dict(res), {m: v.clone() for m, v in res.items()}))
+            finished.set()
+
+        for dest in (None, out):
+            finished.clear()
+            ex.call(0, names, grads, 0, done, out=dest)
+            assert finished.wait(30)
+        ex.close()
+        return got, out
+
+    for r, res in enumerate(on_ranks(n, fn)):
+        assert not isinstance(res, BaseException), res
+        (err1, _, plain), (err2, live, into), out = *res[0], res[1]
+        assert err1 is None and err2 is None
+        assert sorted(plain) == sorted(into) == names
+        for m in names:
+            assert torch.equal(plain[m], into[m]), (r, m)
+            if spec == "none":
+                want = sum(_grad(m, q) for q in range(n)).reshape(-1) / n
+                assert torch.allclose(plain[m], want, atol=1e-6), (r, m)
+        assert live["a"].data_ptr() == out["a"].data_ptr()
+        assert torch.equal(out["a"].reshape(-1), plain["a"])
+        assert live["b"].data_ptr() != out["b"].data_ptr()
+        assert live["c"].data_ptr() != out["c"].data_ptr()
+        assert bool((out["b"] == 7).all()) and bool((out["c"] == 7).all())
+
+
+@pytest.mark.parametrize("summable", [False, True])
 def test_joined_ranks_are_left_out_of_the_average(summable):
     n = 4
 
