@@ -127,6 +127,7 @@ def check_thread_level(provided: int, horovod_mpi: bool, MPI, several: bool = Fa
 
 _BYE_TAG = 7
 _BYE_MAX = 1024
+_BYE_BUFFERS: list = []              # farewell buffers MPI may still use (never freed)
 _BYE = struct.Struct("<QI")          # a farewell: last step (u64), exchange id (u32), text
 
 
@@ -158,6 +159,9 @@ class MPITransport(Transport):
         # thread while the communicate thread is inside a collective (MPI_THREAD_MULTIPLE).
         self._bye_comm = self.comm.Dup()
         self._bye_buf = np.zeros(_BYE.size + _BYE_MAX, dtype=np.uint8)
+        # MPI may write into it until the Irecv is cancelled or completes, which can be after
+        # this transport is garbage (an exit without farewell): it must never be freed
+        _BYE_BUFFERS.append(self._bye_buf)
         self._bye_req = None
         self._bye_status = MPI.Status()
         self._byes: Dict[int, Tuple[int, str]] = {}
@@ -185,9 +189,11 @@ class MPITransport(Transport):
         reqs = [self._bye_comm.Isend([data, MPI.BYTE], dest=r, tag=_BYE_TAG)
                 for r in range(self.size) if r != self.rank]
         self._bye_sent.append((reqs, data))        # both must live until the sends end
+        _BYE_BUFFERS.append(data)
         deadline = time.monotonic() + 1.0
         while not MPI.Request.Testall(reqs) and time.monotonic() < deadline:
             time.sleep(0.001)
+        self._stop_listening()                      # leaving: nothing to wait for any more
 
     def departed(self, ident: int) -> Optional[Tuple[int, str]]:
         while self._bye_req is not None and self._bye_req.Test(self._bye_status):
