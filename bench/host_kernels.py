@@ -141,6 +141,9 @@ def cases(n: int, ref: "Lib"):
     norms_inf = Q.bucket_norms.kernels(ref, x, bs, "linf")
     p3 = Q.quantize_pack.kernels(ref, x, norms_l2, lv3, 3, bs, **key)
     p4 = Q.quantize_pack.kernels(ref, x, norms_l2, lv4, 4, bs, **key)
+    # the reduce-scatter's second stage of 3-bit ALQ: lv3 refined to 5 bits (16 levels)
+    lv5 = torch.from_numpy(L.refine(lv3.double().numpy(), 5))
+    p5 = Q.quantize_pack.kernels(ref, x, norms_l2, lv5, 5, bs, **key)
     msgs = [Q.quantize_pack.kernels(ref, x, norms_l2, lv3, 3, bs, seed=1234, rank=r,
                                     tensor_id=3, step=5) for r in range(4)]
     acc = torch.zeros(n)
@@ -181,8 +184,11 @@ def cases(n: int, ref: "Lib"):
         ("quantize_pack 3 bits (ALQ/AMQ)", lambda lib: qp(lib, norms_l2, lv3, 3)),
         ("quantize_pack 4 bits (QSGD/NUQSGD)", lambda lib: qp(lib, norms_l2, lv4, 4)),
         ("quantize_pack 4 bits, linf norms (QSGDinf)", lambda lib: qp(lib, norms_inf, lv4, 4)),
+        ("quantize_pack 5 bits (second stage of 3-bit ALQ)",
+         lambda lib: qp(lib, norms_l2, lv5, 5)),
         ("dequantize_add 3 bits", lambda lib: dq(lib, "d3", p3, 3, lv3)),
         ("dequantize_add 4 bits", lambda lib: dq(lib, "d4", p4, 4, lv4)),
+        ("dequantize_add 5 bits", lambda lib: dq(lib, "d5", p5, 5, lv5)),
         ("dequantize_add_many 3 bits, 4 messages (per message)", lambda lib: dqm(lib, "dm")),
         ("terngrad_pack", lambda lib: T.terngrad_pack.kernels(lib, x, scales_t, bs, thr, **key)),
         ("terngrad_decode_add", lambda lib: T.terngrad_decode_add.kernels(

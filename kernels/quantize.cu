@@ -64,10 +64,18 @@ inline bool bucket_norms_bulk(const float* __restrict__ x, i64 n, i64 bucket_siz
 // prefix (for every r, NaN included: then it holds everywhere, as in ATen's upper-bound
 // loop, which also returns COUNT), so counting it, or a branch-free binary search over the
 // power-of-two table, gives ATen's answer.  Small tables count (independent comparisons,
-// short latency); larger ones search (log2(COUNT) + 1 dependent comparisons).
+// short latency); larger ones search (log2(COUNT) + 1 dependent comparisons).  On the host
+// "small" reaches 32 levels (6-bit codes: the reduce-scatter's second stage of 3- and 4-bit
+// tables): a loop of independent comparisons vectorizes, where a search per coordinate does
+// not (5-bit codes encoded 7x slower than 3-bit ones with the search).
+#if defined(HVD_HOST_BUILD)
+#define HVD_SMALL_TABLE 32
+#else
+#define HVD_SMALL_TABLE 8
+#endif
 template <int COUNT>
 __device__ __forceinline__ int upper_bound_pow2(const float* __restrict__ levels, float r) {
-  if (COUNT <= 8) {
+  if (COUNT <= HVD_SMALL_TABLE) {
     int c = 0;
     for (int k = 0; k < COUNT; ++k) c += !(levels[k] > r) ? 1 : 0;
     return c;
@@ -85,7 +93,7 @@ __device__ __forceinline__ int upper_bound_pow2(const float* __restrict__ levels
 template <int COUNT>
 __device__ __forceinline__ float table_at(const float* __restrict__ t, int j) {
 #if defined(HVD_HOST_BUILD)
-  if (COUNT <= 8) {   // bit masks, not ?: (GCC turns a ?: chain on j into a many-way branch)
+  if (COUNT <= HVD_SMALL_TABLE) {   // bit masks, not ?: (GCC turns a ?: chain on j into a many-way branch)
     u32 v = float_bits(t[0]);
     for (int k = 1; k < COUNT; ++k) {
       const u32 m = 0u - (u32)(j >= k);                     // all ones while k <= j
