@@ -7,23 +7,31 @@ One exchange of a tensor of ``n`` float32 elements among ``N`` ranks costs, on e
     fp16 allreduce        t16(n) = a_ar + b_ar * 2n + c16 * n
     C over allgather      tAG(n) = E(n) + a_ag + b_ag * m(n) + N * D(n)
     C over reduce-scatter tRS(n) = N * E(s) + a_aa + b_aa * N m(s) + N * D(s)
-                                   + E(s) + a_ag + b_ag * m(s) + N * D(s),   s = n / N
+                                   + E2(s) + a_ag + b_ag * m2(s) + N * D2(s),   s = n / N
 
 with E(x) = e0 + e * x and D(x) = d0 + d * x one encode and one decode of x elements, and
-m(x) = m0 + m1 * x the bytes of one message.  The reduce-scatter (hvdcomp.exchange.scatter)
-encodes N pieces, sends piece r to rank r (an all-to-all), decodes the N contributions to
-its own piece, re-encodes their average and allgathers it; every rank then decodes the N
+m(x) = m0 + m1 * x the bytes of one message; E2, D2, m2 the same of the second stage.  The
+reduce-scatter (hvdcomp.exchange.scatter) encodes N pieces, sends piece r to rank r (an
+all-to-all), decodes the N contributions to its own piece, re-encodes their average with
+the second-stage compressor (the bucketed quantizers with 2 more bits:
+hvdcomp.exchange.shards.second_stage) and allgathers it; every rank then decodes the N
 averaged pieces.  ``a``/``b`` are the latency and the seconds per byte of one collective *as
 measured on this job's link* (Horovod's allreduce of a buffer of B bytes per rank; the
 transport's allgather of B bytes from every rank; its all-to-all of B bytes from every
 rank, B / N to each), so the algorithms, the link's bandwidth and how many ranks share it
 are all inside the measurement.  ``e``/``d`` are the compressor's measured encode and decode
-seconds per element, ``c16`` the fp16 cast.  The model sums the phases: the exchange
+seconds per element, ``c16`` the fp16 cast.  A tensor's path is chosen without the
+collectives' latencies ``a`` (:meth:`CostModel.choose`): the exchange fuses the tensors of a
+bucket into one collective per path, so a small tensor does not pay a latency of its own
+(counting it steered small tensors to whichever collective answered fastest to a 64 KiB
+probe).  The model sums the phases: the exchange
 pipeline overlaps them, so it overestimates every path, the compressed ones most (they have
 three phases to overlap), i.e. it leans towards sending uncompressed.
 
 ``Auto(compressor)`` measures these numbers once, when the optimizer is built (a second or
-two: collectives of 64 KiB and 1 MiB, and an encode/decode of a 2^20-element tensor), takes
+two: each collective at 64 KiB and at L, L = the planned tensors' float32 bytes within
+1 .. 8 MiB (the allgather at L / (N - 1) per rank, so that each rank receives about L),
+and an encode/decode of a 2^22-element tensor by each stage), takes
 the slowest rank's value of each, so that every rank computes the same plan, and sends each
 tensor by the cheapest of fp32 allreduce, fp16 allreduce and the compressor over each
 collective the exchange allows (its ``collective`` setting: "allgather", "reduce_scatter", or
@@ -103,6 +111,8 @@ def merge_collective(given: Optional[str], from_spec: Optional[str]) -> Optional
 
 CHOICES = ("none", "fp16", "allgather", "reduce_scatter")
 CALIBRATE_SMALL = 4096      # elements of the small calibration tensor (per-tensor costs)
+LINK_SMALL = 1 << 16        # bytes per rank of the small calibration collectives
+LINK_LARGE_MIN, LINK_LARGE_MAX = 1 << 20, 8 << 20   # ... and the bounds of the large ones
 
 
 def fit_line(x1: float, t1: float, x2: float, t2: float) -> Tuple[float, float]:
@@ -141,50 +151,60 @@ class CodecCost:
     bytes_per_elem: float
     fp16_per_elem: float = 0.0
 
+    def encode(self, n: float) -> float:
+        return self.encode_fixed + self.encode_per_elem * n
+
+    def decode(self, n: float) -> float:
+        return self.decode_fixed + self.decode_per_elem * n
+
+    def message(self, n: float) -> float:
+        return self.bytes_fixed + self.bytes_per_elem * n
+
 
 @dataclass
 class CostModel:
-    """Predicted seconds of one exchange of an n-element tensor on each path (module doc)."""
+    """Predicted seconds of one exchange of an n-element tensor on each path (module doc).
+    stage2: the reduce-scatter's second-stage costs (None: the same as ``codec``)."""
     link: LinkCost
     codec: CodecCost
     world_size: int
     allreduce: bool = True      # False: no Horovod, fp32/fp16 go through the allgather too
+    stage2: Optional[CodecCost] = None
 
-    def seconds(self, n: int) -> Dict[str, float]:
+    def seconds(self, n: int, fused: bool = False) -> Dict[str, float]:
         """Predicted seconds of each path of :data:`CHOICES` for ``n`` elements (module
-        docstring; "allgather" and "reduce_scatter": the compressor over that collective)."""
+        docstring; "allgather" and "reduce_scatter": the compressor over that collective).
+        ``fused``: without the collectives' latencies (a tensor in a fusion bucket shares
+        its bucket's collectives: their latency is the bucket's, not the tensor's)."""
         L, C, N = self.link, self.codec, self.world_size
+        k = 0.0 if fused else 1.0
         if self.allreduce:
-            t32 = L.ar_latency + L.ar_per_byte * 4 * n
-            t16 = L.ar_latency + L.ar_per_byte * 2 * n + C.fp16_per_elem * n
+            t32 = k * L.ar_latency + L.ar_per_byte * 4 * n
+            t16 = k * L.ar_latency + L.ar_per_byte * 2 * n + C.fp16_per_elem * n
         else:                    # uncompressed messages through the allgather path
-            t32 = L.ag_latency + L.ag_per_byte * 4 * n
-            t16 = L.ag_latency + L.ag_per_byte * 2 * n + C.fp16_per_elem * n
+            t32 = k * L.ag_latency + L.ag_per_byte * 4 * n
+            t16 = k * L.ag_latency + L.ag_per_byte * 2 * n + C.fp16_per_elem * n
 
-        def enc(x):
-            return C.encode_fixed + C.encode_per_elem * x
-
-        def dec(x):
-            return C.decode_fixed + C.decode_per_elem * x
-
-        def msg(x):
-            return C.bytes_fixed + C.bytes_per_elem * x
-
-        tag = enc(n) + L.ag_latency + L.ag_per_byte * msg(n) + N * dec(n)
+        C2 = self.stage2 or C
+        tag = C.encode(n) + k * L.ag_latency + L.ag_per_byte * C.message(n) + N * C.decode(n)
         s = n / N
-        trs = (N * enc(s) + L.aa_latency + L.aa_per_byte * N * msg(s) + N * dec(s)
-               + enc(s) + L.ag_latency + L.ag_per_byte * msg(s) + N * dec(s))
+        trs = (N * C.encode(s) + k * L.aa_latency + L.aa_per_byte * N * C.message(s)
+               + N * C.decode(s) + C2.encode(s) + k * L.ag_latency
+               + L.ag_per_byte * C2.message(s) + N * C2.decode(s))
         return {"none": t32, "fp16": t16, "allgather": tag, "reduce_scatter": trs}
 
     def choose(self, n: int, allowed: Sequence[str] = CHOICES) -> str:
-        """The cheapest allowed path of :data:`CHOICES` for n elements (ties: the earlier
-        in CHOICES)."""
-        t = self.seconds(n)
+        """The cheapest allowed path of :data:`CHOICES` for a tensor of n elements in a
+        fusion bucket (``seconds(n, fused=True)``: the per-byte and per-element costs and
+        the compressor's per-tensor ones, not the collectives' latencies, which the bucket
+        pays once per path; ties: the earlier in CHOICES)."""
+        t = self.seconds(n, fused=True)
         return min((c for c in CHOICES if c in allowed), key=lambda c: t[c])
 
     def as_dict(self) -> dict:
         return {"link": asdict(self.link), "codec": asdict(self.codec),
-                "world_size": self.world_size, "allreduce": self.allreduce}
+                "world_size": self.world_size, "allreduce": self.allreduce,
+                "stage2": None if self.stage2 is None else asdict(self.stage2)}
 
 
 class Auto:
@@ -206,7 +226,7 @@ class Auto:
 
     def __init__(self, compressor="alq:bits=3", fallbacks: Sequence[str] = ("none", "fp16"),
                  *, link: Optional[LinkCost] = None, codec: Optional[CodecCost] = None,
-                 calibrate_numel: int = 2**20):
+                 calibrate_numel: int = 2**22):
         self.compressor: Compressor = (get(compressor) if isinstance(compressor, str)
                                        else compressor)
         if not isinstance(self.compressor, Compressor):
@@ -236,7 +256,8 @@ class Auto:
                 f"calibrate_numel={self.calibrate_numel}")
 
     def make_plan(self, sizes: Dict[str, int], transport, allreduce=None, device=None,
-                  collectives: Sequence[str] = ("allgather",)
+                  collectives: Sequence[str] = ("allgather",),
+                  second_stage: Optional[Callable[[Compressor], Compressor]] = None,
                   ) -> Dict[str, Tuple[Compressor, bool]]:
         """{name: (compressor, scatter)} for the tensors of ``sizes`` ({name: numel}) that
         the exchange would compress: ``self.compressor``, a NoneCompressor or an FP16, and
@@ -246,18 +267,25 @@ class Auto:
         ``device``: where the gradients live (the compressor and the allreduce are timed on
         tensors there).  ``collectives``: those the compressor may take, among "allgather"
         and "reduce_scatter" (the all-to-all is measured only when the latter is allowed).
-        ``plan`` records each choice: "none", "fp16", the compressor's name (allgather) or
+        ``second_stage``: the reduce-scatter's second-stage compressor of a compressor
+        (hvdcomp.exchange.shards.second_stage), measured when the reduce-scatter is allowed;
+        None: priced as the first stage.  ``plan`` records each choice: "none", "fp16", the compressor's name (allgather) or
         "rs+" and its name (reduce-scatter)."""
         bad = [c for c in collectives if c not in ("allgather", "reduce_scatter")]
         if bad or not collectives:
             raise ValueError(f"collectives must be a non-empty subset of ('allgather', "
                              f"'reduce_scatter'), got {tuple(collectives)}")
         scatter = "reduce_scatter" in collectives
+        large = min(max(4 * sum(sizes.values()), LINK_LARGE_MIN), LINK_LARGE_MAX)
         link = self.link or measure_link(transport, allreduce, device=device,
-                                         alltoall=scatter)
+                                         alltoall=scatter, large=large)
         codec = self.codec or measure_codec(self.compressor, transport, self.calibrate_numel,
                                             device=device)
-        self.model = CostModel(link, codec, transport.size, allreduce is not None)
+        stage2 = None
+        if scatter and second_stage is not None and self.codec is None:
+            stage2 = measure_codec(self.compressor, transport, self.calibrate_numel,
+                                   device=device, second_stage=second_stage)
+        self.model = CostModel(link, codec, transport.size, allreduce is not None, stage2)
         allowed = self.fallbacks + tuple(collectives)
         paths = {"none": (NoneCompressor(), False), "fp16": (FP16(), False),
                  "allgather": (self.compressor, False),
@@ -289,22 +317,27 @@ def _best_of(fn: Callable[[], None], reps: int) -> float:
     return best
 
 
-def measure_link(transport, allreduce=None, sizes=(1 << 16, 1 << 20), reps: int = 2,
+def measure_link(transport, allreduce=None, large: int = LINK_LARGE_MIN, reps: int = 2,
                  device=None, alltoall: bool = False) -> LinkCost:
     """Time the ``allreduce`` carrier (if any; a float32 buffer on ``device``), the
     transport's allgather (host bytes, as the exchange sends messages) and, with
     ``alltoall``, its all-to-all (B / N bytes to each rank) at two buffer sizes B (bytes per
-    rank) and fit latency + per-byte cost; slowest rank's values."""
+    rank): LINK_SMALL and ``large`` (the allgather's: large / (N - 1), at least twice
+    LINK_SMALL, so that every collective moves about ``large`` bytes per rank: a link's
+    sustained rate, not the burst a small transfer may ride), and fit latency + per-byte
+    cost; slowest rank's values."""
     vals = []
     n = transport.size
-    for i, b in enumerate(sizes):
+    large = max(int(large), 2 * LINK_SMALL)
+    sizes = [(LINK_SMALL, LINK_SMALL), (large, max(large // max(n - 1, 1), 2 * LINK_SMALL))]
+    for i, (b, b_ag) in enumerate(sizes):
         if allreduce is not None:
             buf = torch.zeros(b // 4, device=device)
             allreduce.sum_(buf, f"hvdcomp.auto.warm.{i}")
             vals.append(_best_of(lambda: allreduce.sum_(buf, f"hvdcomp.auto.ar.{i}"), reps))
         else:
             vals.append(0.0)
-        msg = np.zeros(b, dtype=np.uint8)
+        msg = np.zeros(b_ag, dtype=np.uint8)
         transport.allgather(msg)
         vals.append(_best_of(lambda: transport.allgather(msg), reps))
         if alltoall:
@@ -314,19 +347,24 @@ def measure_link(transport, allreduce=None, sizes=(1 << 16, 1 << 20), reps: int 
         else:
             vals.append(0.0)
     ar1, ag1, aa1, ar2, ag2, aa2 = _slowest(transport, vals)
-    a_ar, b_ar = fit_line(sizes[0], ar1, sizes[1], ar2)
-    a_ag, b_ag = fit_line(sizes[0], ag1, sizes[1], ag2)
-    a_aa, b_aa = fit_line(sizes[0], aa1, sizes[1], aa2)
+    (s1, g1), (s2, g2) = sizes
+    a_ar, b_ar = fit_line(s1, ar1, s2, ar2)
+    a_ag, b_ag = fit_line(g1, ag1, g2, ag2)
+    a_aa, b_aa = fit_line(s1, aa1, s2, aa2)
     return LinkCost(a_ar, b_ar, a_ag, b_ag, a_aa, b_aa)
 
 
-def measure_codec(compressor: Compressor, transport, numel: int = 2**20,
-                  reps: int = 2, device=None) -> CodecCost:
+def measure_codec(compressor: Compressor, transport, numel: int = 2**22,
+                  reps: int = 2, device=None,
+                  second_stage: Optional[Callable[[Compressor], Compressor]] = None
+                  ) -> CodecCost:
     """Encode and decode fresh copies of ``compressor`` (same settings; the real one's state
     is untouched) on N(0, 1e-6) tensors of 4096 and ``numel`` elements on ``device``; slowest
     rank's values.  Every repetition uses new copies, so compressors that keep state (LAQ's
     lazy skips, error feedback) are timed on a first, full upload.  NDQSG is timed as its
-    DQSG group (rank 0): the nested ranks' decode, which needs every message, is not."""
+    DQSG group (rank 0): the nested ranks' decode, which needs every message, is not.
+    ``second_stage``: time ``second_stage(copy)`` instead (the reduce-scatter's
+    re-encoding of the averages, e.g. a finer quantizer)."""
     rank, size = transport.rank, transport.size
     gen = torch.Generator().manual_seed(12345 + rank)
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -340,6 +378,8 @@ def measure_codec(compressor: Compressor, transport, numel: int = 2**20,
         nbytes = 0
         for rep in range(reps + 1):               # the first repetition warms up
             enc, dec = get(compressor.spec()), get(compressor.spec())
+            if second_stage is not None:
+                enc, dec = second_stage(enc), second_stage(dec)
             acc = torch.zeros(n, device=dev)
             sync()
             t0 = time.perf_counter()

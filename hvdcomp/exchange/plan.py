@@ -32,7 +32,7 @@ from ..compressors import BF16, FP16, Compressor, NoneCompressor, TensorKey
 from ..errors import ConfigError
 from ..transport import Allreduce, Transport
 from .buckets import agree
-from .shards import refusal
+from .shards import refusal, second_stage
 
 __all__ = ["Entry", "Plan", "qualifies", "route", "keep_range", "wire_dtype", "collectives"]
 
@@ -132,7 +132,7 @@ class Plan:
                   "the Auto settings")
             dev = next((p.device for n, p in named_params if n in sizes), None)
             chosen = self.auto.make_plan(sizes, transport, allreduce, device=dev,
-                                         collectives=allowed)
+                                         collectives=allowed, second_stage=second_stage)
         order = {n: i for i, n in enumerate(sorted(names))}
         self.entries: Dict[str, Entry] = {}
         for name, p in named_params:
