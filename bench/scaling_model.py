@@ -20,12 +20,15 @@ encoding, k values of 32 bits and Golomb-Rice coded gaps of about log2(n/k) + 1.
 
 Cost (:func:`predict`), with parameters fitted by :func:`fit`:
 
-    wire  W = alpha * steps + beta_rate * bytes sent
+    wire  W = alpha * steps + beta_rate * bytes sent + beta_ar_rate * bytes allreduced
     CPU   C = kappa * (e * encoded + d * decoded + e0 * encoded messages + d0 * decoded
               messages + c16 * cast elements)
     time  T = max(W, C) + min(W, C) / K        K fusion buckets (a pipeline of K stages)
 
-``alpha`` (latency per message), ``beta`` (seconds per byte, one per link rate), ``e``/``d``
+``alpha`` (latency per message), ``beta`` (seconds per byte, one per link rate, of hvdcomp's
+own collectives: mpi4py's allgather and all-to-all), ``beta_ar`` (the same of Horovod's
+allreduce, which the replays show slower per byte: it copies through its fusion buffer on
+its background thread, and MPI's allreduce need not run the ring the count assumes), ``e``/``d``
 (seconds per element, one pair per compressor) and ``e0``/``d0`` (per message) are fitted;
 ``kappa`` is the CPU contention of the measurement: N ranks and a background of B busy
 threads of other jobs sharing this machine's cores (``kappa = max(1, (N + B) / cores)``;
@@ -100,7 +103,8 @@ class _P:
 @lru_cache(maxsize=None)
 def account(model: str, method: str, n: int) -> Dict[str, float]:
     """Per-rank work of one exchange of ``model``'s gradients with ``method`` on ``n`` ranks
-    (module docstring): steps, bytes (sent), encoded / decoded elements, encoded / decoded
+    (module docstring): steps, bytes (sent by hvdcomp's collectives), ar_bytes (sent by
+    Horovod's allreduce), encoded / decoded elements, encoded / decoded
     messages, cast elements, buckets."""
     import shapes as S
     from hvdcomp.compressors import get
@@ -112,12 +116,12 @@ def account(model: str, method: str, n: int) -> Dict[str, float]:
     buckets = fuse(params, FUSION)
     fam, coll = _method(method)
     log = math.log2(n) if n > 1 else 0.0
-    acc = dict(steps=0.0, bytes=0.0, enc=0.0, dec=0.0, enc_msgs=0.0, dec_msgs=0.0,
-               cast=0.0, buckets=len(buckets))
+    acc = dict(steps=0.0, bytes=0.0, ar_bytes=0.0, enc=0.0, dec=0.0, enc_msgs=0.0,
+               dec_msgs=0.0, cast=0.0, buckets=len(buckets))
 
     def allreduce(b):
         acc["steps"] += 2 * (n - 1)
-        acc["bytes"] += 2 * (n - 1) / n * b
+        acc["ar_bytes"] += 2 * (n - 1) / n * b
 
     def ring(frames):
         acc["steps"] += (n - 1) + log            # counts first
@@ -168,7 +172,7 @@ def account(model: str, method: str, n: int) -> Dict[str, float]:
     return acc
 
 
-PARAMS = ("alpha", "beta_1gbit", "beta_10gbit", "e_alq", "d_alq", "e0", "d0", "e_dgc",
+PARAMS = ("alpha", "beta_1gbit", "beta_10gbit", "beta_ar_1gbit", "beta_ar_10gbit", "e_alq", "d_alq", "e0", "d0", "e_dgc",
           "d_dgc", "c16")
 
 
@@ -178,7 +182,8 @@ def predict(p: Dict[str, float], model: str, method: str, n: int, rate: str,
     fitted parameters; ``kappa``: CPU contention (1: hosts with their own cores)."""
     a = account(model, method, n)
     fam, _ = _method(method)
-    wire = p["alpha"] * a["steps"] + p[f"beta_{rate}"] * a["bytes"]
+    wire = (p["alpha"] * a["steps"] + p[f"beta_{rate}"] * a["bytes"]
+            + p[f"beta_ar_{rate}"] * a["ar_bytes"])
     e, d = (p["e_alq"], p["d_alq"]) if fam == "alq" else (p["e_dgc"], p["d_dgc"])
     cpu = kappa * (e * a["enc"] + d * a["dec"] + p["e0"] * a["enc_msgs"]
                    + p["d0"] * a["dec_msgs"] + p["c16"] * a["cast"])
@@ -244,12 +249,13 @@ def fit_at(rows: List[dict], cores: int, background: float) -> Dict[str, float]:
         if r["method"].startswith("auto"):
             continue
         a = account(r["model"], r["method"], r["hosts"])
-        x = np.zeros(3)
+        x = np.zeros(5)
         x[0] = a["steps"]
         x[1 if r["rate"] == "1gbit" else 2] = a["bytes"]
+        x[3 if r["rate"] == "1gbit" else 4] = a["ar_bytes"]
         wire_rows.append(x / r["replay_s"])
         wire_b.append(1.0)
-    alpha, b1, b10 = _nnls(np.array(wire_rows), np.array(wire_b))
+    alpha, b1, b10, bar1, bar10 = _nnls(np.array(wire_rows), np.array(wire_b))
     cpu_rows, cpu_b = [], []
     for r in rows:
         fam, _ = _method(r["method"])
@@ -269,7 +275,8 @@ def fit_at(rows: List[dict], cores: int, background: float) -> Dict[str, float]:
     c16 = float(np.median([(r["encode"] + r["decode"]) / (account(r["model"], "fp16", r["hosts"])
                                                            ["cast"] * contention(r["hosts"], cores, background))
                            for r in c16])) if c16 else 0.0
-    return dict(alpha=alpha, beta_1gbit=b1, beta_10gbit=b10, e_alq=e_alq, d_alq=d_alq,
+    return dict(alpha=alpha, beta_1gbit=b1, beta_10gbit=b10, beta_ar_1gbit=bar1,
+                beta_ar_10gbit=bar10, e_alq=e_alq, d_alq=d_alq,
                 e0=e0, d0=d0, e_dgc=e_dgc, d_dgc=d_dgc, c16=c16, background=background)
 
 
@@ -383,7 +390,10 @@ def render(res: dict, p: Dict[str, float]) -> str:
           ", ".join(f"{k} = {v:.3g}" for k, v in p.items() if k != "cores"), "",
           "alpha: seconds per message step; beta: seconds per byte sent (1 / beta: "
           f"{1 / max(p['beta_1gbit'], 1e-30) * 8 / 1e9:.2f} and "
-          f"{1 / max(p['beta_10gbit'], 1e-30) * 8 / 1e9:.2f} Gbit/s effective); e, d: "
+          f"{1 / max(p['beta_10gbit'], 1e-30) * 8 / 1e9:.2f} Gbit/s effective); beta_ar: the "
+          "same of Horovod's allreduce (1 / beta_ar: "
+          f"{1 / max(p['beta_ar_1gbit'], 1e-30) * 8 / 1e9:.2f} and "
+          f"{1 / max(p['beta_ar_10gbit'], 1e-30) * 8 / 1e9:.2f} Gbit/s); e, d: "
           "seconds per encoded / decoded element; e0, d0: per encoded / decoded message; "
           "c16: per element cast to and from fp16.", ""]
     errs = []
