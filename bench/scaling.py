@@ -1,5 +1,5 @@
 """How the exchange scales with the number of hosts: allgather against reduce-scatter,
-measured on 2 to 8 emulated hosts, and a model fitted to the measurements that predicts
+measured on 2 to 16 emulated hosts, and a model fitted to the measurements that predicts
 16 to 1024 hosts.
 
     .venv/bin/python bench/scaling.py --models resnet50 --hosts 2,4,8 --rates 1gbit,10gbit

@@ -1,5 +1,5 @@
 """The scaling model of bench/scaling.py: what one exchange costs a rank, as a function of the
-number of hosts N, fitted to the measurements of 2 to 8 hosts and used to predict 16 to 1024.
+number of hosts N, fitted to the measurements of 2 to 16 hosts and used to predict up to 1024.
 
 Accounting (:func:`account`, exact, from hvdcomp's own fusion, routing, shard layout and
 message sizes; no measurement): for each method and N, the collective calls of one
@@ -324,7 +324,7 @@ def render(res: dict, p: Dict[str, float]) -> str:
     the targets of issue 11, predictions to 1024 hosts."""
     cores = p["cores"]
     rows = rows_of(res)
-    L = ["# Scaling: allgather vs reduce-scatter, 2 to 8 emulated hosts, model to 1024", ""]
+    L = ["# Scaling: allgather vs reduce-scatter, 2 to 16 emulated hosts, model to 1024", ""]
     L += ["Commands (each cell: `launch/cluster HOSTS RATE -- launch/run -np HOSTS python "
           "bench/scaling.py --worker ...`, one rank per host, own network namespace and link "
           "shaped both ways, MPI over TCP):", ""]
