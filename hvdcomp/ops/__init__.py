@@ -36,7 +36,15 @@ import torch
 
 from ..backends import kernel_backend
 
-__all__ = ["Op", "op", "device_of", "finite", "REGISTRY"]
+__all__ = ["Op", "op", "device_of", "finite", "bucket_width", "REGISTRY"]
+
+
+def bucket_width(n: int, bucket_size: int) -> int:
+    """Row length of the references' zero-padded (nb, width) bucket layout of ``n`` values:
+    ``bucket_size``, except where one bucket holds all n values (0 < n <= bucket_size):
+    then n, since padding that lone bucket to bucket_size adds only zeros, and bucket_size
+    may be as large as 2^31 (a 16 GiB float64 row for a 100-element tensor)."""
+    return n if 0 < n <= bucket_size else bucket_size
 
 
 def finite(t: Optional[torch.Tensor]) -> bool:

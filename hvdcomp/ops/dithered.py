@@ -61,7 +61,7 @@ from ..backends._common import (BLOCK, MAX_GRID, check_int, check_tensor, grid_f
                                 reduce_block, u32)
 from .bitpack import pack_bits, unpack_bits
 from ..random import random_words, uniform
-from . import op
+from . import bucket_width, op
 
 __all__ = ["CHECK_OFFSET", "max_step", "dither", "check_weights", "dqsg_quantize",
            "dqsg_reconstruct", "bucket_checksums", "nested_resolve", "bucket_steps",
@@ -144,9 +144,10 @@ def bucket_checksums(q: torch.Tensor, w: torch.Tensor, bucket_size: int) -> torc
     before the sum, so a bucket of up to 2**31 coordinates cannot overflow int64."""
     n = q.numel()
     nb = _nb(n, bucket_size)
-    p = torch.zeros(nb * bucket_size, dtype=torch.int64, device=q.device)
+    width = bucket_width(n, bucket_size)
+    p = torch.zeros(nb * width, dtype=torch.int64, device=q.device)
     p[:n] = (q * w) & _MASK
-    return p.view(nb, bucket_size).sum(dim=1) & _MASK
+    return p.view(nb, width).sum(dim=1) & _MASK
 
 
 def nested_resolve(c: torch.Tensor, z: torch.Tensor, bits: int,
@@ -217,9 +218,10 @@ def bucket_steps(x: torch.Tensor, bits: int, bucket_size: int) -> torch.Tensor:
     flat finite float32 x (n,), nb = ceil(n / bucket_size)."""
     n = x.numel()
     nb = _nb(n, bucket_size)
-    xp = torch.zeros(nb * bucket_size, dtype=torch.float32, device=x.device)
+    w = bucket_width(n, bucket_size)
+    xp = torch.zeros(nb * w, dtype=torch.float32, device=x.device)
     xp[:n] = x.abs()
-    return (xp.view(nb, bucket_size).amax(dim=1) / _levels(bits)).clamp_(max=max_step(bits))
+    return (xp.view(nb, w).amax(dim=1) / _levels(bits)).clamp_(max=max_step(bits))
 
 
 @bucket_steps.kernel

@@ -49,7 +49,7 @@ from ..backends._common import (BLOCK, MAX_GRID, check_int, check_tensor, grid_f
                                 packed_size, reduce_block, u32)
 from .bitpack import pack_bits, unpack_bits
 from ..random import uniform
-from . import op
+from . import bucket_width, op
 
 __all__ = ["bucket_norms", "quantize_pack", "quantize", "dequantize_add",
            "dequantize_add_many", "quantize_reference", "dequantize_reference"]
@@ -63,11 +63,12 @@ def _padded(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
     """The float32 values of flat ``x``, zero-padded to whole buckets: (nb, bucket_size)."""
     n = x.numel()
     nb = (n + bucket_size - 1) // bucket_size
-    if n == nb * bucket_size:
-        return x.reshape(nb, bucket_size).to(torch.float32)
-    xp = torch.zeros(nb * bucket_size, dtype=torch.float32, device=x.device)
+    w = bucket_width(n, bucket_size)
+    if n == nb * w:
+        return x.reshape(nb, w).to(torch.float32)
+    xp = torch.zeros(nb * w, dtype=torch.float32, device=x.device)
     xp[:n] = x
-    return xp.view(nb, bucket_size)
+    return xp.view(nb, w)
 
 
 def _codes(x: torch.Tensor, norms: torch.Tensor, levels: torch.Tensor, bucket_size: int,

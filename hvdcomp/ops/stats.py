@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..backends._common import MAX_GRID, check_int, check_tensor, grid_for, reduce_block
-from . import op
+from . import bucket_width, op
 
 __all__ = ["histogram_stats", "bucket_stats", "bucket_norms64", "hist_bins", "HIST_EDGES",
            "HIST_BINS", "HIST_CHUNK", "REDUCE_GROUP"]
@@ -62,8 +62,9 @@ def _buckets64(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
     x = x.detach().reshape(-1).to(torch.float64)
     n = x.numel()
     nb = (n + bucket_size - 1) // bucket_size
-    pad = torch.zeros(nb * bucket_size - n, dtype=torch.float64, device=x.device)
-    return torch.cat([x, pad]).view(nb, bucket_size)
+    w = bucket_width(n, bucket_size)
+    pad = torch.zeros(nb * w - n, dtype=torch.float64, device=x.device)
+    return torch.cat([x, pad]).view(nb, w)
 
 
 @op

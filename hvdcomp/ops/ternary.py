@@ -42,7 +42,7 @@ from ..backends._common import (BLOCK, MAX_GRID, check_int, check_tensor, grid_f
                                 reduce_block, u32)
 from .bitpack import pack_bits, unpack_bits
 from ..random import uniform
-from . import op
+from . import bucket_width, op
 
 __all__ = ["clip_threshold", "clip_gradient", "terngrad_scales", "terngrad_pack",
            "terngrad_decode_add", "signef_scales", "signef_pack", "signef_decode_add",
@@ -109,9 +109,10 @@ def terngrad_scales(x: torch.Tensor, clip: float, bucket_size: int
     n = x.numel()
     nb = (n + bucket_size - 1) // bucket_size
     t = clip_threshold(x, clip)
-    a = torch.zeros(nb * bucket_size, dtype=torch.float32, device=x.device)
+    w = bucket_width(n, bucket_size)
+    a = torch.zeros(nb * w, dtype=torch.float32, device=x.device)
     a[:n] = _clamp(x, t).abs()
-    return a.view(nb, bucket_size).amax(dim=1), t
+    return a.view(nb, w).amax(dim=1), t
 
 
 @op
@@ -160,12 +161,13 @@ def signef_scales(g: torch.Tensor, e: Optional[torch.Tensor], bucket_size: int
     p = _p(g, e)
     n = p.numel()
     nb = (n + bucket_size - 1) // bucket_size
-    a = torch.zeros(nb * bucket_size, dtype=torch.float64, device=p.device)
+    w = bucket_width(n, bucket_size)
+    a = torch.zeros(nb * w, dtype=torch.float64, device=p.device)
     a[:n] = p.abs().to(torch.float64)
     counts = torch.full((nb,), float(bucket_size), dtype=torch.float64, device=p.device)
     if nb:
         counts[-1] = n - (nb - 1) * bucket_size
-    return (a.view(nb, bucket_size).sum(dim=1) / counts).to(torch.float32)
+    return (a.view(nb, w).sum(dim=1) / counts).to(torch.float32)
 
 
 @op
