@@ -62,15 +62,38 @@ def test_sources_keep_the_rules():
     assert "#include" not in _code(os.path.join(KDIR, "hvdcomp.cuh"))
 
 
-@pytest.mark.requires_nvcc
-@pytest.mark.parametrize("arch", ["80", "90"])
-@pytest.mark.parametrize("source", CU_FILES)
-def test_nvcc_compiles_without_warnings(tmp_path, arch, source):
-    cmd = [nvcc_path(), "-c", os.path.join(KDIR, source), "-o", str(tmp_path / "k.o"),
+NVCC_ARCHS = ["80", "90"]
+
+
+def _nvcc(source: str, arch: str, outdir: str):
+    cmd = [nvcc_path(), "-c", os.path.join(KDIR, source),
+           "-o", os.path.join(outdir, f"{source}.{arch}.o"),
            "-std=c++17", "--fmad=false", f"-gencode=arch=compute_{arch},code=sm_{arch}",
            "-Werror", "all-warnings", "-Xptxas", "-Werror",
            "-Xcompiler", "-Wall,-Wextra,-Werror"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return cmd, r
+
+
+@pytest.fixture(scope="module")
+def nvcc_builds(tmp_path_factory):
+    """Every (source, arch) compiled once, as many at a time as there are cores (each
+    compile is one single-threaded process; one by one they took 105 s of the suite)."""
+    from concurrent.futures import ThreadPoolExecutor
+    if not nvcc_path():
+        pytest.skip("nvcc not found on PATH (set NVCC=/path/to/nvcc)")
+    outdir = str(tmp_path_factory.mktemp("nvcc"))
+    jobs = [(s, a) for s in CU_FILES for a in NVCC_ARCHS]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = pool.map(lambda job: _nvcc(*job, outdir), jobs)
+        return dict(zip(jobs, results))
+
+
+@pytest.mark.requires_nvcc
+@pytest.mark.parametrize("arch", NVCC_ARCHS)
+@pytest.mark.parametrize("source", CU_FILES)
+def test_nvcc_compiles_without_warnings(nvcc_builds, arch, source):
+    cmd, r = nvcc_builds[source, arch]
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}{r.stderr}"
     assert "warning" not in (r.stdout + r.stderr).lower(), r.stdout + r.stderr
 
