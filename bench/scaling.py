@@ -20,13 +20,14 @@ gradients with the model's shapes (bench/shapes.py), and reports:
   communicate stage's local work (the reduce-scatter's re-encoding, reduce_s) and the wire
   part comm_s - reduce_s;
 * replay: the same collective calls with the same byte counts, replayed back to back with
-  nothing else running, after the reps (the wire alone, as hosts with their own cores would
-  see it: on this 2-core machine the communicate stage also waits for ranks slowed by the
-  others' encoding).
+  nothing else running, after the reps (the wire alone: on this 2-core machine the
+  communicate stage also waits for ranks slowed by the others' encoding; the replay still
+  shares the cores with the other ranks' TCP work, which the model's ``gamma`` prices).
 
 Results: bench/results/scaling.json (raw, with the command and time of each cell),
 scaling.md (tables, the fitted model and its predictions), scaling.png (predicted time per
-exchange against hosts for each method).  The model: docstring of :func:`predict`.
+exchange against hosts for each method).  The model: bench/scaling_model.py (its module
+docstring).
 """
 from __future__ import annotations
 

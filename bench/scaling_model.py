@@ -343,7 +343,8 @@ def render(res: dict, p: Dict[str, float]) -> str:
     L += ["", f"Conditions: {res.get('conditions', '')}", "",
           "Columns: time per exchange = the slowest rank's, median of 3 after a warm-up "
           "(min-max); wire = the same collective calls replayed back to back with nothing "
-          "else running (what hosts with their own cores would see of the network); tx / rx = "
+          "else running (no encoding or decoding beside it; the ranks' TCP work still shares "
+          "the cores); tx / rx = "
           "bytes per rank on its link (its interface counters: everything, TCP/IP headers "
           "included), mean over ranks, exact per rep; payload = hvdcomp's own count of the "
           "bytes it sent (StepStats.bytes_sent, allreduced buffers included) / received "
