@@ -36,7 +36,7 @@ import torch
 
 from ..backends import kernel_backend
 
-__all__ = ["Op", "op", "device_of", "finite", "bucket_width", "REGISTRY"]
+__all__ = ["Op", "op", "device_of", "finite", "bucket_width", "padded_buckets", "REGISTRY"]
 
 
 def bucket_width(n: int, bucket_size: int) -> int:
@@ -45,6 +45,20 @@ def bucket_width(n: int, bucket_size: int) -> int:
     then n, since padding that lone bucket to bucket_size adds only zeros, and bucket_size
     may be as large as 2^31 (a 16 GiB float64 row for a 100-element tensor)."""
     return n if 0 < n <= bucket_size else bucket_size
+
+
+def padded_buckets(values: torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """Flat ``values`` (n,) as buckets: (ceil(n / bucket_size), :func:`bucket_width`), the
+    last row zero-padded, in ``values``' dtype and device (a view of ``values`` where no
+    padding is needed).  The references' one bucket layout."""
+    n = values.numel()
+    nb = (n + bucket_size - 1) // bucket_size
+    w = bucket_width(n, bucket_size)
+    if n == nb * w:
+        return values.reshape(nb, w)
+    out = values.new_zeros(nb * w)
+    out[:n] = values.reshape(-1)
+    return out.view(nb, w)
 
 
 def finite(t: Optional[torch.Tensor]) -> bool:

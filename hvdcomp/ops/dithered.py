@@ -61,7 +61,7 @@ from ..backends._common import (BLOCK, MAX_GRID, check_int, check_tensor, grid_f
                                 reduce_block, u32)
 from .bitpack import pack_bits, unpack_bits
 from ..random import random_words, uniform
-from . import bucket_width, op
+from . import op, padded_buckets
 
 __all__ = ["CHECK_OFFSET", "max_step", "dither", "check_weights", "dqsg_quantize",
            "dqsg_reconstruct", "bucket_checksums", "nested_resolve", "bucket_steps",
@@ -142,12 +142,7 @@ def bucket_checksums(q: torch.Tensor, w: torch.Tensor, bucket_size: int) -> torc
 
     q: int64 (n,) with |q| < 2**8; w: int64 (n,) < 2**32.  Each product is reduced mod 2**32
     before the sum, so a bucket of up to 2**31 coordinates cannot overflow int64."""
-    n = q.numel()
-    nb = _nb(n, bucket_size)
-    width = bucket_width(n, bucket_size)
-    p = torch.zeros(nb * width, dtype=torch.int64, device=q.device)
-    p[:n] = (q * w) & _MASK
-    return p.view(nb, width).sum(dim=1) & _MASK
+    return padded_buckets((q * w) & _MASK, bucket_size).sum(dim=1) & _MASK
 
 
 def nested_resolve(c: torch.Tensor, z: torch.Tensor, bits: int,
@@ -216,12 +211,8 @@ def _quantize_pack(be, x, delta, b, bs, nbits, key) -> torch.Tensor:
 def bucket_steps(x: torch.Tensor, bits: int, bucket_size: int) -> torch.Tensor:
     """Delta_b = min(float32(max_{i in b} |x_i| / M), max_step(bits)): float32 (nb,) for a
     flat finite float32 x (n,), nb = ceil(n / bucket_size)."""
-    n = x.numel()
-    nb = _nb(n, bucket_size)
-    w = bucket_width(n, bucket_size)
-    xp = torch.zeros(nb * w, dtype=torch.float32, device=x.device)
-    xp[:n] = x.abs()
-    return (xp.view(nb, w).amax(dim=1) / _levels(bits)).clamp_(max=max_step(bits))
+    xp = padded_buckets(x.abs().to(torch.float32), bucket_size)
+    return (xp.amax(dim=1) / _levels(bits)).clamp_(max=max_step(bits))
 
 
 @bucket_steps.kernel

@@ -49,7 +49,7 @@ from ..backends._common import (BLOCK, MAX_GRID, check_int, check_tensor, grid_f
                                 packed_size, reduce_block, u32)
 from .bitpack import pack_bits, unpack_bits
 from ..random import uniform
-from . import bucket_width, op
+from . import op, padded_buckets
 
 __all__ = ["bucket_norms", "quantize_pack", "quantize", "dequantize_add",
            "dequantize_add_many", "quantize_reference", "dequantize_reference"]
@@ -60,15 +60,8 @@ NORMS = ("l2", "linf")
 # ---- references -------------------------------------------------------------------------------
 
 def _padded(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
-    """The float32 values of flat ``x``, zero-padded to whole buckets: (nb, bucket_size)."""
-    n = x.numel()
-    nb = (n + bucket_size - 1) // bucket_size
-    w = bucket_width(n, bucket_size)
-    if n == nb * w:
-        return x.reshape(nb, w).to(torch.float32)
-    xp = torch.zeros(nb * w, dtype=torch.float32, device=x.device)
-    xp[:n] = x
-    return xp.view(nb, w)
+    """The float32 values of flat ``x``, zero-padded to whole buckets (ops.padded_buckets)."""
+    return padded_buckets(x.reshape(-1).to(torch.float32), bucket_size)
 
 
 def _codes(x: torch.Tensor, norms: torch.Tensor, levels: torch.Tensor, bucket_size: int,

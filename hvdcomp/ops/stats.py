@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..backends._common import MAX_GRID, check_int, check_tensor, grid_for, reduce_block
-from . import bucket_width, op
+from . import op, padded_buckets
 
 __all__ = ["histogram_stats", "bucket_stats", "bucket_norms64", "hist_bins", "HIST_EDGES",
            "HIST_BINS", "HIST_CHUNK", "REDUCE_GROUP"]
@@ -58,13 +58,8 @@ CHUNK_BLOCK = 64         # threads per block of the chunk kernel (any value give
 # ---- references -------------------------------------------------------------------------------
 
 def _buckets64(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
-    """The float64 values of flat ``x``, zero-padded to whole buckets: (nb, bucket_size)."""
-    x = x.detach().reshape(-1).to(torch.float64)
-    n = x.numel()
-    nb = (n + bucket_size - 1) // bucket_size
-    w = bucket_width(n, bucket_size)
-    pad = torch.zeros(nb * w - n, dtype=torch.float64, device=x.device)
-    return torch.cat([x, pad]).view(nb, w)
+    """The float64 values of flat ``x``, zero-padded to whole buckets (ops.padded_buckets)."""
+    return padded_buckets(x.detach().reshape(-1).to(torch.float64), bucket_size)
 
 
 @op

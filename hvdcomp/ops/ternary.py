@@ -42,7 +42,7 @@ from ..backends._common import (BLOCK, MAX_GRID, check_int, check_tensor, grid_f
                                 reduce_block, u32)
 from .bitpack import pack_bits, unpack_bits
 from ..random import uniform
-from . import bucket_width, op
+from . import op, padded_buckets
 
 __all__ = ["clip_threshold", "clip_gradient", "terngrad_scales", "terngrad_pack",
            "terngrad_decode_add", "signef_scales", "signef_pack", "signef_decode_add",
@@ -106,13 +106,8 @@ def terngrad_scales(x: torch.Tensor, clip: float, bucket_size: int
 
     x: float32 (n,), finite; clip >= 0; bucket_size >= 1.
     """
-    n = x.numel()
-    nb = (n + bucket_size - 1) // bucket_size
     t = clip_threshold(x, clip)
-    w = bucket_width(n, bucket_size)
-    a = torch.zeros(nb * w, dtype=torch.float32, device=x.device)
-    a[:n] = _clamp(x, t).abs()
-    return a.view(nb, w).amax(dim=1), t
+    return padded_buckets(_clamp(x, t).abs().to(torch.float32), bucket_size).amax(dim=1), t
 
 
 @op
@@ -161,13 +156,11 @@ def signef_scales(g: torch.Tensor, e: Optional[torch.Tensor], bucket_size: int
     p = _p(g, e)
     n = p.numel()
     nb = (n + bucket_size - 1) // bucket_size
-    w = bucket_width(n, bucket_size)
-    a = torch.zeros(nb * w, dtype=torch.float64, device=p.device)
-    a[:n] = p.abs().to(torch.float64)
+    a = padded_buckets(p.abs().to(torch.float64), bucket_size)
     counts = torch.full((nb,), float(bucket_size), dtype=torch.float64, device=p.device)
     if nb:
         counts[-1] = n - (nb - 1) * bucket_size
-    return (a.view(nb, w).sum(dim=1) / counts).to(torch.float32)
+    return (a.sum(dim=1) / counts).to(torch.float32)
 
 
 @op

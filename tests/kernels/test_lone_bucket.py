@@ -6,7 +6,7 @@ import resource
 
 import torch
 
-from hvdcomp.ops import bucket_width
+from hvdcomp.ops import bucket_width, padded_buckets
 from hvdcomp.ops import dithered as D
 from hvdcomp.ops import quantize as Q
 from hvdcomp.ops import stats as S
@@ -20,6 +20,15 @@ def test_bucket_width():
     assert bucket_width(100, 100) == 100
     assert bucket_width(101, 100) == 100
     assert bucket_width(0, HUGE) == HUGE          # no bucket: nothing is allocated
+
+
+def test_padded_buckets_hand_worked():
+    v = torch.tensor([1, 2, 3])
+    assert torch.equal(padded_buckets(v, 2), torch.tensor([[1, 2], [3, 0]]))
+    assert torch.equal(padded_buckets(v, 3), torch.tensor([[1, 2, 3]]))
+    assert torch.equal(padded_buckets(v, HUGE), torch.tensor([[1, 2, 3]]))
+    assert padded_buckets(v[:0], 5).shape == (0, 5)
+    assert padded_buckets(v.double(), 2).dtype == torch.float64
 
 
 def test_lone_bucket_references_equal_their_hand_worked_values_without_padding():
