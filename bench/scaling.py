@@ -53,7 +53,6 @@ LABELS = {"none": "fp32 allreduce", "fp16": "fp16 allreduce",
           "ag+dgc:density=0.001": "DGC 0.1% allgather",
           "rs+dgc:density=0.001": "DGC 0.1% reduce-scatter", "auto+alq:bits=3": "Auto(ALQ 3b)"}
 RESULTS = os.path.join(ROOT, "bench", "results", "scaling")
-RATE_BITS = {"1gbit": 1e9, "10gbit": 1e10}
 CORES = os.cpu_count() or 1
 
 

@@ -191,17 +191,32 @@ def _link(a: Dict[str, float], rate: str) -> float:
     return 8.0 / RATE_BITS[rate] * (a["bytes"] + a["ar_bytes"])
 
 
+WIRE = 4        # PARAMS[:WIRE] price the wire, the rest the CPU
+
+
+def _features(a: Dict[str, float], method: str, rate: str, kappa: float) -> np.ndarray:
+    """What each parameter multiplies in one exchange (PARAMS' order): the cost beyond the
+    link is ``_features(...) @ [p[k] for k in PARAMS]``."""
+    fam, _ = _method(method)
+    x = np.zeros(len(PARAMS))
+    x[0] = a["steps"]
+    x[1 if rate == "1gbit" else 2] = a["ar_bytes"]
+    x[3] = kappa * (a["bytes"] + a["ar_bytes"])
+    if fam is not None:
+        off = 4 if fam == "alq" else 6
+        x[off], x[off + 1] = kappa * a["enc"], kappa * a["dec"]
+    x[8], x[9], x[10] = kappa * a["enc_msgs"], kappa * a["dec_msgs"], kappa * a["cast"]
+    return x
+
+
 def predict(p: Dict[str, float], model: str, method: str, n: int, rate: str,
             kappa: float = 1.0) -> Dict[str, float]:
     """{"wire", "cpu", "total"} seconds of one exchange (module docstring); ``p``: the
     fitted parameters; ``kappa``: CPU contention (1: hosts with their own cores)."""
     a = account(model, method, n)
-    fam, _ = _method(method)
-    wire = (p["alpha"] * a["steps"] + _link(a, rate) + p[f"beta_ar_{rate}"] * a["ar_bytes"]
-            + p["gamma"] * kappa * (a["bytes"] + a["ar_bytes"]))
-    e, d = (p["e_alq"], p["d_alq"]) if fam == "alq" else (p["e_dgc"], p["d_dgc"])
-    cpu = kappa * (e * a["enc"] + d * a["dec"] + p["e0"] * a["enc_msgs"]
-                   + p["d0"] * a["dec_msgs"] + p["c16"] * a["cast"])
+    terms = _features(a, method, rate, kappa) * np.array([p[k] for k in PARAMS])
+    wire = _link(a, rate) + float(terms[:WIRE].sum())
+    cpu = float(terms[WIRE:].sum())
     return dict(wire=wire, cpu=cpu, total=wire + cpu)
 
 
@@ -259,31 +274,17 @@ def fit_at(rows: List[dict], cores: int, background: float) -> Dict[str, float]:
     the other wire terms, which this fit then drops), the rest from the times per
     exchange less the link and the latency (module docstring)."""
     fixed = [r for r in rows if r["method"] in FIXED]
-    wire_rows, wire_b = [], []
+    feats = []                              # (features, link seconds, row)
     for r in fixed:
         a = account(r["model"], r["method"], r["hosts"])
         kap = contention(r["hosts"], cores, background)
-        x = np.array([a["steps"], a["ar_bytes"] * (r["rate"] == "1gbit"),
-                      a["ar_bytes"] * (r["rate"] == "10gbit"),
-                      kap * (a["bytes"] + a["ar_bytes"])])
-        wire_rows.append(x / r["replay_s"])
-        wire_b.append(1.0 - _link(a, r["rate"]) / r["replay_s"])
-    alpha = float(_nnls(np.array(wire_rows), np.array(wire_b))[0])
-    rows_a, b = [], []
-    for r in fixed:
-        a = account(r["model"], r["method"], r["hosts"])
-        fam, _ = _method(r["method"])
-        kap = contention(r["hosts"], cores, background)
-        x = np.zeros(len(PARAMS) - 1)       # every parameter but alpha, in PARAMS' order
-        x[0 if r["rate"] == "1gbit" else 1] = a["ar_bytes"]
-        x[2] = kap * (a["bytes"] + a["ar_bytes"])
-        if fam is not None:
-            off = 3 if fam == "alq" else 5
-            x[off], x[off + 1] = kap * a["enc"], kap * a["dec"]
-        x[7], x[8], x[9] = kap * a["enc_msgs"], kap * a["dec_msgs"], kap * a["cast"]
-        t = r["median_s"]
-        rows_a.append(x / t)
-        b.append(1.0 - (_link(a, r["rate"]) + alpha * a["steps"]) / t)
+        feats.append((_features(a, r["method"], r["rate"], kap), _link(a, r["rate"]), r))
+    # alpha: the replays, fitted with the other wire terms (dropped here)
+    alpha = float(_nnls(np.array([x[:WIRE] / r["replay_s"] for x, _, r in feats]),
+                        np.array([1.0 - link / r["replay_s"] for _, link, r in feats]))[0])
+    # the rest: the times per exchange less the link and the latency
+    rows_a = [x[1:] / r["median_s"] for x, _, r in feats]
+    b = [1.0 - (link + alpha * x[0]) / r["median_s"] for x, link, r in feats]
     sol = _nnls(np.array(rows_a), np.array(b))
     p = dict(zip(PARAMS, [alpha] + [float(v) for v in sol]))
     p["background"] = background
@@ -402,8 +403,9 @@ def render(res: dict, p: Dict[str, float]) -> str:
           "alpha: seconds per message step; the link: 8 / rate seconds per byte (not "
           "fitted); beta_ar: what Horovod's allreduce costs per byte beyond the link "
           "(its whole cost per byte: "
-          f"{1 / (p['beta_ar_1gbit'] + 8e-9) * 8 / 1e9:.2f} and "
-          f"{1 / (p['beta_ar_10gbit'] + 8e-10) * 8 / 1e9:.2f} Gbit/s effective, before "
+          + " and ".join(f"{8 / (p[f'beta_ar_{r}'] + 8 / bits) / 1e9:.2f}"
+                         for r, bits in RATE_BITS.items()) +
+          " Gbit/s effective, before "
           "gamma); gamma: CPU seconds per byte sent through TCP (times the contention); "
           "e, d: seconds per encoded / decoded element; e0, d0: per encoded / decoded message; "
           "c16: per element cast to and from fp16.", ""]
