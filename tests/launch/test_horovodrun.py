@@ -75,7 +75,7 @@ def test_main_job_same_results_under_every_launcher(n, tmp_path):
     default path, the uncompressed tensors through Horovod's allreduce (a sum of two floats
     is the same in either order, so Gloo's equals MPI's).  4 ranks: --no-allreduce, every
     tensor as wire messages (Gloo's allreduce adds four floats in another order than MPI's:
-    the last bits of the biases would differ and the accuracy drift, README)."""
+    the last bits of the biases would differ and the accuracy drift, docs/reproducibility.md)."""
     extra = ("--no-allreduce",) if n == 4 else ()
     got = {m: _main_job(m, n, tmp_path, *extra) for m in MODES}
     ref, _ = got["mpirun"]

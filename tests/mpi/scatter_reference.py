@@ -16,7 +16,7 @@ from hvdcomp.exchange.shards import second_stage
 
 
 def _keep_range(comp, dtype):
-    """fp16 sends a bfloat16 tensor as bf16 (bfloat16's range; README, casts)."""
+    """fp16 sends a bfloat16 tensor as bf16 (bfloat16's range; docs/semantics.md, casts)."""
     return hvdcomp.get("bf16") if isinstance(comp, hvdcomp.FP16) and dtype == torch.bfloat16 \
         else comp
 

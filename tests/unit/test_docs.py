@@ -199,3 +199,12 @@ def test_readme_does_it_pay_table_is_the_performance_page_s():
     perf = _read(os.path.join(ROOT, "docs", "performance.md")).splitlines()
     for row in rows:
         assert row in perf, row
+
+
+def test_compressors_page_what_each_sends_lists_every_compressor():
+    text = _read(os.path.join(ROOT, "docs", "compressors.md"))
+    start = text.index("\n## What each one sends\n")
+    section = text[start:text.index("\n## ", start + 1)]
+    listed = [n for row in section.splitlines() if row.startswith("| `")
+              for n in re.findall(r"`([a-z0-9]+)`", row.split("|")[1])]
+    assert sorted(listed) == sorted(_own())
