@@ -9,6 +9,11 @@ sources (folder, SHA-256); the host build of the kernels (compiler, OpenMP, whet
 builds and loads); CUDA (devices, CuPy, NVRTC, whether every kernel compiles for the
 present device) and whether MPI is CUDA-aware.  ``--json`` prints one JSON object.
 
+``--build`` first builds the CPU kernels (:mod:`hvdcomp.backends.host`, about 40 s once
+per kernel sources and compiler; launch/setup runs it) so that the first training step
+does not, and exits with status 1, the compiler's output on stderr, when they do not build.
+(Without it the report still builds them when they are missing, to say whether they load.)
+
 Each probe reports its own failure as a value ("error: ...") instead of stopping the
 report: the command is for finding out what is missing.
 """
@@ -17,10 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from importlib import metadata
 from typing import Any, Callable, Dict, List, Optional
 
-__all__ = ["info", "main"]
+__all__ = ["info", "build", "main"]
 
 _THREAD_LEVELS = ["single", "funneled", "serialized", "multiple"]
 
@@ -89,6 +95,16 @@ def _host() -> Dict[str, Any]:
     return out
 
 
+def build() -> float:
+    """Build the CPU kernels now if they are not cached (``hvdcomp info --build``) and load
+    them; returns the seconds it took (a few milliseconds when cached).  Raises RuntimeError
+    or OSError when they do not build or load."""
+    from .backends import host
+    t0 = time.monotonic()
+    host.load()
+    return time.monotonic() - t0
+
+
 def _cuda() -> Dict[str, Any]:
     import torch
     out: Dict[str, Any] = {"available": torch.cuda.is_available(),
@@ -152,6 +168,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     pi = sub.add_parser("info", help="what this machine offers hvdcomp")
     pi.add_argument("--json", action="store_true", help="one JSON object")
+    pi.add_argument("--build", action="store_true", help="build the CPU kernels first if "
+                    "they are not cached (about 40 s, once per kernel sources and compiler; "
+                    "launch/setup runs this) and exit with status 1 if they do not build")
     ps = sub.add_parser("selftest", help="a 2-rank exchange of a few compressors through "
                         "every available transport (starts its own processes), PASS/FAIL "
                         "per item")
@@ -162,6 +181,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .selftest import run
         return run(timeout=args.timeout)
     if args.command == "info":
+        if args.build:
+            try:
+                seconds = build()
+            except (RuntimeError, OSError) as e:
+                print(f"hvdcomp info --build: the CPU kernels did not build: {e}",
+                      file=sys.stderr)
+                return 1
+            print(f"hvdcomp info --build: CPU kernels ready ({seconds:.1f} s)",
+                  file=sys.stderr)
         d = info()
         if args.json:
             print(json.dumps(d, indent=2, default=str))

@@ -61,7 +61,8 @@ def kernel_backend(device) -> Optional[object]:
     Decided once per (device type, HVDCOMP_BACKEND) and cached.  ``auto``: a backend that
     cannot be loaded (no C++ compiler; no CuPy or CUDA) gives None and one warning (on the
     "hvdcomp" logger) naming the reason; ``kernels``: that raises RuntimeError instead; ``reference``: always None.
-    The first CPU call builds the host library (a few seconds, once per source version).
+    The first CPU call builds the host library where it is not cached (about 40 s, once per
+    kernel sources and compiler, with one warning saying so: hvdcomp.backends.host).
     """
     mode = os.environ.get("HVDCOMP_BACKEND", "auto").strip().lower() or "auto"
     if mode not in ("auto", "kernels", "reference"):

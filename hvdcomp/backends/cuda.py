@@ -44,7 +44,7 @@ _functions: Dict[str, object] = {}    # kernel name -> cupy.RawKernel
 
 def cupy_extra() -> str:
     """The pip extra of hvdcomp that brings CuPy for this PyTorch's CUDA major version
-    (pyproject.toml: cuda12 = cupy-cuda12x, cuda13 = cupy-cuda13x); cuda12 when PyTorch
+    (setup.cfg: cuda12 = cupy-cuda12x, cuda13 = cupy-cuda13x); cuda12 when PyTorch
     has no CUDA or another major version."""
     major = (torch.version.cuda or "").split(".")[0]
     return f"cuda{major}" if major in ("12", "13") else "cuda12"

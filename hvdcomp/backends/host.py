@@ -4,7 +4,10 @@ through ``kernels/host_shim.h`` into a shared library that runs each grid on the
 
 The library is built once per (sources, compiler, flags) hash into
 ``$HVDCOMP_CACHE/kernels`` (default ``~/.cache/hvdcomp/kernels``), under a file lock so that
-ranks started together build it once, and loaded with ctypes.  Python only checks arguments
+ranks started together build it once, and loaded with ctypes.  The build is one g++ run of
+about 40 s (BUILD_SECONDS); where it happens at first use (the first CPU kernel launch, e.g.
+inside the first training step) one WARNING on the "hvdcomp" logger says so before the
+compiler starts.  ``hvdcomp info --build`` (which launch/setup runs) builds it ahead.  Python only checks arguments
 and launches; every number comes from the kernels.
 
 ``backend`` is the launch object the ops' kernel implementations receive (hvdcomp.ops: they
@@ -41,10 +44,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..log import logger
 from ._common import HOST_SOURCES, KERNEL_SOURCE, SIGNATURES, kernel_dir, source_hash
 
 __all__ = ["backend", "set_num_threads", "get_num_threads", "library_path", "compile_command",
@@ -56,6 +61,9 @@ ABI_VERSION = 1
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math",
               "-fvisibility=hidden", "-Wall", "-Wextra")
 OPENMP_FLAGS = ("-fopenmp",)
+# What one build takes: 38-40 s measured for the first training step on the project's
+# 2-core machines (#20); the build is one compiler process, so more cores do not shorten it.
+BUILD_SECONDS = 40
 
 _lock = threading.Lock()        # loading
 _lib = None
@@ -135,7 +143,9 @@ def _key() -> str:
 
 
 def library_path() -> str:
-    """The cached library for the current sources and compiler (built if missing)."""
+    """The cached library for the current sources and compiler (built if missing, with one
+    WARNING on the "hvdcomp" logger before the compiler starts: see the module docstring).
+    Raises RuntimeError with the compiler's output when it does not build."""
     d = cache_dir()
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, f"hvdcomp_host_{_key()}.so")
@@ -145,7 +155,15 @@ def library_path() -> str:
         fcntl.flock(lockf, fcntl.LOCK_EX)          # one builder; the others wait, then load
         try:
             if not os.path.exists(path):
+                logger.warning(
+                    f"hvdcomp: building the CPU kernels (once per kernel sources and compiler: "
+                    f"one g++ run of about {BUILD_SECONDS} s, longer on a loaded machine; "
+                    f"whatever launched them waits) into {d}; 'hvdcomp info --build' "
+                    f"builds them ahead")
+                t0 = time.monotonic()
                 _build(path)
+                logger.info(f"hvdcomp: built the CPU kernels in "
+                            f"{time.monotonic() - t0:.1f} s: {path}")
         finally:
             fcntl.flock(lockf, fcntl.LOCK_UN)
     return path

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import WireFormatError
-from ..wire import CODECS, code_dtype
+from ..wire import CODECS, Message, code_dtype
 from .base import Compressor, TensorKey, numel_of, register
 from .state import finite
 
@@ -72,11 +72,18 @@ class NoneCompressor(Compressor):
         return tensor
 
 
+_NONE = NoneCompressor()        # the range fallback's encoder and decoder (stateless)
+
+
 class _Cast(Compressor):
-    """A cast to ``wire_dtype``: a finite gradient whose cast is not finite (fp16's range)
-    is sent as a NONFINITE message (the NaN policy; the exchange sends such a tensor
-    uncompressed instead, hvdcomp.exchange.averaging.cast_fallback).  decode: WireFormatError
-    for a payload of the wrong size or holding NaN or Inf."""
+    """A cast to ``wire_dtype`` that keeps the gradient's range.
+
+    encode: a finite gradient whose cast is not finite (beyond fp16's 65504 after the
+    division by the world size) is sent as a ``none`` message of its own values instead
+    (:meth:`range_fallback`, the message the exchange sends for it), which decode accepts.
+    compress (Horovod's contract): a bfloat16 gradient through fp16 travels as float32
+    (:meth:`contract_dtype`).  decode: WireFormatError for a payload of the wrong size or
+    holding NaN or Inf."""
     wire_dtype: torch.dtype
 
     def __init__(self):
@@ -97,9 +104,28 @@ class _Cast(Compressor):
         if s != 1.0:
             x = x.to(torch.float32) / s     # divide before the cast so sums cannot overflow
         y = x.to(self.wire_dtype)
-        if not finite(y):                   # the cast overflowed: the NaN policy
-            return self._nonfinite(grad, key)
+        if not finite(y):                   # the cast overflowed (grad is finite: encode)
+            return self.range_fallback(grad, key)
         return self._new_message(grad, key, (_raw(y),))
+
+    def range_fallback(self, grad: torch.Tensor, key: TensorKey) -> Message:
+        """The message for a finite ``grad`` whose cast is not finite: a ``none`` message of
+        ``grad`` in its own dtype, divided by ``key.world_size`` first (in float64 for a
+        float64 gradient, else float32) where the cast is prescaled, so that the sum over
+        ranks stays the average as for the cast.  The same bytes as the exchange's
+        hvdcomp.exchange.averaging.Averaging.cast_fallback."""
+        x = grad.detach()
+        if self.prescaled:
+            wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+            x = (x.to(wide) / key.world_size).to(grad.dtype)
+        return _NONE.encode(x, key)
+
+    def decode(self, msg, key, out):
+        """As Compressor.decode, and a ``none`` message (:meth:`range_fallback`) adds its
+        values."""
+        if msg is not None and msg.codec == CODECS["none"]:
+            return _NONE.decode(msg, key, out)
+        return super().decode(msg, key, out)
 
     def _decode(self, msg, key, out):
         msg.expect(nsections=1)
@@ -109,12 +135,25 @@ class _Cast(Compressor):
 
     # Horovod's contract (hvd.allreduce / horovod.torch.DistributedOptimizer): the cast
     # is summable, so this works there too.
+    def contract_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype compress() gives a floating gradient of ``dtype``: ``wire_dtype``, but
+        float32 for a bfloat16 gradient through fp16 (fp16 would turn its values beyond
+        65504 into Inf, and Horovod 0.28.1's CPU allreduce rejects bfloat16).  It depends on
+        the dtype alone, so every rank chooses the same without communicating, as
+        Horovod's allreduce of the result needs."""
+        if dtype == torch.bfloat16 and self.wire_dtype == torch.float16:
+            return torch.float32
+        return self.wire_dtype
+
     def compress(self, tensor):
+        """Horovod's Compression.compress: (the tensor to allreduce, ctx).  A floating
+        ``tensor`` is divided by Horovod's world size where the cast is prescaled (fp16)
+        and cast to :meth:`contract_dtype`; any other tensor passes as it is (ctx None)."""
         if not tensor.is_floating_point():
             return tensor, None
         s = _horovod_size() if self.prescaled else 1
         x = tensor.to(torch.float32) / s if s != 1 else tensor
-        return x.to(self.wire_dtype), (tensor.dtype, s)
+        return x.to(self.contract_dtype(tensor.dtype)), (tensor.dtype, s)
 
     def decompress(self, tensor, ctx):
         if ctx is None:
@@ -135,9 +174,16 @@ def _horovod_size() -> int:
 @register("fp16")
 class FP16(_Cast):
     """IEEE half precision.  Each rank sends fp16(grad / world_size), so the sum over ranks is
-    the average and stays within fp16 range whenever every |grad| does; a value whose
-    grad / world_size exceeds 65504 becomes Inf and the tensor follows the NaN policy.
-    Payload: 2 bytes per element.  (Same scaling as PyTorch DDP's fp16 hook.)
+    the average and stays within fp16 range whenever every |grad| does; a tensor with a
+    value whose grad / world_size exceeds 65504 is sent as its own values instead (a
+    ``none`` message, :meth:`range_fallback`).  Payload: 2 bytes per element.  (Same
+    scaling as PyTorch DDP's fp16 hook.)
+
+    Under Horovod's own DistributedOptimizer (compress / decompress): a bfloat16 gradient
+    travels as float32, 4 bytes per element (:meth:`contract_dtype`); a float32 or float64
+    gradient as fp16, where a value beyond 65504 * world_size becomes Inf, as with
+    Horovod's own fp16 compression: only hvdcomp.torch.DistributedOptimizer, which sends
+    such a tensor as its own values, keeps that range.
     """
     codec = CODECS["fp16"]
     summable = True

@@ -121,8 +121,8 @@ def test_fp16_rounding_hand_worked(make_key):
     #   1 + 2**-11       is halfway between 1 and 1 + 2**-10       -> ties to even -> 1
     #   1 + 3 * 2**-11   is halfway between 1 + 2**-10 and 1 + 2**-9 -> even -> 1 + 2**-9
     #   3 / 3 (ws = 3) would be exact; here ws = 1, no division
-    #   70000 > 65504 (fp16 max) -> inf: the tensor is sent NONFINITE (the NaN policy,
-    #   #15 item 3: an unflagged message decodes to finite values)
+    #   70000 > 65504 (fp16 max) -> inf: the tensor keeps its range (#24 item 6): it is
+    #   sent as its own float32 values (a `none` message), which fp16's decode adds exactly
     x = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, -2.0, 70000.0], dtype=torch.float32)
     c = hvdcomp.get("fp16")
     key = make_key(world_size=1)
@@ -130,9 +130,12 @@ def test_fp16_rounding_hand_worked(make_key):
     assert c.decode(wire_round_trip(c, x[:3], key)[1], key, acc)
     assert acc.tolist() == [1.0, 1 + 2**-9, -2.0]
     m = wire_round_trip(c, x, key)[1]
-    assert m.flags == FLAG_NONFINITE and not m.sections
+    assert m.codec == 1 and m.dtype == DTYPES[torch.float32] and m.flags == 0
+    assert bytes(m.sections[0]) == np.array([1 + 2**-11, 1 + 3 * 2**-11, -2.0, 70000.0],
+                                            "<f4").tobytes()
     acc = torch.zeros(4)
-    assert c.decode(m, key, acc) is False and acc.tolist() == [0.0] * 4
+    assert c.decode(m, key, acc) is True
+    assert acc.tolist() == [1 + 2**-11, 1 + 3 * 2**-11, -2.0, 70000.0]
 
 
 @pytest.mark.parametrize("name,dtype", [("none", torch.float32), ("none", torch.float64),
@@ -189,6 +192,57 @@ def test_fp16_average_over_ranks(rng, make_key):
     mean = np.mean(np.stack(grads).astype(np.float64), axis=0)
     tol = 3 * (np.abs(mean) + max(np.abs(g).max() for g in grads) / ws) * 2**-11 + 3 * 2**-25
     assert np.all(np.abs(acc.numpy() - mean) <= tol)
+
+
+def _beyond_fp16(rng, n=64):
+    """bfloat16 values, most beyond fp16's 65504 (up to 1e30), some small, both signs."""
+    mag = np.concatenate([10.0 ** rng.uniform(4.9, 30, n - 8), 10.0 ** rng.uniform(-6, 2, 8)])
+    x32 = (np.where(rng.random(n) < 0.5, -1.0, 1.0) * mag).astype(np.float32)
+    return torch.from_numpy(bf16_bits_to_f32(bf16_rne_bits(x32))).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("ws", [1, 3])
+def test_fp16_encode_keeps_the_range_of_a_bf16_gradient(ws, rng, make_key):
+    """#24 item 6, outside the exchange: a bf16 gradient beyond fp16's range encodes as its
+    own bf16 values divided by the world size (a `none` message, as the exchange sends
+    it), never Inf; decode adds them and the sum over ranks is the average."""
+    grads = [_beyond_fp16(rng) for _ in range(ws)]
+    c = hvdcomp.get("fp16")
+    acc = torch.zeros(64)
+    for r, g in enumerate(grads):
+        key = make_key(rank=r, world_size=ws)
+        sent, got = wire_round_trip(c, g, key)
+        assert got.codec == 1 and got.dtype == DTYPES[torch.bfloat16] and got.flags == 0
+        # g / ws in float32, rounded to bf16 (RNE), little-endian
+        want = bf16_rne_bits(g.float().numpy() / np.float32(ws))
+        assert bytes(got.sections[0]) == want.astype("<u2").tobytes()
+        assert c.decode(got, key, acc) is True
+    c.finalize(acc, make_key(world_size=ws))
+    assert torch.isfinite(acc).all()
+    mean = np.mean(np.stack([g.double().numpy() for g in grads]), axis=0)
+    # each share rounded once to bf16 (8 significant bits: a relative error of at most
+    # 2**-8), then summed in float32
+    tol = sum(np.abs(g.double().numpy()) / ws for g in grads) * (2.0 ** -8 + 2.0 ** -22)
+    assert np.all(np.abs(acc.double().numpy() - mean) <= tol)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_encode_outside_the_exchange_sends_what_the_exchange_sends(name, dtype, make_key):
+    """A finite gradient whose cast overflows: encode's message is byte for byte the one
+    the exchange sends in its place (Averaging.cast_fallback), so both routes decode
+    alike."""
+    from types import SimpleNamespace
+    from hvdcomp.exchange.averaging import Averaging
+    big = 3.4e38 if name == "bf16" else 3e5                # bf16 rounds 3.4e38 up to Inf
+    if dtype == torch.bfloat16 and name == "bf16":
+        pytest.skip("a finite bf16 gradient always casts to bf16")
+    g = torch.tensor([big, -2.5, 1e-3, -big / 7], dtype=dtype)
+    c = hvdcomp.get(name)
+    key = make_key(rank=1, world_size=3)
+    want = Averaging(3).cast_fallback(SimpleNamespace(compressor=c), g, key)
+    assert want is not None and want.codec == 1
+    assert c.encode(g, key).to_bytes() == want.to_bytes()
 
 
 # --- bf16 ----------------------------------------------------------------------------------
@@ -360,7 +414,8 @@ def test_decode_rejects_mismatches(name, make_key):
             c.decode(got, bad_key, acc)
     with pytest.raises(WireFormatError, match="numel"):
         c.decode(got, key, torch.zeros(5))
-    other = "fp16" if name != "fp16" else "none"
+    # (a cast also decodes `none` messages: its range fallback, test_*_keeps_the_range)
+    other = {"none": "qsgd", "fp16": "none", "bf16": "fp16"}[name]
     with pytest.raises(WireFormatError, match="codec"):
         hvdcomp.get(other).decode(got, key, acc)
     assert torch.equal(acc, torch.zeros(6))
@@ -406,6 +461,47 @@ def test_fp16_compress_decompress_outside_horovod():
     ints = torch.arange(4)
     y, ctx = c.compress(ints)
     assert y is ints and ctx is None and c.decompress(y, ctx) is ints
+
+
+def test_fp16_compress_keeps_the_range_of_a_bf16_gradient():
+    """#24 item 6: Horovod's contract on a bf16 gradient beyond fp16's range: compress gives
+    float32 (the same choice on every rank: it depends on the dtype alone), decompress the
+    bf16 values back, exactly, none of them Inf."""
+    c = hvdcomp.get("fp16")
+    g = _beyond_fp16(np.random.default_rng(8))
+    assert g.float().abs().max() > 65504
+    y, ctx = c.compress(g)
+    assert y.dtype == torch.float32 and c.contract_dtype(torch.bfloat16) == torch.float32
+    exact = bf16_bits_to_f32(g.view(torch.int16).numpy().view(np.uint16))
+    assert np.array_equal(y.numpy(), exact)
+    back = c.decompress(y, ctx)
+    assert back.dtype == torch.bfloat16 and torch.isfinite(back).all()
+    assert np.array_equal(back.float().numpy(), exact)
+    # float32 and float16 gradients still travel as fp16 (2 bytes per element)
+    assert c.compress(torch.ones(3))[0].dtype == torch.float16
+    assert c.compress(torch.ones(3, dtype=torch.float16))[0].dtype == torch.float16
+
+
+def test_fp16_compress_of_bf16_averages_over_ranks(monkeypatch):
+    """Horovod's optimizer on 3 ranks, simulated: compress on each (divided by the world
+    size: Horovod's size is 3), the allreduce's average of the compressed tensors (float32),
+    decompress: the mean of the bf16 gradients to within bf16's rounding, finite."""
+    from hvdcomp.compressors import cast
+    monkeypatch.setattr(cast, "_horovod_size", lambda: 3)
+    c = hvdcomp.get("fp16")
+    rng = np.random.default_rng(9)
+    grads = [_beyond_fp16(rng) for _ in range(3)]
+    sent = [c.compress(g) for g in grads]
+    assert all(y.dtype == torch.float32 for y, _ in sent)
+    reduced = sum(y for y, _ in sent) / 3                  # hvd.allreduce, op=Average
+    out = c.decompress(reduced, sent[0][1])
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    mean = np.mean(np.stack([g.double().numpy() for g in grads]), axis=0)
+    scale = np.max(np.abs(np.stack([g.double().numpy() for g in grads])), axis=0)
+    # float32 arithmetic (a few ulps of the largest share), then one bf16 rounding (8
+    # significant bits: a relative error of at most 2**-8)
+    tol = np.abs(mean) * 2.0 ** -8 + scale * 2.0 ** -20
+    assert np.all(np.abs(out.double().numpy() - mean) <= tol)
 
 
 @pytest.mark.parametrize("spec", ["alq", "amq", "qsgd", "qsgdinf", "nuqsgd"])

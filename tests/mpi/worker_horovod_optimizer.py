@@ -1,8 +1,9 @@
 """Horovod's own DistributedOptimizer with hvdcomp's summable cast: compression=
 hvdcomp.get("fp16") gives the average of every rank's gradient (Horovod's contract:
-compress, allreduce, decompress); compression=hvdcomp.get("bf16") raises hvdcomp's
-TypeError on every rank at the first backward pass (Horovod 0.28.1 rejects bfloat16), and
-no rank hangs."""
+compress, allreduce, decompress), also for a bfloat16 model whose gradients go beyond
+fp16's 65504 (they travel as float32: the average comes back finite, within bf16's
+rounding, #24 item 6); compression=hvdcomp.get("bf16") raises hvdcomp's TypeError on every
+rank at the first backward pass (Horovod 0.28.1 rejects bfloat16), and no rank hangs."""
 import copy
 
 import torch
@@ -23,6 +24,47 @@ def local_grads(model, rank):
     x, y = data(rank)
     torch.nn.functional.cross_entropy(m(x), y).backward()
     return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def big_bf16_backward(model, rank):
+    """A backward pass of the bfloat16 ``model`` on ``rank``'s data with the loss scaled by
+    1e8: gradients of order 1e6, beyond fp16's 65504 even after the division by the world
+    size."""
+    x, y = data(rank)
+    loss = torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y)
+    (loss * 1e8).backward()
+
+
+def bf16_beyond_fp16(model, rank, size):
+    """#24 item 6: Horovod's own optimizer, hvdcomp's fp16, a bf16 model: the average of
+    every rank's gradient (computed here from each rank's data), finite, within bf16's
+    rounding."""
+    m = copy.deepcopy(model).to(torch.bfloat16)
+    per_rank = []
+    for r in range(size):
+        mc = copy.deepcopy(m)
+        big_bf16_backward(mc, r)
+        per_rank.append({n: p.grad.double() for n, p in mc.named_parameters()})
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=[(f"big.{n}", p)
+                                                     for n, p in m.named_parameters()],
+                                   compression=hvdcomp.get("fp16"))
+    big_bf16_backward(m, rank)
+    opt.synchronize()
+    largest = 0.0
+    for n, p in m.named_parameters():
+        assert p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all(), n
+        stack = torch.stack([g[n] for g in per_rank])
+        mean, scale = stack.mean(0), stack.abs().max(0).values
+        # float32 sums of the shares (a few float32 ulps of the largest), then one rounding
+        # to bf16 (8 significant bits: a relative error of at most 2**-8)
+        tol = mean.abs() * 2.0 ** -8 + scale * 2.0 ** -20
+        err = (p.grad.double() - mean).abs()
+        assert bool((err <= tol).all()), (n, float((err - tol).max()))
+        largest = max(largest, float(mean.abs().max()))
+    assert largest > 65504 * size, largest      # the case fp16 alone would turn into Inf
+    with opt.skip_synchronize():
+        opt.step()
 
 
 def main():
@@ -50,6 +92,8 @@ def main():
         assert err <= tol, (n, err, tol)
     with opt.skip_synchronize():
         opt.step()
+
+    bf16_beyond_fp16(model, rank, size)
 
     m2 = copy.deepcopy(model)
     named = [(f"bf.{n}", p) for n, p in m2.named_parameters()]

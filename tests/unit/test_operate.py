@@ -4,6 +4,7 @@ logger (nothing printed by the library), the rate limit of repeated warnings,
 ``StepStats.as_dict()``, the choice of transport, and bf16 refused by Horovod's own
 contract."""
 import ast
+import configparser
 import json
 import logging
 import math
@@ -11,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,8 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _extras():
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        return tomllib.load(f)["project"]["optional-dependencies"]
+    """setup.cfg's extras: {name: [requirement, ...]}."""
+    cfg = configparser.ConfigParser(interpolation=None)
+    assert cfg.read(os.path.join(ROOT, "setup.cfg"))
+    return {name: value.split() for name, value in cfg["options.extras_require"].items()}
 
 
 def _without(modules, code):

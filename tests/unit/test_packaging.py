@@ -1,7 +1,10 @@
-"""Packaging: a non-editable install ships every package and the kernel sources
+"""Packaging: the metadata in setup.cfg, pyproject.toml holding only the build system and
+the tools' settings; a non-editable install ships every package and the kernel sources
 (setuptools ships only package files: kernels/ is mapped to the package hvdcomp.kernels in
-pyproject.toml), and ``pip install .`` into a fresh venv gives a working ``hvdcomp``
-command whose host kernel build compiles from the installed sources."""
+setup.cfg), and ``pip install .`` into a fresh venv gives a working ``hvdcomp`` command
+whose host kernel build compiles from the installed sources; the declared minimum Python
+is checked against what the code uses (vermin)."""
+import configparser
 import importlib
 import json
 import os
@@ -10,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import textwrap
 import tomllib
 import zipfile
 
@@ -30,10 +34,43 @@ def _tree_packages():
     return out
 
 
+def _setup_cfg():
+    cfg = configparser.ConfigParser(interpolation=None)
+    assert cfg.read(os.path.join(ROOT, "setup.cfg")), "no setup.cfg"
+    return cfg
+
+
+def _lines(value):
+    """A setup.cfg list (one item a line, or comma-separated on one line)."""
+    return [v.strip() for line in value.strip().splitlines() for v in line.split(",")
+            if v.strip()]
+
+
 def test_every_package_is_declared():
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        declared = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    declared = set(_lines(_setup_cfg()["options"]["packages"]))
     assert declared == _tree_packages() | {"hvdcomp.kernels"}
+
+
+def test_metadata_in_setup_cfg_build_system_in_pyproject():
+    """#20 item 6: setup.cfg holds the package's metadata, pyproject.toml only the build
+    system and the tools' settings (a [project] table there would take precedence over
+    setup.cfg's metadata and split it in two places)."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        pyproject = tomllib.load(f)
+    assert set(pyproject) <= {"build-system", "tool"}, sorted(pyproject)
+    assert "setuptools" not in pyproject.get("tool", {})
+    assert pyproject["build-system"]["build-backend"] == "setuptools.build_meta"
+    cfg = _setup_cfg()
+    assert cfg["metadata"]["name"] == "hvdcomp"
+    assert cfg["metadata"]["version"].strip() == "attr: hvdcomp.__version__"
+    assert {"python_requires", "install_requires", "packages", "package_dir"} <= set(
+        cfg["options"])
+    assert "torch" in " ".join(_lines(cfg["options"]["install_requires"]))
+    assert {"mpi", "horovod", "cuda12", "cuda13", "test"} <= set(
+        cfg["options.extras_require"])
+    assert _lines(cfg["options.entry_points"]["console_scripts"]) == [
+        "hvdcomp = hvdcomp.cli:main"]
+    assert cfg["options.package_data"]["hvdcomp.kernels"]
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +99,11 @@ def test_wheel_contains_packages_kernel_sources_and_license(wheel):
 
 
 def _declared_version():
-    """The version pyproject.toml declares, read from its one source as text (the attribute
-    its [tool.setuptools.dynamic] table names), without importing anything."""
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        attr = tomllib.load(f)["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    """The version setup.cfg declares, read from its one source as text (the attribute its
+    ``version = attr: ...`` names), without importing anything."""
+    spec = _setup_cfg()["metadata"]["version"].strip()
+    assert spec.startswith("attr:"), spec
+    attr = spec[len("attr:"):].strip()
     module, name = attr.rsplit(".", 1)                         # hvdcomp, __version__
     with open(os.path.join(ROOT, *module.split("."), "__init__.py")) as f:
         m = re.search(rf"^{name}\s*=\s*[\"']([^\"']+)[\"']", f.read(), re.M)
@@ -195,3 +233,56 @@ def test_pip_install_into_a_fresh_venv(tmp_path, monkeypatch):
     assert ours and all(os.path.dirname(f) in (os.path.realpath(kdir), registry)
                         for f in ours), sorted(ours)
     assert {os.path.join(os.path.realpath(kdir), f) for f in _common.HOST_SOURCES} <= files
+
+
+# --- the declared minimum Python (#20 item 6) --------------------------------------------
+
+# vermin, a maintained minimum-version detector (syntax, standard-library modules and
+# functions, and keyword arguments such as zip(strict=...)), over the code users run: the
+# package and the examples.  --eval-annotations with the union-types feature: annotations
+# count as evaluated at run time and `X | Y` is detected (stricter than needed in modules
+# with `from __future__ import annotations`).
+VERMIN_FLAGS = ("--no-tips", "--violations", "--eval-annotations", "--feature", "union-types")
+
+
+def _declared_minimum():
+    req = _setup_cfg()["options"]["python_requires"].strip()
+    m = re.fullmatch(r">=\s*(\d+)\.(\d+)", req)
+    assert m, f"python_requires {req!r}: expected >=3.N"
+    return int(m.group(1)), int(m.group(2))
+
+
+def _vermin(target, *paths):
+    """vermin's exit status and report for ``paths`` against "``target`` or older"."""
+    pytest.importorskip("vermin", reason="vermin (in the test extra; launch/setup "
+                        "installs it)")
+    p = subprocess.run([sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())",
+                        *VERMIN_FLAGS, f"-t={target[0]}.{target[1]}-", *map(str, paths)],
+                       capture_output=True, text=True, timeout=600)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_the_code_needs_no_newer_python_than_declared():
+    minimum = _declared_minimum()
+    assert minimum >= (3, 10)      # hvdcomp/transport/framing.py: zip(strict=True)
+    rc, out = _vermin(minimum, os.path.join(ROOT, "hvdcomp"), os.path.join(ROOT, "examples"))
+    assert rc == 0, out
+
+
+@pytest.mark.parametrize("source,construct", [
+    ("def f(a, b):\n    return list(zip(a, b, strict=True))\n", "zip(strict)"),
+    ("def f(x):\n    match x:\n        case 1:\n            return 2\n", "pattern matching"),
+    ("def f(x: int | None) -> None:\n    return None\n", "union types"),
+    ("import itertools\n\ndef f(xs):\n    return list(itertools.pairwise(xs))\n",
+     "itertools.pairwise"),
+])
+def test_the_check_sees_what_needs_python_3_10(source, construct, tmp_path):
+    """The check above is not blind: each of these 3.10 constructs (the kinds that matter
+    here: a keyword argument, syntax, an annotation evaluated at run time, a library
+    function) fails it for a declared 3.9, by name, and passes it for 3.10."""
+    f = tmp_path / "probe.py"
+    f.write_text(textwrap.dedent(source))
+    rc, out = _vermin((3, 9), f)
+    assert rc != 0 and construct in out, out
+    rc, out = _vermin((3, 10), f)
+    assert rc == 0, out
