@@ -1,6 +1,6 @@
 """Bits on the wire against the error of the estimate, on real gradients (#22 item 2, target c).
 
-    nice -n 10 .venv/bin/python bench/bits_variance.py [--draws 3] [--out bench/results/bits_variance]
+    nice -n 10 .venv/bin/python bench/bits_variance.py [--draws 3] [--out PREFIX]
 
 Real gradients: FC-300-100 and the small CNN of bench/common.py trained on the main job's
 MNIST digits (one process, plain SGD), at steps 0, 100 and 400 of the run; the tensors with
@@ -45,7 +45,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -189,18 +188,21 @@ def ef_error(make, history, grads):
     return err / sq
 
 
-def topk_quantized(p, density, vq, vbits, entropy, name, i, step):
+def topk_quantized(p, density, vq, vbits, entropy, name, i, step, fitted):
     """Top-k (hvdcomp, fp32 values, no residual of its own) of tensor ``p`` whose values
     section is replaced by a second hvdcomp message quantizing the m selected values (a
-    composition made in this bench, not a hvdcomp setting).  Returns (decoded flat float64
-    tensor, bytes = the top-k message without its values section + the whole quantizer
-    message)."""
+    composition made in this bench, not a hvdcomp setting).  ALQ's levels are fitted to the
+    values the first time a tensor is seen and kept in ``fitted`` (by name), as training
+    refits them rarely.  Returns (decoded flat float64 tensor, bytes = the top-k message
+    without its values section + the whole quantizer message)."""
     key = hvdcomp.TensorKey(name, i, step, 0, 4, 1)
     tk = hvdcomp.get("topk", density=density, error_feedback=False)
     msg = hvdcomp.Message.from_bytes(tk.encode(p, key).to_bytes())
     idx, vals = tk.decode_sparse(msg)
-    q = quantizer(vq, vbits, entropy)
-    fit_to(q, {"v": vals})
+    q = fitted.get(name)
+    if q is None:
+        q = fitted[name] = quantizer(vq, vbits, entropy)
+        fit_to(q, {"v": vals})
     vkey = hvdcomp.TensorKey(name + ".values", i, step, 0, 4, 1)
     vb = q.encode(vals, vkey).to_bytes()
     dec = torch.zeros(vals.numel())
@@ -211,27 +213,30 @@ def topk_quantized(p, density, vq, vbits, entropy, name, i, step):
 
 
 def sparse_quantized(grads, history, setting, draws, sq):
-    """topk_quantized on every tensor: the error on g_t (first step, over ``draws``) and,
-    with the residual kept as top-k's error feedback (e <- p - decoded) over ``history``,
-    the error on p = g_t + e_t (one draw)."""
+    """topk_quantized on every tensor: the error on g_t (first step, over ``draws``; levels
+    fitted to g_t's values) and, with the residual kept as top-k's error feedback
+    (e <- p - decoded) over ``history``, the error on p = g_t + e_t (one draw; levels fitted
+    at the first step of the history)."""
     errs, nbytes, numel = [], 0, 0
     names = sorted(grads)
+    fitted = {}
     for d in range(draws):
         e = 0.0
         nbytes = numel = 0
         for i, n in enumerate(names):
             g = grads[n]
-            acc, b = topk_quantized(g, *setting, n, i, d)
+            acc, b = topk_quantized(g, *setting, n, i, d, fitted)
             e += float((acc - g.reshape(-1).double()).pow(2).sum())
             nbytes += b
             numel += g.numel()
         errs.append(e / sq)
     res = {n: torch.zeros(grads[n].numel(), dtype=torch.float64) for n in names}
+    fitted = {}
     for j, gd in enumerate(history + [grads]):
         err = psq = 0.0
         for i, n in enumerate(names):
             p = gd[n].reshape(-1).double() + res[n]
-            acc, _ = topk_quantized(p.float(), *setting, n, i, j)
+            acc, _ = topk_quantized(p.float(), *setting, n, i, j, fitted)
             res[n] = p - acc
             err += float(res[n].pow(2).sum())
             psq += float(p.pow(2).sum())
@@ -457,9 +462,9 @@ def plot(rows, path):
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=9)
     fig.suptitle("Bits against error on real gradients. Red star/line: hvdcomp qsgd 4 bits "
                  "bucket 1024 (L2); blue: CGX max-min 4 bits bucket 1024; black line: 2.0 "
-                 "bits. Hollow/dotted: error feedback in its steady state (on g_t + e_t)")
+                 "bits.\nHollow/dotted: error feedback in its steady state (on g_t + e_t)")
     fig.tight_layout(rect=(0, 0.07, 1, 0.97))
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=64)
 
 
 def label(r):
@@ -523,6 +528,16 @@ def report_md(res) -> str:
     return "\n".join(out) + "\n"
 
 
+def _brief(v):
+    """A verdict entry for the JSON: its rows by method, setting, bits and errors."""
+    def row(r):
+        return r and {k: r[k] for k in ("method", "setting", "bits", "nerr", "nerr_ef") if k in r}
+    return dict(v, ref_qsgd4=row(v["ref_qsgd4"]), ref_cgx4=row(v["ref_cgx4"]),
+                methods={m: {part: {k: row(r) for k, r in d[part].items()}
+                             for part in ("best_under_2bits", "fewest_bits")}
+                         for m, d in v["methods"].items()})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draws", type=int, default=3)
@@ -538,14 +553,15 @@ def main():
         for step in STEPS:
             hist = [compressible(run[s]) for s in range(max(0, step - WARM), step)]
             rows += gradient_rows(model, step, compressible(run[step]), hist, args.draws)
-    res = {"command": "nice -n 10 .venv/bin/python bench/bits_variance.py "
-                      + " ".join(sys.argv[1:]),
+    res = {"command": " ".join(["nice -n 10 .venv/bin/python bench/bits_variance.py"]
+                               + sys.argv[1:]),
            "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
            "date": time.strftime("%Y-%m-%d"), "draws": args.draws, "rows": rows}
     res["verdict"] = verdict(rows)
     res["seconds"] = time.time() - t0
-    with open(args.out + ".json", "w") as f:
-        json.dump(res, f, indent=1)
+    with open(args.out + ".json", "w") as f:           # the verdict names its rows
+        json.dump(dict(res, verdict=[_brief(v) for v in res["verdict"]]), f,
+                  separators=(",", ":"))
     plot(rows, args.out + ".png")
     with open(args.out + ".tables.md", "w") as f:
         f.write(report_md(res))
