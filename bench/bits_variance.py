@@ -19,20 +19,20 @@ method and setting, one operating point per gradient:
 Methods: hvdcomp's QSGD (2-8 bits), QSGDinf, NUQSGD, ALQ and AMQ (L2 and L-inf bucket norms;
 levels fitted to the gradient as the refit during training does) at 2-5 bits, all with bucket
 1024, packed and rANS-coded (``entropy=True``); TernGrad; EF-SignSGD's scaled sign; top-k and
-DGC at densities 0.1 %-30 % with fp32 and fp16 values (indices Golomb-Rice coded: the only
+DGC at densities 0.1 %-40 % with fp32 and fp16 values (indices Golomb-Rice coded: the only
 index coding hvdcomp has); top-k whose values are re-quantized by a second hvdcomp message (a
 composition made in this bench: hvdcomp's top-k has no quantized-value setting); PowerSGD
-(Vogels et al., NeurIPS 2019, Alg. 1) at ranks 1, 2, 4 from the plain PyTorch reference
+(Vogels et al., NeurIPS 2019, Alg. 1) at ranks 1, 2, 4, 8, 16 from the plain PyTorch reference
 below, P and Q in fp32 (PyTorch's hook) or fp16; and CGX's quantizer (stochastic max-min,
 Markov et al. 2022; its README: "basic stochastic max-min uniform quantization") whose exact
 variance is computed in closed form.
 
 The target (#22 (c)): at most 2.0 bits per coordinate at an error no higher than QSGD at
 4 bits with bucket 1024.  Two readings of that reference are reported: hvdcomp's
-``qsgd:bits=4,bucket_size=1024`` (L2 bucket norm, sign + 7 magnitude levels) and CGX's
+``qsgd:bits=4,bucket_size=1024`` (L2 bucket norm, sign + levels {0, 1/7 .. 1}) and CGX's
 4-bit max-min quantizer at bucket 1024 (16 levels between the bucket's min and max, two
 fp32 per bucket: 4.0625 bits, the "4.06 bits" of the issue).
-Writes <out>.json, <out>.md and <out>.png.
+Writes <out>.json, <out>.tables.md and <out>.png (the analysis: bench/results/bits_variance.md).
 """
 from __future__ import annotations
 
