@@ -1,0 +1,62 @@
+"""bench/bits_variance.py's plain references: PowerSGD's power-iteration step (Vogels et al.
+2019, Alg. 1) and CGX's stochastic max-min variance, against hand-worked cases."""
+import os
+import sys
+
+import pytest
+import torch
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+sys.path.insert(0, BENCH)
+
+import bits_variance as B  # noqa: E402
+
+
+def test_powersgd_recovers_a_rank_r_matrix_exactly():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(50, 3, generator=g, dtype=torch.float64)
+    b = torch.randn(30, 3, generator=g, dtype=torch.float64)
+    m = a @ b.t()                                    # rank 3
+    q = torch.randn(30, 3, generator=g, dtype=torch.float64)
+    est, q_new, floats = B.powersgd_step(m, q)
+    assert float((est - m).norm() / m.norm()) < 1e-12
+    assert q_new.shape == (30, 3) and floats == (50 + 30) * 3
+    # rank 2 of a rank-3 matrix is not exact
+    est2, _, _ = B.powersgd_step(m, q[:, :2])
+    assert float((est2 - m).norm() / m.norm()) > 1e-3
+
+
+def test_powersgd_hand_worked_rank_1():
+    # M = diag(3, 1), Q = (1, 1)^T: P = (3, 1), P_hat = (3, 1)/sqrt(10),
+    # Q' = M^T P_hat = (9, 1)/sqrt(10), estimate = [[27, 3], [9, 1]] / 10
+    m = torch.tensor([[3.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    est, q_new, floats = B.powersgd_step(m, torch.ones(2, 1, dtype=torch.float64))
+    assert torch.allclose(est, torch.tensor([[2.7, 0.3], [0.9, 0.1]], dtype=torch.float64),
+                          atol=1e-12)
+    assert torch.allclose(q_new.abs().squeeze(), torch.tensor([9.0, 1.0],
+                                                              dtype=torch.float64) / 10 ** .5)
+    assert float((m - est).pow(2).sum() / m.pow(2).sum()) == pytest.approx(0.18, abs=1e-12)
+    assert floats == 4
+
+
+def test_powersgd_fp16_rounds_what_travels():
+    m = torch.tensor([[3.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    est, _, _ = B.powersgd_step(m, torch.ones(2, 1, dtype=torch.float64), fp16=True)
+    p = (torch.tensor([3.0, 1.0], dtype=torch.float64) / 10 ** .5).half().double()
+    q = (torch.tensor([9.0, 1.0], dtype=torch.float64) / 10 ** .5).half().double()
+    assert torch.allclose(est.abs(), torch.outer(p, q), atol=0)
+
+
+def test_maxmin_variance_hand_worked():
+    x = torch.tensor([0.0, 0.25, 1.0])
+    # 1 bit: grid {0, 1}; 0.25 rounds up with p = 1/4: variance 1/4 * 3/4
+    assert B.maxmin_variance(x, 1, 1024) == pytest.approx(0.1875, abs=1e-15)
+    # 2 bits: unit 1/3; 0.25 = 0.75 units: variance (1/3)^2 * 0.75 * 0.25
+    assert B.maxmin_variance(x, 2, 1024) == pytest.approx(0.75 * 0.25 / 9, abs=1e-15)
+    # buckets of 2: [0, 0.25] has both values on its grid, [1] is constant
+    assert B.maxmin_variance(x, 1, 2) == 0.0
+
+
+def test_maxmin_bits_are_cgx_4_06():
+    assert B.maxmin_bits(2048, 4, 1024) == 4.0625
+    assert B.maxmin_bits(1025, 4, 1024) == pytest.approx(4 + 128 / 1025)
