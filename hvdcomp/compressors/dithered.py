@@ -52,9 +52,9 @@ from ..codecs import packed_size
 from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
 from ..ops import dithered
-from ..wire import CODECS, FLAG_NONFINITE, Message
+from ..wire import FLAG_NONFINITE, Message
 from . import settings
-from .base import Compressor, TensorKey, numel_of, register
+from .base import ABSENT_REFUSE, Compressor, TensorKey, numel_of, register
 from .protocols import ReportsEvents
 
 __all__ = ["DQSG", "NDQSG", "NestedResult"]
@@ -82,7 +82,7 @@ def _read_u32(sec) -> torch.Tensor:
 
 # --- DQSG ------------------------------------------------------------------------------------
 
-@register("dqsg")
+@register("dqsg", codec=19)
 class DQSG(Compressor):
     """DQSG: per-bucket subtractive dithered uniform quantization (Abdi & Fekri 2019, DQSG).
 
@@ -109,7 +109,7 @@ class DQSG(Compressor):
     Error: x_hat - x uniform on [-Delta/2, Delta/2], independent of x given Delta (unbiased,
       variance Delta**2/12 per coordinate); the exact arithmetic: hvdcomp.ops.dithered.
     """
-    codec = CODECS["dqsg"]
+    example = "dqsg:bits=4"
 
     def __init__(self, bits: int = 4, bucket_size: int = 512, entropy: bool = False):
         self.bits = settings.integer("bits", bits, 2, 8)
@@ -123,6 +123,10 @@ class DQSG(Compressor):
 
     def _header_fields(self):
         return {"bits": self.bits, "bucket_size": self.bucket_size, "level_version": 0}
+
+    def shard_unit(self, shape) -> int:
+        """A bucket (its step Delta is the bucket's own, hvdcomp.exchange.shards)."""
+        return self.bucket_size
 
     def message_bytes(self, shape) -> int:
         """Payload bytes of a DQSG message for a tensor of ``shape`` (or ``numel``
@@ -199,7 +203,7 @@ class NestedResult:
     group: int
 
 
-@register("ndqsg")
+@register("ndqsg", codec=20)
 class NDQSG(ReportsEvents, DQSG):
     """NDQSG: nested dithered quantization with side information (Abdi & Fekri 2019, NDQSG).
 
@@ -256,7 +260,8 @@ class NDQSG(ReportsEvents, DQSG):
     WireFormatError for it (use combine).  A message whose header bits do not match the
     sender's group raises WireFormatError.
     """
-    codec = CODECS["ndqsg"]
+    example = "ndqsg:bits=4"
+    absent_rank = ABSENT_REFUSE         # the nested ranks resolve against every rank's message
 
     def __init__(self, bits: int = 4, nested_bits: int = 2, bucket_size: int = 512,
                  dqsg_ranks: int = 0, entropy: bool = False):
@@ -264,6 +269,17 @@ class NDQSG(ReportsEvents, DQSG):
         self.nested_bits = settings.integer("nested_bits", nested_bits, 1, self.bits - 1)
         self.dqsg_ranks = settings.integer("dqsg_ranks", dqsg_ranks, 0, 2**31)
         self._events: List[str] = []
+
+    def shard_unit(self, shape) -> int:
+        """Refused: TypeError.  The nested ranks send residues that decode only with side
+        information from the other ranks' messages of the same tensor (Abdi & Fekri 2019):
+        the owner of a shard re-encodes one average, which has no other ranks to nest
+        against, so the nested half of the ranks would have nothing to resolve with."""
+        raise TypeError(
+            "NDQSG's nested ranks send residues that decode only with side information "
+            "from the other ranks' messages of the same tensor (Abdi & Fekri 2019): the "
+            "owner of a shard re-encodes one average, which has no other ranks to nest "
+            "against, so the nested half of the ranks would have nothing to resolve with")
 
     @property
     def k(self) -> int:
