@@ -203,6 +203,13 @@ class NestedResult:
     group: int
 
 
+# why NDQSG refuses the reduce-scatter (NDQSG.shard_unit)
+_NO_SHARDS = ("NDQSG's nested ranks send residues that decode only with side information "
+              "from the other ranks' messages of the same tensor (Abdi & Fekri 2019): the "
+              "owner of a shard re-encodes one average, which has no other ranks to nest "
+              "against, so the nested half of the ranks would have nothing to resolve with")
+
+
 @register("ndqsg", codec=20)
 class NDQSG(ReportsEvents, DQSG):
     """NDQSG: nested dithered quantization with side information (Abdi & Fekri 2019, NDQSG).
@@ -271,15 +278,8 @@ class NDQSG(ReportsEvents, DQSG):
         self._events: List[str] = []
 
     def shard_unit(self, shape) -> int:
-        """Refused: TypeError.  The nested ranks send residues that decode only with side
-        information from the other ranks' messages of the same tensor (Abdi & Fekri 2019):
-        the owner of a shard re-encodes one average, which has no other ranks to nest
-        against, so the nested half of the ranks would have nothing to resolve with."""
-        raise TypeError(
-            "NDQSG's nested ranks send residues that decode only with side information "
-            "from the other ranks' messages of the same tensor (Abdi & Fekri 2019): the "
-            "owner of a shard re-encodes one average, which has no other ranks to nest "
-            "against, so the nested half of the ranks would have nothing to resolve with")
+        """Refused: TypeError (:data:`_NO_SHARDS`)."""
+        raise TypeError(_NO_SHARDS)
 
     @property
     def k(self) -> int:
@@ -386,19 +386,6 @@ class NDQSG(ReportsEvents, DQSG):
         self._decode(msg, key, out)
         return True
 
-    @staticmethod
-    def _check_keys(msgs: List[Message], keys: List[TensorKey]) -> int:
-        n = len(msgs)
-        if n == 0 or len(keys) != n:
-            raise ValueError(f"combine needs one key per message, got {n} messages and "
-                             f"{len(keys)} keys")
-        for r, k in enumerate(keys):
-            if (k.rank != r or k.world_size != n or k.tensor_id != keys[0].tensor_id
-                    or k.step != keys[0].step or k.seed != keys[0].seed):
-                raise ValueError(f"combine expects keys[r] to be rank r's key of the same "
-                                 f"tensor and step, with world_size {n}; keys[{r}] = {k}")
-        return n
-
     def resolve(self, msgs: List[Message], keys: List[TensorKey],
                 numel: Optional[int] = None) -> Optional[NestedResult]:
         """Validate and decode every rank's message for one tensor (``msgs[r]`` from rank r,
@@ -410,7 +397,7 @@ class NDQSG(ReportsEvents, DQSG):
         entry) message (all are checked before anything is decoded); ValueError if ``keys``
         are not ranks 0..N-1 of one tensor and step.
         """
-        world = self._check_keys(msgs, keys)
+        world = _check_keys(msgs, keys)
         if numel is None:
             self._require_message(msgs[0], keys[0])
         n = msgs[0].numel if numel is None else numel
@@ -441,7 +428,7 @@ class NDQSG(ReportsEvents, DQSG):
         per nested rank with buckets whose side information was too far off (class
         docstring).  Raises WireFormatError / ValueError as :meth:`resolve`.
         """
-        world = self._check_keys(msgs, keys)
+        world = _check_keys(msgs, keys)
         n = out.numel()
         parsed = self._parse_all(msgs, keys, n, out.device)
         if parsed is None:
@@ -466,3 +453,18 @@ class NDQSG(ReportsEvents, DQSG):
                     f"buckets of rank {r} (step {k.step}, tensor {k.tensor_id}); used the "
                     f"DQSG-group mean (ranks 0..{G - 1}) there")
         return True
+
+
+def _check_keys(msgs: List[Message], keys: List[TensorKey]) -> int:
+    """The number of ranks of NDQSG.combine's messages; ValueError unless ``keys[r]`` is rank
+    r's key of one tensor and step."""
+    n = len(msgs)
+    if n == 0 or len(keys) != n:
+        raise ValueError(f"combine needs one key per message, got {n} messages and "
+                         f"{len(keys)} keys")
+    for r, k in enumerate(keys):
+        if (k.rank != r or k.world_size != n or k.tensor_id != keys[0].tensor_id
+                or k.step != keys[0].step or k.seed != keys[0].seed):
+            raise ValueError(f"combine expects keys[r] to be rank r's key of the same "
+                             f"tensor and step, with world_size {n}; keys[{r}] = {k}")
+    return n

@@ -20,8 +20,9 @@ threshold) and for the sparsifiers and the casts (top-k, random-k and DGC select
 by declaring its unit (tests/compressors/toy_sign.py); one that declares none is refused.
 
 Stage 2 (:func:`second_stage`, ``Compressor.second_stage``): the owner re-encodes its
-pieces' averages with keys of their own (world size 1: the average is one contribution).  The bucketed quantizers (QSGD,
-QSGDinf, NUQSGD, ALQ, AMQ) use ``FINER_BITS`` (hvdcomp.compressors.quantizers) more bits there (at most 8), with a table
+pieces' averages with keys of their own (world size 1: the average is one contribution).
+The bucketed quantizers (QSGD, QSGDinf, NUQSGD, ALQ, AMQ) use ``FINER_BITS``
+(hvdcomp.compressors.quantizers) more bits there (at most 8), with a table
 that holds the first stage's (:class:`~hvdcomp.compressors.quantizers.Finer`: the family's
 own table at those bits while the first stage has its initial one, the fitted table with
 each interval cut into equal parts once fitted; same version).  Why: the second quantization
