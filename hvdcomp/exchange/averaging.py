@@ -31,13 +31,11 @@ import torch
 
 from ..compressors import ABSENT_LAST, ABSENT_ZEROS, Compressor, TensorKey, get
 from ..compressors.state import finite as all_finite
-from ..wire import CODECS, Message
+from ..wire import Message
 from .plan import Entry
 from .stats import StepStats
 
 __all__ = ["Averaging"]
-
-_NONE_CODEC = CODECS["none"]
 
 
 class Averaging:
@@ -157,7 +155,7 @@ class Averaging:
     def _decoder(self, comp: Compressor, msg: Optional[Message], key: TensorKey) -> Compressor:
         if msg is None:
             comp._require_message(msg, key)         # raises WireFormatError
-        if msg.codec == _NONE_CODEC and comp.wire_dtype is not None:
+        if msg.codec == self._none.codec and comp.wire_dtype is not None:
             return self._none                       # a cast's fallback (cast_fallback)
         return comp
 
