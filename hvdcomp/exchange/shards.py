@@ -69,10 +69,10 @@ def refusal(comp: Compressor) -> Optional[str]:
     return None
 
 
-# {name: reason} of the compressors registered when this module was imported (hvdcomp's
-# own) that refuse the reduce-scatter, at their default settings: for reference, as
-# :func:`refusal` asks the compressor itself
-REFUSED = {n: why for n, why in ((n, refusal(cls())) for n, cls in registry().items())
+# {name: reason} of hvdcomp's own compressors that refuse the reduce-scatter, at their
+# default settings: for reference, as :func:`refusal` asks the compressor itself
+REFUSED = {n: why for n, why in ((n, refusal(cls())) for n, cls in registry().items()
+                                 if cls.__module__.startswith("hvdcomp."))
            if why is not None}
 
 
