@@ -62,7 +62,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .compressors import Compressor, FP16, NoneCompressor, TensorKey, get
+from .compressors import Compressor, TensorKey, get
 from .errors import ConfigError
 
 __all__ = ["Auto", "CostModel", "LinkCost", "CodecCost", "fit_line", "from_spec", "spec_collective",
@@ -287,7 +287,7 @@ class Auto:
                                    device=device, second_stage=second_stage)
         self.model = CostModel(link, codec, transport.size, allreduce is not None, stage2)
         allowed = self.fallbacks + tuple(collectives)
-        paths = {"none": (NoneCompressor(), False), "fp16": (FP16(), False),
+        paths = {"none": (get("none"), False), "fp16": (get("fp16"), False),
                  "allgather": (self.compressor, False),
                  "reduce_scatter": (self.compressor, True)}
         names = {"none": "none", "fp16": "fp16", "allgather": self.compressor.name,

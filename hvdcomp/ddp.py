@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from .auto import Auto, from_spec
-from .compressors import LAQ, Compressor
+from .compressors import ABSENT_LAST, Compressor
 from .errors import ConfigError
 from .exchange import Exchange, StepStats
 from .exchange import momentum
@@ -398,7 +398,7 @@ class HookState:
         ``divide_by_initial_world_size``, default True; always True without the DDP model),
         so that a joined rank is absent rather than joined.  False for LAQ, which cannot
         leave a rank out (it raises on every rank)."""
-        if isinstance(self.exchange.compression, LAQ):
+        if self.exchange.compression.absent_rank == ABSENT_LAST:
             return False
         ddp = self._ddp() if self._ddp is not None else None
         return bool(getattr(ddp, "_divide_by_initial_world_size", True))

@@ -1,5 +1,6 @@
-"""``hvdcomp selftest``: a 2-rank exchange of a few compressors through every transport this
-machine offers, each checked bit for bit, with PASS/FAIL per item.
+"""``hvdcomp selftest``: a 2-rank exchange of every registered compressor of hvdcomp (its
+example spec, :func:`hvdcomp.compressors.examples`) through every transport this machine
+offers, each checked bit for bit, with PASS/FAIL per item.
 
 The command starts its own processes:
 
@@ -29,12 +30,14 @@ import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence
 
+from .compressors import examples, registry
+
 __all__ = ["SPECS", "main", "run", "launchers"]
 
-# a cast, a summable cast, unbiased quantizers (one with fitted levels, one entropy-coded),
-# a sparsifier with error feedback, and the dithered quantizer (Philox on both sides)
-SPECS = ["none", "fp16", "qsgd:bits=4,bucket_size=512", "alq:bits=3,bucket_size=512",
-         "qsgd:bits=3,bucket_size=256,entropy=1", "topk:density=0.05", "dqsg:bits=4"]
+# every compressor of hvdcomp's registry, by its example spec, and one entropy-coded
+SPECS = [spec for name, spec in examples().items()
+         if registry()[name].__module__.startswith("hvdcomp.")]
+SPECS.append("qsgd:bits=3,bucket_size=256,entropy=1")
 SHAPES = {"conv.weight": (8, 3, 5, 5), "fc.weight": (100, 57), "head.weight": (10, 100)}
 MARK = "HVDCOMP-SELFTEST "
 SEED = 11

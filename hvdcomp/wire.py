@@ -40,7 +40,8 @@ import torch
 
 from .errors import WireFormatError
 
-__all__ = ["Message", "MAGIC", "VERSION", "CODECS", "USER_CODECS", "register_codec", "DTYPES", "FLAG_NONFINITE", "FLAG_ENTROPY",
+__all__ = ["Message", "MAGIC", "VERSION", "CODECS", "BUILTIN_CODECS", "USER_CODECS",
+           "register_codec", "DTYPES", "FLAG_NONFINITE", "FLAG_ENTROPY",
            "dtype_code", "code_dtype", "HEADER_SIZE", "MAX_NDIM", "MAX_SECTIONS", "MAX_DIM"]
 
 MAGIC = b"HVDC"
@@ -56,44 +57,31 @@ _FIXED = struct.Struct("<4sBBBBBBBBIIIIIQQ")
 HEADER_SIZE = _FIXED.size  # 48
 _CRC = struct.Struct("<I")
 
-# Codec ids are part of the wire format: never renumber, only append.
+# Codec ids are part of the wire format: never renumbered, only added.  Each compressor
+# registers its own next to its class (``@hvdcomp.register(name, codec=ID)``): hvdcomp's own
+# with ids in BUILTIN_CODECS (tests/unit/test_codec_ids.py holds them against a frozen
+# table), those defined outside hvdcomp (a user's or a test's own module) in USER_CODECS.
+# CODECS fills as hvdcomp.compressors is imported (hvdcomp's __init__ does so first).
 CODECS = {
-    "none": 1,
-    "fp16": 2,
-    "bf16": 3,
-    "qsgd": 10,
-    "qsgdinf": 11,
-    "nuqsgd": 12,
-    "alq": 13,
-    "amq": 14,
-    # TernGrad, EF-SignSGD, PSQ/BHQ, DQSG/NDQSG, DGC, top-k/random-k, LAQ (issues #3, #4)
-    "terngrad": 15,
-    "signef": 16,
-    "psq": 17,
-    "bhq": 18,
-    "dqsg": 19,
-    "ndqsg": 20,
-    "dgc": 21,
-    "topk": 22,
-    "randk": 23,
-    "laq": 24,
-    # a sparse gradient's indices and values, uncompressed (hvdcomp.exchange.coo)
+    # a sparse gradient's indices and values, uncompressed (hvdcomp.exchange.coo): not a
+    # compressor, so it has no class to register from
     "coo": 25,
 }
 _CODEC_NAMES = {v: k for k, v in CODECS.items()}
 
-# Ids 128..255 are for compressors defined outside hvdcomp (a user's or a test's own module),
-# registered at import with register_codec (or hvdcomp.register(name, codec=ID)).
+BUILTIN_CODECS = range(1, 128)
 USER_CODECS = range(128, 256)
 
 
-def register_codec(name: str, codec: int) -> int:
-    """Give the compressor ``name`` the wire id ``codec`` (an int in 128..255, USER_CODECS)
-    and return it.  Registering the same (name, id) again is a no-op (a module imported
+def register_codec(name: str, codec: int, *, builtin: bool = False) -> int:
+    """Give the compressor ``name`` the wire id ``codec`` and return it: an int in 128..255
+    (USER_CODECS), or with ``builtin`` (hvdcomp's own compressors) in 1..127
+    (BUILTIN_CODECS).  Registering the same (name, id) again is a no-op (a module imported
     twice); an id or a name already taken otherwise raises ValueError."""
-    if isinstance(codec, bool) or not isinstance(codec, int) or codec not in USER_CODECS:
-        raise ValueError(f"codec id of {name!r} must be an int in 128..255 (ids below 128 "
-                         f"are hvdcomp's own), got {codec!r}")
+    ids, what = ((BUILTIN_CODECS, "1..127 (hvdcomp's own)") if builtin else
+                 (USER_CODECS, "128..255 (ids below 128 are hvdcomp's own)"))
+    if isinstance(codec, bool) or not isinstance(codec, int) or codec not in ids:
+        raise ValueError(f"codec id of {name!r} must be an int in {what}, got {codec!r}")
     if CODECS.get(name) == codec:
         return codec
     if name in CODECS or codec in _CODEC_NAMES:
@@ -103,6 +91,7 @@ def register_codec(name: str, codec: int) -> int:
     CODECS[name] = codec
     _CODEC_NAMES[codec] = name
     return codec
+
 
 DTYPES = {
     torch.float32: 1,

@@ -5,7 +5,8 @@ Every module in this package is imported here, so adding a family means adding a
 import importlib as _importlib
 import pkgutil as _pkgutil
 
-from .base import Compressor, TensorKey, available, get, parse_spec, register
+from .base import (ABSENT_LAST, ABSENT_REFUSE, ABSENT_ZEROS, Compressor, TensorKey, available,
+                   examples, get, parse_spec, register, registry)
 from .cast import BF16, FP16, NoneCompressor
 from .quantizers import ALQ, AMQ, NUQSGD, QSGD, BucketQuantizer, QSGDInf
 from .terngrad import TernGrad
@@ -19,5 +20,6 @@ for _m in _pkgutil.iter_modules(__path__):
     _importlib.import_module(f"{__name__}.{_m.name}")
 
 __all__ = ["Compressor", "TensorKey", "available", "get", "parse_spec", "register",
+           "registry", "examples", "ABSENT_ZEROS", "ABSENT_LAST", "ABSENT_REFUSE",
            "NoneCompressor", "FP16", "BF16", "BucketQuantizer", "QSGD", "QSGDInf", "NUQSGD",
            "ALQ", "AMQ", "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG", "TopK", "RandK", "DGC", "LAQ"]

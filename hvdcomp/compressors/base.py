@@ -22,28 +22,51 @@ from . import settings
 from .state import finite
 
 __all__ = ["Compressor", "TensorKey", "register", "get", "parse_spec", "available",
-           "REGISTRY"]
+           "registry", "examples", "REGISTRY", "ABSENT_ZEROS", "ABSENT_LAST", "ABSENT_REFUSE"]
 
 REGISTRY: Dict[str, type] = {}
 
+# What a rank that sends nothing for a tensor counts as (Compressor.absent_rank).
+ABSENT_ZEROS = "zeros"      # a zero contribution (the average still divides by it)
+ABSENT_LAST = "last"        # its last upload stands (receivers keep one per rank: LAQ)
+ABSENT_REFUSE = "refuse"    # a clear error: every rank's message is needed (NDQSG)
+
 
 def register(name: str, codec: Optional[int] = None):
-    """Class decorator: make a compressor available as ``hvdcomp.get(name)``.
+    """Class decorator: make a compressor available as ``hvdcomp.get(name)``, with the wire
+    id ``codec`` (set as the class's ``codec``; hvdcomp.wire.register_codec).
 
-    codec: the wire id of a compressor defined outside hvdcomp (128..255,
-    hvdcomp.wire.USER_CODECS), set as the class's ``codec``; hvdcomp's own compressors set
-    ``codec = CODECS[name]`` themselves.  Raises ValueError for a name registered twice or
-    an id taken.
+    codec: 1..127 for hvdcomp's own compressors (a class defined in this package,
+    hvdcomp.wire.BUILTIN_CODECS: never renumbered, tests/unit/test_codec_ids.py), 128..255
+    for one defined outside hvdcomp (hvdcomp.wire.USER_CODECS); None: the class's own
+    ``codec`` stands.  Raises ValueError for a name registered twice or an id taken or out
+    of its range.
     """
     def deco(cls):
         if name in REGISTRY:
             raise ValueError(f"compressor name {name!r} registered twice")
         if codec is not None:
-            cls.codec = register_codec(name, codec)
+            cls.codec = register_codec(name, codec,
+                                       builtin=cls.__module__.startswith(__package__ + "."))
         cls.name = name
         REGISTRY[name] = cls
         return cls
     return deco
+
+
+def registry() -> Dict[str, type]:
+    """{name: class} of every registered compressor, sorted by name.  Each class has its
+    wire id (``codec``), an example spec that exercises its state (``example``; the name
+    alone where the class declares none) and its settings with their defaults (the
+    ``__init__`` signature, as ``parse_spec`` reads them)."""
+    return {n: REGISTRY[n] for n in available()}
+
+
+def examples() -> Dict[str, str]:
+    """{name: example spec} of every registered compressor (:func:`registry`), sorted by
+    name: the list that the tests, the DDP golden run, the device tests, bench/codec_speed.py
+    and the selftest run."""
+    return {n: cls.example or n for n, cls in registry().items()}
 
 
 @dataclass(frozen=True)
@@ -80,6 +103,11 @@ class Compressor:
                    may travel through Horovod's allreduce instead of the allgather path.
       prescaled -- encode already divides by the world size (fp16), so the average is the
                    plain sum of the decoded contributions.
+      example   -- a spec that exercises its state (:func:`examples`).
+    What the exchange core reads from a compressor is declared here, with defaults, and
+    overridden by the families: ``absent_rank``, ``wire_dtype``, ``sends_values``,
+    ``shard_unit`` / ``shard_shape`` (how the reduce-scatter cuts a message into shards, or
+    why not), ``second_stage`` and ``for_dtype``.  The core never names a compressor class.
     Instance attribute (may depend on the settings):
       keeps_state -- the compressor carries state from step to step that a checkpoint must
                    hold (error-feedback residuals, fitted levels, momentum, lazy-upload
@@ -95,6 +123,49 @@ class Compressor:
     # The ``entropy`` setting, for compressors that have it (code sections rANS-coded, flag
     # ENTROPY); decode requires the flag to match it.
     entropy: bool = False
+    # A spec that exercises the compressor's state (registry: ``examples()``); "" = the name.
+    example: ClassVar[str] = ""
+
+    # --- what the exchange core reads (defaults here; the families override) ----------
+    # What a rank that sends nothing for a tensor (no gradient there) counts as:
+    # ABSENT_ZEROS, ABSENT_LAST (its last upload; a rank that has joined cannot be left out)
+    # or ABSENT_REFUSE (ValueError on every rank).
+    absent_rank: ClassVar[str] = ABSENT_ZEROS
+    # The dtype a cast sends the values in (fp16, bf16); None for every other compressor.
+    # A finite gradient the wire dtype cannot hold travels as ``none`` instead
+    # (hvdcomp.exchange.averaging.Averaging.cast_fallback).
+    wire_dtype: ClassVar[Optional[torch.dtype]] = None
+    # The message holds the gradient's values (``none`` and the casts): a float32 sum of
+    # finite contributions can overflow, and is then summed again prescaled.
+    sends_values: ClassVar[bool] = False
+
+    def shard_unit(self, shape: Tuple[int, ...]) -> int:
+        """Elements per *unit* of a tensor of ``shape`` (int >= 1): the reduce-scatter
+        (hvdcomp.exchange.shards) cuts a tensor into pieces only at unit boundaries and
+        encodes each piece as a tensor of its own, so a unit is what must stay whole for a
+        piece's message to mean what the whole tensor's would (a quantization bucket, a
+        row; 1 where any cut will do).  Raises TypeError saying why this compressor's
+        messages cannot be cut into shards; the default, for a compressor that declares no
+        unit."""
+        raise TypeError(f"{self.name} declares no shard unit (Compressor.shard_unit), so "
+                        f"its messages cannot be cut into shards for the reduce-scatter")
+
+    def shard_shape(self, shape: Tuple[int, ...], lo: int, hi: int) -> Tuple[int, ...]:
+        """The shape a piece ``[lo, hi)`` (flat elements, at unit boundaries) of a tensor of
+        ``shape`` is encoded with: flat ``(hi - lo,)`` by default."""
+        return (hi - lo,)
+
+    def second_stage(self) -> "Compressor":
+        """The compressor that re-encodes an owner's averaged pieces in the reduce-scatter
+        (hvdcomp.exchange.shards): this one by default (same instance: state kept by piece
+        name)."""
+        return self
+
+    def for_dtype(self, dtype: torch.dtype) -> "Compressor":
+        """The compressor a tensor of ``dtype`` travels with in place of this one: this one,
+        except a cast whose wire dtype cannot hold ``dtype``'s range (fp16 for bfloat16:
+        bf16)."""
+        return self
 
     # --- the contract -----------------------------------------------------------------
     def encode(self, grad: torch.Tensor, key: TensorKey) -> Message:

@@ -23,6 +23,11 @@ class TensorBuckets:
     code_bits: ClassVar[int]
     name: ClassVar[str]
 
+    def shard_unit(self, shape) -> int:
+        """A bucket, or with ``bucket_size`` 0 one element: each piece of the reduce-scatter
+        then has a scale of its own (hvdcomp.exchange.shards)."""
+        return self.bucket_size or 1
+
     def _bs(self, n: int) -> int:
         """Effective bucket size for a tensor of ``n`` elements (>= 1)."""
         return self.bucket_size if self.bucket_size else max(n, 1)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import WireFormatError
-from ..wire import CODECS, Message, code_dtype
+from ..wire import Message, code_dtype
 from .base import Compressor, TensorKey, numel_of, register
 from .state import finite
 
@@ -41,7 +41,7 @@ def _finite_values(name: str, values: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@register("none")
+@register("none", codec=1)
 class NoneCompressor(Compressor):
     """No compression: the gradient's own bytes.
 
@@ -49,11 +49,15 @@ class NoneCompressor(Compressor):
     decode: WireFormatError for a payload of the wrong size, or one holding values that are
     not finite in float32 (the encoder sends those as NONFINITE).
     """
-    codec = CODECS["none"]
     summable = True
+    sends_values = True
 
     def __init__(self):
         pass
+
+    def shard_unit(self, shape) -> int:
+        """Any cut will do: one element."""
+        return 1
 
     def _encode(self, grad, key):
         return self._new_message(grad, key, (_raw(grad),))
@@ -85,9 +89,14 @@ class _Cast(Compressor):
     (:meth:`contract_dtype`).  decode: WireFormatError for a payload of the wrong size or
     holding NaN or Inf."""
     wire_dtype: torch.dtype
+    sends_values = True
 
     def __init__(self):
         pass
+
+    def shard_unit(self, shape) -> int:
+        """Any cut will do: one element."""
+        return 1
 
     def _scale(self, key: TensorKey) -> float:
         return 1.0
@@ -123,7 +132,7 @@ class _Cast(Compressor):
     def decode(self, msg, key, out):
         """As Compressor.decode, and a ``none`` message (:meth:`range_fallback`) adds its
         values."""
-        if msg is not None and msg.codec == CODECS["none"]:
+        if msg is not None and msg.codec == _NONE.codec:
             return _NONE.decode(msg, key, out)
         return super().decode(msg, key, out)
 
@@ -171,7 +180,7 @@ def _horovod_size() -> int:
         return 1
 
 
-@register("fp16")
+@register("fp16", codec=2)
 class FP16(_Cast):
     """IEEE half precision.  Each rank sends fp16(grad / world_size), so the sum over ranks is
     the average and stays within fp16 range whenever every |grad| does; a tensor with a
@@ -185,7 +194,6 @@ class FP16(_Cast):
     Horovod's own fp16 compression: only hvdcomp.torch.DistributedOptimizer, which sends
     such a tensor as its own values, keeps that range.
     """
-    codec = CODECS["fp16"]
     summable = True
     prescaled = True
     wire_dtype = torch.float16
@@ -193,11 +201,15 @@ class FP16(_Cast):
     def _scale(self, key):
         return float(key.world_size)
 
+    def for_dtype(self, dtype):
+        """bf16 for a bfloat16 tensor (fp16 cannot hold bfloat16's range; bf16 sends the
+        gradient's own bytes), this compressor otherwise."""
+        return BF16() if dtype == torch.bfloat16 else self
 
-@register("bf16")
+
+@register("bf16", codec=3)
 class BF16(_Cast):
     """bfloat16: fp32's range with 8 bits of mantissa.  Payload: 2 bytes per element."""
-    codec = CODECS["bf16"]
     # Mathematically summable, but Horovod 0.28.1's CPU allreduce rejects bfloat16, so the
     # drop-in optimizer sends it through the allgather path and averages in float32.
     summable = False

@@ -52,9 +52,9 @@ from ..codecs import packed_size
 from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
 from ..ops import dithered
-from ..wire import CODECS, FLAG_NONFINITE, Message
+from ..wire import FLAG_NONFINITE, Message
 from . import settings
-from .base import Compressor, TensorKey, numel_of, register
+from .base import ABSENT_REFUSE, Compressor, TensorKey, numel_of, register
 from .protocols import ReportsEvents
 
 __all__ = ["DQSG", "NDQSG", "NestedResult"]
@@ -82,7 +82,7 @@ def _read_u32(sec) -> torch.Tensor:
 
 # --- DQSG ------------------------------------------------------------------------------------
 
-@register("dqsg")
+@register("dqsg", codec=19)
 class DQSG(Compressor):
     """DQSG: per-bucket subtractive dithered uniform quantization (Abdi & Fekri 2019, DQSG).
 
@@ -109,7 +109,7 @@ class DQSG(Compressor):
     Error: x_hat - x uniform on [-Delta/2, Delta/2], independent of x given Delta (unbiased,
       variance Delta**2/12 per coordinate); the exact arithmetic: hvdcomp.ops.dithered.
     """
-    codec = CODECS["dqsg"]
+    example = "dqsg:bits=4"
 
     def __init__(self, bits: int = 4, bucket_size: int = 512, entropy: bool = False):
         self.bits = settings.integer("bits", bits, 2, 8)
@@ -123,6 +123,10 @@ class DQSG(Compressor):
 
     def _header_fields(self):
         return {"bits": self.bits, "bucket_size": self.bucket_size, "level_version": 0}
+
+    def shard_unit(self, shape) -> int:
+        """A bucket (its step Delta is the bucket's own, hvdcomp.exchange.shards)."""
+        return self.bucket_size
 
     def message_bytes(self, shape) -> int:
         """Payload bytes of a DQSG message for a tensor of ``shape`` (or ``numel``
@@ -199,7 +203,14 @@ class NestedResult:
     group: int
 
 
-@register("ndqsg")
+# why NDQSG refuses the reduce-scatter (NDQSG.shard_unit)
+_NO_SHARDS = ("NDQSG's nested ranks send residues that decode only with side information "
+              "from the other ranks' messages of the same tensor (Abdi & Fekri 2019): the "
+              "owner of a shard re-encodes one average, which has no other ranks to nest "
+              "against, so the nested half of the ranks would have nothing to resolve with")
+
+
+@register("ndqsg", codec=20)
 class NDQSG(ReportsEvents, DQSG):
     """NDQSG: nested dithered quantization with side information (Abdi & Fekri 2019, NDQSG).
 
@@ -256,7 +267,8 @@ class NDQSG(ReportsEvents, DQSG):
     WireFormatError for it (use combine).  A message whose header bits do not match the
     sender's group raises WireFormatError.
     """
-    codec = CODECS["ndqsg"]
+    example = "ndqsg:bits=4"
+    absent_rank = ABSENT_REFUSE         # the nested ranks resolve against every rank's message
 
     def __init__(self, bits: int = 4, nested_bits: int = 2, bucket_size: int = 512,
                  dqsg_ranks: int = 0, entropy: bool = False):
@@ -264,6 +276,10 @@ class NDQSG(ReportsEvents, DQSG):
         self.nested_bits = settings.integer("nested_bits", nested_bits, 1, self.bits - 1)
         self.dqsg_ranks = settings.integer("dqsg_ranks", dqsg_ranks, 0, 2**31)
         self._events: List[str] = []
+
+    def shard_unit(self, shape) -> int:
+        """Refused: TypeError (:data:`_NO_SHARDS`)."""
+        raise TypeError(_NO_SHARDS)
 
     @property
     def k(self) -> int:
@@ -370,19 +386,6 @@ class NDQSG(ReportsEvents, DQSG):
         self._decode(msg, key, out)
         return True
 
-    @staticmethod
-    def _check_keys(msgs: List[Message], keys: List[TensorKey]) -> int:
-        n = len(msgs)
-        if n == 0 or len(keys) != n:
-            raise ValueError(f"combine needs one key per message, got {n} messages and "
-                             f"{len(keys)} keys")
-        for r, k in enumerate(keys):
-            if (k.rank != r or k.world_size != n or k.tensor_id != keys[0].tensor_id
-                    or k.step != keys[0].step or k.seed != keys[0].seed):
-                raise ValueError(f"combine expects keys[r] to be rank r's key of the same "
-                                 f"tensor and step, with world_size {n}; keys[{r}] = {k}")
-        return n
-
     def resolve(self, msgs: List[Message], keys: List[TensorKey],
                 numel: Optional[int] = None) -> Optional[NestedResult]:
         """Validate and decode every rank's message for one tensor (``msgs[r]`` from rank r,
@@ -394,7 +397,7 @@ class NDQSG(ReportsEvents, DQSG):
         entry) message (all are checked before anything is decoded); ValueError if ``keys``
         are not ranks 0..N-1 of one tensor and step.
         """
-        world = self._check_keys(msgs, keys)
+        world = _check_keys(msgs, keys)
         if numel is None:
             self._require_message(msgs[0], keys[0])
         n = msgs[0].numel if numel is None else numel
@@ -425,7 +428,7 @@ class NDQSG(ReportsEvents, DQSG):
         per nested rank with buckets whose side information was too far off (class
         docstring).  Raises WireFormatError / ValueError as :meth:`resolve`.
         """
-        world = self._check_keys(msgs, keys)
+        world = _check_keys(msgs, keys)
         n = out.numel()
         parsed = self._parse_all(msgs, keys, n, out.device)
         if parsed is None:
@@ -450,3 +453,18 @@ class NDQSG(ReportsEvents, DQSG):
                     f"buckets of rank {r} (step {k.step}, tensor {k.tensor_id}); used the "
                     f"DQSG-group mean (ranks 0..{G - 1}) there")
         return True
+
+
+def _check_keys(msgs: List[Message], keys: List[TensorKey]) -> int:
+    """The number of ranks of NDQSG.combine's messages; ValueError unless ``keys[r]`` is rank
+    r's key of one tensor and step."""
+    n = len(msgs)
+    if n == 0 or len(keys) != n:
+        raise ValueError(f"combine needs one key per message, got {n} messages and "
+                         f"{len(keys)} keys")
+    for r, k in enumerate(keys):
+        if (k.rank != r or k.world_size != n or k.tensor_id != keys[0].tensor_id
+                or k.step != keys[0].step or k.seed != keys[0].seed):
+            raise ValueError(f"combine expects keys[r] to be rank r's key of the same "
+                             f"tensor and step, with world_size {n}; keys[{r}] = {k}")
+    return n

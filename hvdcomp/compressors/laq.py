@@ -117,9 +117,9 @@ from ..codecs import packed_size
 from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
 from ..ops import laq as ops
-from ..wire import CODECS, Message, dtype_code
+from ..wire import Message, dtype_code
 from . import settings
-from .base import Compressor, TensorKey, numel_of, register
+from .base import ABSENT_LAST, Compressor, TensorKey, numel_of, register
 from .protocols import ParamDeltas, ReportsEvents
 
 __all__ = ["LAQ"]
@@ -140,7 +140,7 @@ class _Record:
     skips: int = 0
 
 
-@register("laq")
+@register("laq", codec=24)
 class LAQ(ParamDeltas, ReportsEvents, Compressor):
     """LAQ / SLAQ (Sun, Chen, Giannakis, Yang, NeurIPS 2019, arXiv 1909.07588): quantize the
     innovation ``grad - Qprev`` on a uniform ``bits``-bit grid over ``[-R, R]``, upload it only
@@ -171,8 +171,9 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
     ``hvdcomp.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2),
     named_parameters=model.named_parameters(), compression="laq:bits=4,alpha=0.2")``.
     """
-    codec = CODECS["laq"]
     keeps_state = True          # Qprev, aggregates, history of parameter changes
+    example = "laq:bits=4"
+    absent_rank = ABSENT_LAST   # receivers keep each rank's last upload (its Qprev)
 
     def __init__(self, bits: int = 4, alpha: float = 0.1, xi: float = 0.8, history: int = 10,
                  t_max: int = 100, stochastic: bool = False, slaq_err: float = 0.5,
@@ -198,6 +199,15 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
         """Payload bytes of an upload of a tensor of ``shape`` (or ``numel`` coordinates):
         ``4 + ceil(numel*bits/8)``."""
         return 4 + packed_size(numel_of(shape), self.bits)
+
+    def shard_unit(self, shape) -> int:
+        """Refused (TypeError): the owner of a shard would re-encode an average of stale
+        and fresh uploads every step (Sun et al. 2019), so no rank could ever skip."""
+        raise TypeError(
+            "LAQ's ranks skip uploads lazily and every receiver reuses each rank's last "
+            "upload (Sun et al. 2019): the owner of a shard would re-encode an average of "
+            "stale and fresh contributions every step, so no rank could ever skip and the "
+            "lazy rule's bound would not hold")
 
     # --- the rule ---------------------------------------------------------------------
     def param_term(self) -> float:
@@ -361,64 +371,70 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
         compressor already holds for that name.  A history longer than ``history`` keeps its
         newest entries.
         """
-        if not isinstance(state, dict):
-            raise _bad(f"state must be a dict, got {type(state).__name__}")
-        extra = sorted(set(state) - {"history", "tensors"})
-        if extra:
-            raise _bad(f"unknown state keys {extra}; expected 'history' and 'tensors'")
-        hist = state.get("history", [])
-        if not isinstance(hist, (list, tuple)):
-            raise _bad(f"'history' must be a list of floats, got {type(hist).__name__}")
-        new_hist = [_nonneg(h, "history entries must be finite numbers >= 0") for h in hist]
-        tens = state.get("tensors", {})
-        if not isinstance(tens, dict):
-            raise _bad(f"'tensors' must map parameter names to records, got "
-                       f"{type(tens).__name__}")
-        new = {name: self._load_record(name, r) for name, r in tens.items()}
-        self._hist = new_hist[:self.history]
-        self._rec = new
+        hist, self._rec = _load_state(state, self._rec)
+        self._hist = hist[:self.history]
 
-    def _load_record(self, name: Any, r: Any) -> _Record:
-        """One record of a state dict, validated (ValueError) against the one held."""
-        if not isinstance(name, str):
-            raise _bad(f"parameter names must be strings, got {name!r}")
-        if not isinstance(r, dict) or set(r) != _RECORD_KEYS:
-            got = sorted(r) if isinstance(r, dict) else type(r).__name__
-            raise _bad(f"record of {name!r} must have the keys {sorted(_RECORD_KEYS)}, "
-                       f"got {got}")
-        numel = r["numel"]
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-            raise _bad(f"numel of {name!r} must be an integer >= 0, got {numel!r}")
-        rec = _Record(numel=numel)
-        cur = self._rec.get(name)
-        for field in ("qprev", "aggregate"):
-            t = r[field]
-            if t is None:
-                continue
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-                raise _bad(f"{field} of {name!r} must be a float32 torch.Tensor or None, "
-                           f"got {getattr(t, 'dtype', type(t).__name__)}")
-            if t.numel() != numel:
-                raise _bad(f"{field} of {name!r} has {t.numel()} elements, the record "
-                           f"says {numel}")
-            if field == "aggregate" and t.dim() != 1:
-                raise _bad(f"aggregate of {name!r} must be flat, got shape {tuple(t.shape)}")
-            if t.numel() and not bool(torch.isfinite(t).all()):
-                raise _bad(f"{field} of {name!r} holds NaN or Inf")
-            held = getattr(cur, field) if cur is not None else None
-            if field == "qprev" and held is not None and tuple(held.shape) != tuple(t.shape):
-                raise _bad(f"qprev of {name!r} has shape {tuple(t.shape)}, the one held "
-                           f"for it has shape {tuple(held.shape)}")
-            setattr(rec, field, t.detach().to(held.device if held is not None else "cpu")
-                    .clone())
-        rec.eps_hat_sq = _nonneg(r["eps_hat_sq"],
-                                 f"eps_hat_sq of {name!r} must be a finite number >= 0")
-        for field in ("silent", "uploads", "skips"):
-            v = r[field]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise _bad(f"{field} of {name!r} must be an integer >= 0, got {v!r}")
-            setattr(rec, field, int(v))
-        return rec
+
+def _load_state(state: Any, held: Dict[str, _Record]
+                ) -> Tuple[List[float], Dict[str, _Record]]:
+    """(history, records) of a state dict, validated (ValueError, LAQ.load_state_dict)
+    against the records ``held``."""
+    if not isinstance(state, dict):
+        raise _bad(f"state must be a dict, got {type(state).__name__}")
+    extra = sorted(set(state) - {"history", "tensors"})
+    if extra:
+        raise _bad(f"unknown state keys {extra}; expected 'history' and 'tensors'")
+    hist = state.get("history", [])
+    if not isinstance(hist, (list, tuple)):
+        raise _bad(f"'history' must be a list of floats, got {type(hist).__name__}")
+    new_hist = [_nonneg(h, "history entries must be finite numbers >= 0") for h in hist]
+    tens = state.get("tensors", {})
+    if not isinstance(tens, dict):
+        raise _bad(f"'tensors' must map parameter names to records, got "
+                   f"{type(tens).__name__}")
+    return new_hist, {name: _load_record(name, r, held.get(name)) for name, r in tens.items()}
+
+
+def _load_record(name: Any, r: Any, cur: Optional[_Record]) -> _Record:
+    """One record of a state dict, validated (ValueError) against the one held (``cur``)."""
+    if not isinstance(name, str):
+        raise _bad(f"parameter names must be strings, got {name!r}")
+    if not isinstance(r, dict) or set(r) != _RECORD_KEYS:
+        got = sorted(r) if isinstance(r, dict) else type(r).__name__
+        raise _bad(f"record of {name!r} must have the keys {sorted(_RECORD_KEYS)}, "
+                   f"got {got}")
+    numel = r["numel"]
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise _bad(f"numel of {name!r} must be an integer >= 0, got {numel!r}")
+    rec = _Record(numel=numel)
+    for field in ("qprev", "aggregate"):
+        t = r[field]
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise _bad(f"{field} of {name!r} must be a float32 torch.Tensor or None, "
+                       f"got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.numel() != numel:
+            raise _bad(f"{field} of {name!r} has {t.numel()} elements, the record "
+                       f"says {numel}")
+        if field == "aggregate" and t.dim() != 1:
+            raise _bad(f"aggregate of {name!r} must be flat, got shape {tuple(t.shape)}")
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            raise _bad(f"{field} of {name!r} holds NaN or Inf")
+        held = getattr(cur, field) if cur is not None else None
+        if field == "qprev" and held is not None and tuple(held.shape) != tuple(t.shape):
+            raise _bad(f"qprev of {name!r} has shape {tuple(t.shape)}, the one held "
+                       f"for it has shape {tuple(held.shape)}")
+        setattr(rec, field, t.detach().to(held.device if held is not None else "cpu")
+                .clone())
+    rec.eps_hat_sq = _nonneg(r["eps_hat_sq"],
+                             f"eps_hat_sq of {name!r} must be a finite number >= 0")
+    for field in ("silent", "uploads", "skips"):
+        v = r[field]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise _bad(f"{field} of {name!r} must be an integer >= 0, got {v!r}")
+        setattr(rec, field, int(v))
+    return rec
 
 
 def _bad(msg: str) -> ValueError:

@@ -70,9 +70,9 @@ from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
 from ..ops.psq import (bhq_dequantize_add, bhq_plan, decode_bounds, dequantize_add,
                        quantize_rows, row_variance)
-from ..wire import CODECS, Message
+from ..wire import Message
 from . import settings
-from .base import Compressor, TensorKey, register
+from .base import Compressor, TensorKey, numel_of, register
 
 __all__ = ["PSQ", "BHQ", "rows_of"]
 
@@ -103,6 +103,19 @@ class _RowQuantizer(Compressor):
     """What PSQ and BHQ share: the row view, the rows' ranges and codes (sections 0, 1)."""
     bits: int
     entropy: bool
+
+    def shard_unit(self, shape) -> int:
+        """A row of the row view (``rows_of``): each piece of the reduce-scatter is a matrix
+        of whole rows, its row ranges (and BHQ's blocks) the rows' own."""
+        return max(rows_of(shape)[1], 1)
+
+    def shard_shape(self, shape, lo: int, hi: int) -> Tuple[int, ...]:
+        """Whole rows ``((hi - lo) / D, D)`` of a tensor of 2 or more dimensions; a tensor
+        of fewer (one row, never cut) keeps its own shape."""
+        if len(shape) >= 2:
+            d = max(rows_of(shape)[1], 1)
+            return ((hi - lo) // d, d)
+        return tuple(shape) if lo == 0 and hi == numel_of(shape) else (hi - lo,)
 
     def _rows(self, grad: torch.Tensor):
         """float32 (R, D) view of ``grad`` or None if its float32 copy is not finite."""
@@ -135,7 +148,7 @@ class _RowQuantizer(Compressor):
         return lohi, packed
 
 
-@register("psq")
+@register("psq", codec=17)
 class PSQ(_RowQuantizer):
     """PSQ, the per-sample quantizer (Chen et al., NeurIPS 2020, Sec. 4; module docstring).
 
@@ -158,7 +171,7 @@ class PSQ(_RowQuantizer):
         msg = c.encode(grad, key)                  # ~numel/2 + 8 * rows bytes
         c.decode(Message.from_bytes(msg.to_bytes()), key, acc)
     """
-    codec = CODECS["psq"]
+    example = "psq:bits=4"
 
     def __init__(self, bits: int = 4, entropy: bool = False):
         self.bits = settings.integer("bits", bits, 1, 8)
@@ -192,7 +205,7 @@ class PSQ(_RowQuantizer):
         return float(row_variance(x, self.bits).sum()) if x is not None else math.inf
 
 
-@register("bhq")
+@register("bhq", codec=18)
 class BHQ(_RowQuantizer):
     """BHQ, the block Householder quantizer (Chen et al., NeurIPS 2020, Sec. 4; module docstring).
 
@@ -220,7 +233,7 @@ class BHQ(_RowQuantizer):
         msg = c.encode(grad, key)
         c.decode(Message.from_bytes(msg.to_bytes()), key, acc)
     """
-    codec = CODECS["bhq"]
+    example = "bhq:bits=4"
 
     def __init__(self, bits: int = 4, block_size: int = 8, entropy: bool = False):
         self.bits = settings.integer("bits", bits, 1, 8)

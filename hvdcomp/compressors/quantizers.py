@@ -31,13 +31,15 @@ from ..codecs import packed_size
 from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
 from ..ops import quantize, stats
-from ..wire import CODECS, Message
+from ..wire import Message
 from . import settings
 from .base import Compressor, numel_of, register
 from .protocols import AdaptiveLevels
 from .state import finite
 
-__all__ = ["BucketQuantizer", "QSGD", "QSGDInf", "NUQSGD", "ALQ", "AMQ", "Finer"]
+__all__ = ["BucketQuantizer", "QSGD", "QSGDInf", "NUQSGD", "ALQ", "AMQ", "Finer", "FINER_BITS"]
+
+FINER_BITS = 2      # extra bits of the reduce-scatter's second stage (BucketQuantizer.second_stage)
 
 
 def _check_float(grad: torch.Tensor, name: str) -> None:
@@ -74,6 +76,16 @@ class BucketQuantizer(Compressor):
 
     def initial_levels(self) -> np.ndarray:
         raise NotImplementedError
+
+    def shard_unit(self, shape) -> int:
+        """A quantization bucket: every bucket of a piece quantizes exactly the coordinates
+        it would in the whole tensor (hvdcomp.exchange.shards)."""
+        return self.bucket_size
+
+    def second_stage(self) -> Compressor:
+        """Below 8 bits, a :class:`Finer` of this quantizer at ``min(bits + FINER_BITS, 8)``
+        (hvdcomp.exchange.shards explains why); at 8 bits this quantizer itself."""
+        return Finer(self, min(self.bits + FINER_BITS, 8)) if self.bits < 8 else self
 
     def _header_fields(self):
         return {"bits": self.bits, "bucket_size": self.bucket_size,
@@ -164,29 +176,29 @@ class BucketQuantizer(Compressor):
         self.level_version = int(state["level_version"])
 
 
-@register("qsgd")
+@register("qsgd", codec=10)
 class QSGD(BucketQuantizer):
     """QSGD: L2 bucket norm, uniform levels {0, 1/s, ..., 1} (Alistarh et al., 2017)."""
-    codec = CODECS["qsgd"]
+    example = "qsgd:bits=4,bucket_size=512"
 
     def initial_levels(self):
         return L.uniform_levels(self.bits)
 
 
-@register("qsgdinf")
+@register("qsgdinf", codec=11)
 class QSGDInf(BucketQuantizer):
     """QSGDinf: L-inf bucket norm, uniform levels (Faghri et al., 2020, Sec. 2)."""
-    codec = CODECS["qsgdinf"]
+    example = "qsgdinf:bits=3,bucket_size=100"
     norm = "linf"
 
     def initial_levels(self):
         return L.uniform_levels(self.bits)
 
 
-@register("nuqsgd")
+@register("nuqsgd", codec=12)
 class NUQSGD(BucketQuantizer):
     """NUQSGD: L2 bucket norm, exponential levels {0, 1/2^(s-1), ..., 1/2, 1}."""
-    codec = CODECS["nuqsgd"]
+    example = "nuqsgd:bits=2,bucket_size=1000"
 
     def initial_levels(self):
         return L.exponential_levels(self.bits, 0.5)
@@ -269,21 +281,21 @@ class _Adaptive(AdaptiveLevels, BucketQuantizer):
         raise NotImplementedError
 
 
-@register("alq")
+@register("alq", codec=13)
 class ALQ(_Adaptive):
     """ALQ: levels fitted by coordinate descent on the expected variance (Faghri et al.,
     NeurIPS 2020, Sec. 3.1).  Starts from NUQSGD's table until the first refit."""
-    codec = CODECS["alq"]
+    example = "alq:bits=3,bucket_size=512,refit_steps=2,refit_every=3"
 
     def fit(self, summed_stats):
         return L.fit_alq(summed_stats, self.bits)
 
 
-@register("amq")
+@register("amq", codec=14)
 class AMQ(_Adaptive):
     """AMQ: exponential levels whose multiplier p is fitted to the expected variance
     (Faghri et al., NeurIPS 2020, Sec. 3.2).  Starts from p = 0.5."""
-    codec = CODECS["amq"]
+    example = "amq:bits=3,bucket_size=512,refit_steps=1,refit_every=0"
 
     def fit(self, summed_stats):
         return L.fit_amq(summed_stats, self.bits)
@@ -291,7 +303,7 @@ class AMQ(_Adaptive):
 
 class Finer(Compressor):
     """``base`` (QSGD, QSGDinf, NUQSGD, ALQ or AMQ) at ``bits`` > base's: the
-    reduce-scatter's second stage (:func:`hvdcomp.exchange.shards.second_stage`).  Its
+    reduce-scatter's second stage (:meth:`BucketQuantizer.second_stage`).  Its
     table, with base's level version:
 
     * while base holds its initial table (QSGD, QSGDinf and NUQSGD always; ALQ and AMQ

@@ -63,7 +63,7 @@ import torch
 
 from ..codecs.sections import read_codes, write_codes
 from ..ops import ternary
-from ..wire import CODECS, Message
+from ..wire import Message
 from . import settings
 from .base import Compressor, TensorKey, register
 from .bucketing import TensorBuckets
@@ -74,7 +74,7 @@ __all__ = ["SignEF"]
 _BITS = 1
 
 
-@register("signef")
+@register("signef", codec=16)
 class SignEF(TensorBuckets, Compressor):
     """EF-SignSGD (Karimireddy et al., ICML 2019, arXiv 1901.09847, Algorithm 1): the scaled
     sign ``(||p||_1 / d) sign(p)`` of ``p = g + e`` per bucket, 1 bit per coordinate, with
@@ -97,7 +97,7 @@ class SignEF(TensorBuckets, Compressor):
       WireFormatError for a wrong header, wrong section sizes, unknown flags, or scales that
       are negative or not finite.
     """
-    codec = CODECS["signef"]
+    example = "signef"
     keeps_state = True          # the residuals
     code_bits = _BITS
 

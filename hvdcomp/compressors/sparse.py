@@ -72,9 +72,9 @@ import torch
 from ..codecs.sparse import decode_indices, decode_values, encode_indices, encode_values
 from ..errors import WireFormatError
 from ..ops import sparsify
-from ..wire import CODECS, FLAG_NONFINITE, Message
+from ..wire import FLAG_NONFINITE, Message
 from . import settings
-from .base import Compressor, TensorKey, register
+from .base import Compressor, TensorKey, get, register
 from .protocols import MomentumCorrection
 from .state import load_tensors
 
@@ -207,6 +207,11 @@ class _Sparse(Compressor):
     def _header_fields(self) -> Dict[str, int]:
         return {"bits": self.value_bits, "bucket_size": 0, "level_version": 0}
 
+    def shard_unit(self, shape) -> int:
+        """Any cut will do (one element): each piece of the reduce-scatter selects
+        ``density`` of its own elements."""
+        return 1
+
     def encode(self, grad, key):
         # The finiteness check is part of the state update (ops.sparsify: one pass over g,
         # the state and their sum), so the base class's separate pass over g is skipped.
@@ -286,7 +291,7 @@ class _Residuals(_Sparse):
         self._residuals.replace(self._residuals.validated(state.get("residuals", {})))
 
 
-@register("topk")
+@register("topk", codec=22)
 class TopK(_Residuals):
     """Top-k sparsification with error feedback (Stich et al., NeurIPS 2018, Algorithm 1 with
     top_k; the sparsification step of Lin et al., ICLR 2018, Sec. 3.1 without DGC's extras).
@@ -312,7 +317,7 @@ class TopK(_Residuals):
         c = hvdcomp.get("topk:density=0.01,values=fp16")
         msg = c.encode(grad, hvdcomp.TensorKey("fc.weight", 0, step, rank, size))
     """
-    codec = CODECS["topk"]
+    example = "topk:density=0.05"
 
     def __init__(self, density: float = 0.001, values: str = "fp32",
                  error_feedback: bool = True):
@@ -334,7 +339,7 @@ class TopK(_Residuals):
         return msg
 
 
-@register("randk")
+@register("randk", codec=23)
 class RandK(_Residuals):
     """Random-k sparsification with error feedback (Stich et al., NeurIPS 2018,
     Algorithm 1 with rand_k).  The k indices come from Philox keyed by the TensorKey
@@ -357,7 +362,7 @@ class RandK(_Residuals):
       all k values are zero (an all-zero gradient sends a header-only message).
     decode: WireFormatError if the section is neither k values nor empty.
     """
-    codec = CODECS["randk"]
+    example = "randk:density=0.05"
 
     def __init__(self, density: float = 0.01, values: str = "fp32",
                  error_feedback: bool = True, unbiased: bool = False):
@@ -402,7 +407,7 @@ class RandK(_Residuals):
         _scatter_add(out, sparsify.random_indices(n, k, _key4(key)), vals, self.scale(n))
 
 
-@register("dgc")
+@register("dgc", codec=21)
 class DGC(MomentumCorrection, _Sparse):
     """Deep Gradient Compression (Lin et al., ICLR 2018, arXiv 1712.01887), its four
     techniques each switchable.  Per tensor of a rank, with ``m`` its momentum factor
@@ -466,7 +471,7 @@ class DGC(MomentumCorrection, _Sparse):
                                        compression="dgc:density=0.001,clip_norm=5,"
                                                    "warmup_epochs=4,steps_per_epoch=390")
     """
-    codec = CODECS["dgc"]
+    example = "dgc:density=0.05"
     keeps_state = True          # u, v and the warm-up's step
 
     def __init__(self, density: float = 0.001, values: str = "fp32",
@@ -500,6 +505,14 @@ class DGC(MomentumCorrection, _Sparse):
         self._factors: Dict[str, float] = {}
         self._u = _State("dgc", "momentum u")
         self._v = _State("dgc", "accumulation v")
+
+    def second_stage(self) -> Compressor:
+        """The reduce-scatter's re-encoder of averages: momentum correction, masking and
+        clipping act on a rank's raw gradient only, so a separate instance without them:
+        top-k of the average with its residual (error feedback), at the same density
+        schedule."""
+        return get(self.spec(), momentum_correction=False, masking=False, momentum=0.0,
+                   clip_norm=0.0)
 
     # --- schedule and momentum --------------------------------------------------------
     def density_at(self, step: int) -> float:

@@ -58,9 +58,9 @@ import torch
 
 from ..codecs.sections import read_codes, write_codes
 from ..ops import ternary
-from ..wire import CODECS, Message
+from ..wire import Message
 from . import settings
-from .base import TensorKey, register
+from .base import Compressor, TensorKey, register
 from .bucketing import TensorBuckets
 from .quantizers import BucketQuantizer
 
@@ -70,7 +70,7 @@ _BITS = 2                     # 1 sign bit + 1 index bit (levels {0, 1})
 _LEVELS = (0.0, 1.0)
 
 
-@register("terngrad")
+@register("terngrad", codec=15)
 class TernGrad(TensorBuckets, BucketQuantizer):
     """TernGrad (Wen et al., NeurIPS 2017, arXiv 1705.07878, Sec. 3.1 and 3.3): gradient
     clipping at ``clip`` standard deviations, then stochastic ternarization to
@@ -96,7 +96,7 @@ class TernGrad(TensorBuckets, BucketQuantizer):
       are negative or not finite.
     Stateless: ``state_dict()`` is ``{}``.
     """
-    codec = CODECS["terngrad"]
+    example = "terngrad"
     norm = "linf"
     code_bits = _BITS
 
@@ -110,6 +110,11 @@ class TernGrad(TensorBuckets, BucketQuantizer):
 
     def initial_levels(self) -> np.ndarray:
         return np.array(_LEVELS, dtype=np.float64)
+
+    def second_stage(self) -> Compressor:
+        """The reduce-scatter re-encodes averages with this same instance (its two levels
+        have no finer table)."""
+        return self
 
     # --- encode / decode -----------------------------------------------------------------
     def clipped(self, grad: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,10 @@ was non-finite on any rank (or whose average overflowed) NaN on every rank and n
 
 Who counts: a tensor that no rank has a gradient for has no average (its ``p.grad`` stays
 None); one that some ranks lack counts zeros from those ranks (the average divides by every
-rank that has not joined), except for compressors whose receivers keep per-rank state (LAQ:
-the absent rank's last upload stands, as when its lazy rule skips) or need every rank's
-message (NDQSG: a clear error).
+rank that has not joined), except for compressors whose receivers keep per-rank state
+(``Compressor.absent_rank`` ABSENT_LAST, LAQ: the absent rank's last upload stands, as when
+its lazy rule skips; a joined rank cannot be left out) or need every rank's message
+(ABSENT_REFUSE, NDQSG: a clear error).
 
 Casts never lose range (:meth:`Averaging.cast_fallback`, :meth:`Averaging.combine`): a
 cast of a finite gradient that would overflow its wire dtype is sent as the gradient's own
@@ -28,19 +29,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..compressors import BF16, FP16, LAQ, NDQSG, Compressor, NoneCompressor, TensorKey
+from ..compressors import ABSENT_LAST, ABSENT_ZEROS, Compressor, TensorKey, get
 from ..compressors.state import finite as all_finite
-from ..wire import CODECS, Message
+from ..wire import Message
 from .plan import Entry
 from .stats import StepStats
 
 __all__ = ["Averaging"]
-
-_NONE_CODEC = CODECS["none"]
-
-
-def _casts(comp: Compressor) -> bool:
-    return isinstance(comp, (NoneCompressor, FP16, BF16))
 
 
 class Averaging:
@@ -63,7 +58,7 @@ class Averaging:
         self.sparse_as_dense = bool(sparse_as_dense)
         self.joined = False
         self._accs: Dict[str, torch.Tensor] = {}
-        self._none = NoneCompressor()
+        self._none = get("none")
 
     def gradient(self, e: Entry, grads: Optional[Dict[str, Optional[torch.Tensor]]] = None
                  ) -> Optional[torch.Tensor]:
@@ -107,7 +102,7 @@ class Averaging:
         be finite: a ``none`` message of ``g`` (divided by the world size first when the
         cast is prescaled, as fp16 is) in ``g``'s own dtype; None otherwise."""
         comp = e.compressor
-        if not isinstance(comp, (FP16, BF16)) or not g.is_floating_point() or not all_finite(g):
+        if comp.wire_dtype is None or not g.is_floating_point() or not all_finite(g):
             return None
         x = g.detach()
         if comp.prescaled:
@@ -128,18 +123,18 @@ class Averaging:
         prescaled compressor), False when it holds the plain sum.  Raises ValueError when
         the compressor cannot leave out an absent rank (module docstring)."""
         comp = e.compressor
-        if not all(present):
-            if isinstance(comp, NDQSG) or (joined and isinstance(comp, LAQ)):
-                raise ValueError(
-                    f"{comp.name} needs every rank's gradient of {e.name}, but ranks "
-                    f"{[r for r, p in enumerate(present) if not p]} had none in this step "
-                    f"(a parameter unused on some ranks only, or ranks that have joined); "
-                    f"use another compressor for it")
-            if isinstance(comp, LAQ):          # the absent rank's last upload stands
+        if not all(present) and comp.absent_rank != ABSENT_ZEROS:
+            if comp.absent_rank == ABSENT_LAST and not joined:
+                # the absent rank's last upload stands
                 return comp.combine([m if p else None for m, p in zip(msgs, present)], keys,
                                     acc), comp.prescaled
+            raise ValueError(
+                f"{comp.name} needs every rank's gradient of {e.name}, but ranks "
+                f"{[r for r, p in enumerate(present) if not p]} had none in this step "
+                f"(a parameter unused on some ranks only, or ranks that have joined); "
+                f"use another compressor for it")
         pairs = [(m, k) for m, k, p in zip(msgs, keys, present) if p]
-        if not _casts(comp):
+        if not comp.sends_values:
             return comp.combine([m for m, _ in pairs], [k for _, k in pairs], acc), \
                 comp.prescaled
         finite = True
@@ -160,7 +155,7 @@ class Averaging:
     def _decoder(self, comp: Compressor, msg: Optional[Message], key: TensorKey) -> Compressor:
         if msg is None:
             comp._require_message(msg, key)         # raises WireFormatError
-        if msg.codec == _NONE_CODEC and isinstance(comp, (FP16, BF16)):
+        if msg.codec == self._none.codec and comp.wire_dtype is not None:
             return self._none                       # a cast's fallback (cast_fallback)
         return comp
 

@@ -14,7 +14,7 @@ setting says so:
 
 * "allgather": every wire message over the allgather;
 * "reduce_scatter": the compressed tensors over the reduce-scatter (ConfigError on one rank,
-  or for a compressor that refuses it: :data:`hvdcomp.exchange.shards.REFUSED`);
+  or for a compressor that refuses it: :func:`hvdcomp.exchange.shards.refusal`);
 * "auto": per tensor, the one the cost model predicts faster (:mod:`hvdcomp.auto`; a plain
   compressor is planned as ``Auto(compressor, fallbacks=())``); the allgather alone on one
   rank or for a compressor that refuses the reduce-scatter.
@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..auto import COLLECTIVES, Auto
-from ..compressors import BF16, FP16, Compressor, NoneCompressor, TensorKey
+from ..compressors import Compressor, TensorKey, get
 from ..errors import ConfigError
 from ..transport import Allreduce, Transport
 from .buckets import agree
@@ -77,20 +77,22 @@ def route(p: torch.Tensor, compression: Compressor, min_numel: int,
           compress_1d: bool) -> Compressor:
     """``compression`` for a tensor that qualifies, a NoneCompressor otherwise."""
     if not qualifies(p, min_numel, compress_1d):
-        return NoneCompressor()
+        return get("none")
     return keep_range(compression, p)
 
 
 def keep_range(comp: Compressor, p: torch.Tensor) -> Compressor:
-    """``comp``, except a BF16 for a bfloat16 tensor that ``comp`` would cast to fp16 (fp16
+    """What ``p``'s gradient travels with in place of ``comp`` (``Compressor.for_dtype``):
+    ``comp``, except a bf16 for a bfloat16 tensor that ``comp`` would cast to fp16 (fp16
     cannot hold bfloat16's range; bf16 sends the gradient's own bytes)."""
-    return BF16() if isinstance(comp, FP16) and p.dtype == torch.bfloat16 else comp
+    return comp.for_dtype(p.dtype)
 
 
 def wire_dtype(comp: Compressor) -> torch.dtype:
     """The dtype a summable compressor's buffer is summed in: its ``wire_dtype``, float32
     for ``none`` (averages are float32 everywhere in hvdcomp)."""
-    return getattr(comp, "wire_dtype", torch.float32)
+    dt = getattr(comp, "wire_dtype", None)
+    return torch.float32 if dt is None else dt
 
 
 class Plan:

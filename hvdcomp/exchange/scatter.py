@@ -68,7 +68,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-from ..compressors import BF16, FP16, Compressor, NoneCompressor
+from ..compressors import Compressor, get
 from ..compressors.protocols import AdaptiveLevels, ReportsEvents
 from ..compressors.state import finite as all_finite
 from ..errors import RankFailure, WireFormatError
@@ -119,8 +119,8 @@ class ReduceScatter(Allgather):
         for e in entries.values():
             if e.scatter:
                 self.stage2.setdefault(id(e.compressor), second_stage(e.compressor))
-        self._piece_accs: Dict[int, torch.Tensor] = {}
-        self._none = NoneCompressor()
+        self._piece_accs = _PieceAccumulators()
+        self._none = get("none")
 
     def pieces(self) -> List[Piece]:
         """Every piece of every bucket, in bucket and owner order."""
@@ -320,7 +320,7 @@ class ReduceScatter(Allgather):
                 msgs.append(None)
                 continue
             e = self.entries[p.name]
-            acc = self._piece_acc(p, e.param.device)
+            acc = self._piece_accs.zeroed(p, e.param.device)
             keys = [p.key(step, r, self.size, self.seed) for r in range(self.size)]
             fin, prescaled = self.averaging.combine(e, incoming.messages(i), keys, present,
                                                     acc, joined)
@@ -339,17 +339,20 @@ class ReduceScatter(Allgather):
         dtype cannot hold the finite average sends it as float32 (``none``)."""
         comp = self.stage2[id(e.compressor)]
         key = p.key2(step, self.seed)
-        if (isinstance(comp, (FP16, BF16)) and all_finite(x)
+        if (comp.wire_dtype is not None and all_finite(x)
                 and not all_finite(x.to(comp.wire_dtype))):
             return self._none.encode(x, key)
         return comp.encode(x, key)
 
-    def _piece_acc(self, p: Piece, device) -> torch.Tensor:
-        """A zeroed float32 accumulator for piece ``p``, reused from step to step."""
-        acc = self._piece_accs.get(p.tensor_id)
+
+class _PieceAccumulators(dict):
+    """{piece tensor id: its float32 accumulator}, reused from step to step."""
+
+    def zeroed(self, p: Piece, device) -> torch.Tensor:
+        """A zeroed float32 accumulator for piece ``p`` on ``device``."""
+        acc = self.get(p.tensor_id)
         if acc is None or acc.device != device:
-            acc = torch.zeros(p.numel, dtype=torch.float32, device=device)
-            self._piece_accs[p.tensor_id] = acc
+            acc = self[p.tensor_id] = torch.zeros(p.numel, dtype=torch.float32, device=device)
         else:
             acc.zero_()
         return acc

@@ -8,17 +8,21 @@ splits a unit.  The part of one tensor inside one shard is a :class:`Piece`: the
 encodes it as a tensor of its own (a message per piece), and its stage-1 and stage-2
 messages carry their own tensor ids, so every piece draws its own Philox streams.
 
-Units (:func:`unit`): a quantization bucket (``bucket_size``: QSGD, QSGDinf, NUQSGD, ALQ,
-AMQ, DQSG, and TernGrad and 1-bit EF with a bucket size), so every bucket quantizes exactly
-the coordinates it would in the whole tensor; a row (PSQ, BHQ: each piece is a matrix of
-whole rows, its row ranges and BHQ's blocks are the rows'); one element where the scale is
-the tensor's own (TernGrad and 1-bit EF with ``bucket_size=0``: each piece then has its own
-scale, and TernGrad its own clipping threshold) and for the sparsifiers and the casts (top-k,
-random-k and DGC select ``density`` of each piece).
+Units (:func:`unit`): what each compressor declares (``Compressor.shard_unit``, with the
+shape of its pieces ``Compressor.shard_shape``): a quantization bucket (``bucket_size``:
+QSGD, QSGDinf, NUQSGD, ALQ, AMQ, DQSG, and TernGrad and 1-bit EF with a bucket size), so
+every bucket quantizes exactly the coordinates it would in the whole tensor; a row (PSQ,
+BHQ: each piece is a matrix of whole rows, its row ranges and BHQ's blocks are the rows');
+one element where the scale is the tensor's own (TernGrad and 1-bit EF with
+``bucket_size=0``: each piece then has its own scale, and TernGrad its own clipping
+threshold) and for the sparsifiers and the casts (top-k, random-k and DGC select
+``density`` of each piece).  A compressor defined outside hvdcomp gets the reduce-scatter
+by declaring its unit (tests/compressors/toy_sign.py); one that declares none is refused.
 
-Stage 2 (:func:`second_stage`): the owner re-encodes its pieces' averages with keys of their
-own (world size 1: the average is one contribution).  The bucketed quantizers (QSGD,
-QSGDinf, NUQSGD, ALQ, AMQ) use :data:`FINER_BITS` more bits there (at most 8), with a table
+Stage 2 (:func:`second_stage`, ``Compressor.second_stage``): the owner re-encodes its
+pieces' averages with keys of their own (world size 1: the average is one contribution).
+The bucketed quantizers (QSGD, QSGDinf, NUQSGD, ALQ, AMQ) use ``FINER_BITS``
+(hvdcomp.compressors.quantizers) more bits there (at most 8), with a table
 that holds the first stage's (:class:`~hvdcomp.compressors.quantizers.Finer`: the family's
 own table at those bits while the first stage has its initial one, the fitted table with
 each interval cut into equal parts once fitted; same version).  Why: the second quantization
@@ -40,7 +44,8 @@ clipping act on a rank's raw gradient only, so its second stage is a separate in
 without them: top-k of the average with its residual (error feedback), at the same density
 schedule.
 
-Refused (:func:`refusal`): NDQSG and LAQ, for the reasons in :data:`REFUSED`.
+Refused (:func:`refusal`: the TypeError of ``shard_unit``): NDQSG and LAQ, for the reasons
+their ``shard_unit`` gives (:data:`REFUSED` lists hvdcomp's own).
 """
 from __future__ import annotations
 
@@ -49,75 +54,49 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..compressors import (ALQ, AMQ, BF16, DGC, DQSG, FP16, NUQSGD, QSGD, BucketQuantizer,
-                           Compressor, NoneCompressor, QSGDInf, RandK, TensorKey, TopK, get)
-from ..compressors.quantizers import Finer
-from ..compressors.bucketing import TensorBuckets
-from ..compressors.psq import BHQ, PSQ, rows_of
+from ..compressors import Compressor, TensorKey, registry
 
-__all__ = ["Piece", "REFUSED", "FINER_BITS", "refusal", "unit", "second_stage", "boundaries",
-           "layout"]
-
-FINER_BITS = 2      # extra bits of the bucketed quantizers' second stage (module docstring)
-
-REFUSED = {
-    "ndqsg": "NDQSG's nested ranks send residues that decode only with side information "
-             "from the other ranks' messages of the same tensor (Abdi & Fekri 2019): the "
-             "owner of a shard re-encodes one average, which has no other ranks to nest "
-             "against, so the nested half of the ranks would have nothing to resolve with",
-    "laq": "LAQ's ranks skip uploads lazily and every receiver reuses each rank's last "
-           "upload (Sun et al. 2019): the owner of a shard would re-encode an average of "
-           "stale and fresh contributions every step, so no rank could ever skip and the "
-           "lazy rule's bound would not hold",
-}
+__all__ = ["Piece", "REFUSED", "refusal", "unit", "second_stage", "boundaries", "layout"]
 
 
 def refusal(comp: Compressor) -> Optional[str]:
-    """Why ``comp`` cannot travel over the reduce-scatter collective, or None if it can."""
-    if comp.name in REFUSED:
-        return REFUSED[comp.name]
+    """Why ``comp`` cannot travel over the reduce-scatter collective, or None if it can
+    (the TypeError of its ``shard_unit``)."""
     try:
-        unit(comp, (1,))
+        comp.shard_unit((1,))
     except TypeError as e:
         return str(e)
     return None
 
 
+# {name: reason} of hvdcomp's own compressors that refuse the reduce-scatter, at their
+# default settings: for reference, as :func:`refusal` asks the compressor itself
+REFUSED = {n: why for n, why in ((n, refusal(cls())) for n, cls in registry().items()
+                                 if cls.__module__.startswith("hvdcomp."))
+           if why is not None}
+
+
 def unit(comp: Compressor, shape: Sequence[int]) -> int:
-    """Elements per unit of a tensor of ``shape`` sent with ``comp`` (module docstring).
-    Raises TypeError for a compressor hvdcomp cannot cut into shards."""
-    if comp.name in REFUSED:
-        raise TypeError(REFUSED[comp.name])
-    if isinstance(comp, (PSQ, BHQ)):
-        return max(rows_of(shape)[1], 1)
-    if isinstance(comp, TensorBuckets):
-        return comp.bucket_size or 1
-    if isinstance(comp, (BucketQuantizer, DQSG)):
-        return comp.bucket_size
-    if isinstance(comp, (NoneCompressor, FP16, BF16, TopK, RandK, DGC)):
-        return 1
-    raise TypeError(f"hvdcomp knows no way to cut {comp.name}'s messages into shards "
-                    f"(hvdcomp.exchange.shards.unit)")
+    """Elements per unit of a tensor of ``shape`` sent with ``comp`` (module docstring,
+    ``Compressor.shard_unit``).  Raises TypeError for a compressor that cannot be cut into
+    shards."""
+    return comp.shard_unit(tuple(shape))
 
 
 def second_stage(comp: Compressor) -> Compressor:
-    """The compressor that re-encodes the owners' averages (module docstring): QSGD,
-    QSGDinf, NUQSGD, ALQ and AMQ below 8 bits: a :class:`Finer` of ``comp`` at
-    ``min(bits + FINER_BITS, 8)``; DGC: top-k of the average with residuals; the others:
-    ``comp`` itself."""
-    if isinstance(comp, (QSGD, QSGDInf, NUQSGD, ALQ, AMQ)) and comp.bits < 8:
-        return Finer(comp, min(comp.bits + FINER_BITS, 8))
-    if isinstance(comp, DGC):
-        return get(comp.spec(), momentum_correction=False, masking=False, momentum=0.0,
-                   clip_norm=0.0)
-    return comp
+    """The compressor that re-encodes the owners' averages (module docstring,
+    ``Compressor.second_stage``): QSGD, QSGDinf, NUQSGD, ALQ and AMQ below 8 bits: a
+    ``Finer`` of ``comp`` at ``min(bits + FINER_BITS, 8)``; DGC: top-k of the average with
+    residuals; the others: ``comp`` itself."""
+    return comp.second_stage()
 
 
 @dataclass(frozen=True)
 class Piece:
     """The part ``[lo, hi)`` (flat elements) of tensor ``name`` in the shard of ``owner``.
 
-    shape: what the compressor encodes (``(hi - lo,)``, or whole rows for PSQ/BHQ);
+    shape: what the compressor encodes (``Compressor.shard_shape``: ``(hi - lo,)``, or
+    whole rows for PSQ/BHQ);
     tensor_id: the stage-1 messages' tensor id; ``tensor_id + 1``: the stage-2 message's.
     dtype: the parameter's dtype (the stage-1 messages' header dtype; the stage-2 messages
     carry float32 averages); None: not checked.
@@ -181,22 +160,6 @@ def boundaries(numels: Sequence[int], units: Sequence[int], n: int) -> List[int]
     return cuts
 
 
-def _piece_shape(comp: Compressor, shape: Tuple[int, ...], lo: int, hi: int):
-    if isinstance(comp, (PSQ, BHQ)) and len(shape) >= 2:
-        d = max(rows_of(shape)[1], 1)
-        return ((hi - lo) // d, d)
-    if lo == 0 and hi == _numel(shape):
-        return tuple(shape) if isinstance(comp, (PSQ, BHQ)) else (hi,)
-    return (hi - lo,)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
 def layout(buckets: Sequence[Sequence[str]], entries: Dict, size: int,
            first_id: int) -> List[List[List[Piece]]]:
     """``out[k][r]``: the pieces of fusion bucket k owned by rank r (in bucket order), for
@@ -219,7 +182,7 @@ def layout(buckets: Sequence[Sequence[str]], entries: Dict, size: int,
                 if m == 0 and r == 0:           # an empty tensor: one empty piece, rank 0's
                     lo = hi = 0
                 if hi > lo or (m == 0 and r == 0):
-                    mine.append(Piece(e.name, lo, hi, _piece_shape(e.compressor, shape, lo, hi),
+                    mine.append(Piece(e.name, lo, hi, e.compressor.shard_shape(shape, lo, hi),
                                       r, first_id + 2 * count, e.param.dtype))
                     count += 1
                 start += m

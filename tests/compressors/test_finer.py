@@ -11,8 +11,8 @@ import torch
 import hvdcomp
 from hvdcomp import WireFormatError
 from hvdcomp import levels as L
-from hvdcomp.compressors.quantizers import Finer
-from hvdcomp.exchange.shards import FINER_BITS, second_stage
+from hvdcomp.compressors.quantizers import FINER_BITS, Finer
+from hvdcomp.exchange.shards import second_stage
 
 
 def test_refine_hand_worked():

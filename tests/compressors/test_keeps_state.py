@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import hvdcomp
+import hvdcomp.compressors
 from hvdcomp.compressors.protocols import AdaptiveLevels, MomentumCorrection, ParamDeltas
 
-# every registered compressor with its defaults (ALQ/AMQ refitting within the 4 steps of
-# train(): their default schedule starts at step 100), plus settings that switch state off
-REFIT = {"alq": "alq:refit_steps=2,refit_every=0", "amq": "amq:refit_steps=2,refit_every=0"}
-SPECS = [REFIT.get(n, n) for n in sorted(hvdcomp.available())] + [
+# every registered compressor by its example spec (settings that exercise its state: ALQ/AMQ
+# refit within the 4 steps of train()), plus settings that switch state off
+SPECS = list(hvdcomp.compressors.examples().values()) + [
     "topk:error_feedback=False", "randk:error_feedback=False", "laq:t_max=0"]
 
 

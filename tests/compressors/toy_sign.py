@@ -8,6 +8,11 @@ biased, which is why hvdcomp's own 1-bit compressor, ``signef``, keeps a residua
 
 Wire format: codec 222 (an id for compressors defined outside hvdcomp), bits = 1, two
 sections: the scale (4 bytes) and ``ceil(n / 8)`` bytes of bits, little-endian bit order.
+
+Reduce-scatter: it declares its shard unit (one element: any cut will do, each piece then
+has a scale of its own), so the reduce-scatter collective takes it; the owner of a piece
+re-encodes the average of its pieces with this same compressor (the base class's
+``second_stage``).
 """
 import numpy as np
 import torch
@@ -24,6 +29,9 @@ class ToySign(Compressor):
 
     def __init__(self):
         pass
+
+    def shard_unit(self, shape) -> int:
+        return 1
 
     def _header_fields(self):
         return {"bits": 1, "bucket_size": 0, "level_version": 0}

@@ -19,10 +19,10 @@ from hvdcomp import backends
 from hvdcomp.torch.exchange import Exchange
 from hvdcomp.transport.base import Transport
 
-SPECS = ["none", "fp16", "qsgd:bits=4,bucket_size=512", "alq:bits=3,bucket_size=512",
-         "alq:bits=3,bucket_size=512,entropy=true", "terngrad", "signef", "psq:bits=4",
-         "bhq:bits=4", "dqsg:bits=4", "ndqsg:bits=4", "dgc:density=0.01",
-         "topk:density=0.01", "randk:density=0.01", "laq:bits=4"]
+# every compressor of hvdcomp's registry, by its example spec, and one entropy-coded
+SPECS = [spec for name, spec in hvdcomp.compressors.examples().items()
+         if hvdcomp.compressors.registry()[name].__module__.startswith("hvdcomp.")]
+SPECS.append("alq:bits=3,bucket_size=512,entropy=true")
 
 
 class LocalTransport(Transport):
