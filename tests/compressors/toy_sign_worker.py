@@ -13,8 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import horovod.torch as hvd  # noqa: E402
 
 import hvdcomp.torch as hvdt  # noqa: E402
-from hvdcomp.torch.exchange import Exchange  # noqa: E402
-from hvdcomp.transport import make  # noqa: E402
+from hvdcomp.exchange import Exchange  # noqa: E402
+from hvdcomp.transport import HorovodAllreduce, make  # noqa: E402
 from toy_sign import ToySign  # noqa: E402
 
 SHAPES = {"a.weight": (7, 13), "a.bias": (13,), "b.weight": (3, 1, 5, 5), "one": (1,)}
@@ -54,8 +54,8 @@ def main():
     results = {}
     for tname in ("mpi", "horovod"):
         params = [(n, torch.nn.Parameter(torch.zeros(s))) for n, s in SHAPES.items()]
-        ex = Exchange(params, ToySign(), make(tname), hvd=hvd, fusion_bytes=300,
-                      min_compress_numel=1, compress_1d=True, seed=5)
+        ex = Exchange(params, ToySign(), make(tname), allreduce=HorovodAllreduce(hvd),
+                      fusion_bytes=300, min_compress_numel=1, compress_1d=True, seed=5)
         for step in (0, 1):
             for n, p in params:
                 p.grad = grad_of(n, rank, step)
