@@ -48,8 +48,8 @@ def check_compressors(rank, size):
         by_transport = []
         for tname in ("mpi", "horovod"):
             ex = Exchange(params(), hvdcomp.get(spec), make(tname),
-                          allreduce=HorovodAllreduce(horovod), fusion_bytes=20000, min_compress_numel=16, seed=3,
-                          collective="reduce_scatter")
+                          allreduce=HorovodAllreduce(horovod), fusion_bytes=20000,
+                          min_compress_numel=16, seed=3, collective="reduce_scatter")
             ex.set_momentum({n: 0.9 for n in SPECS})
             lay = ex.collective.layout
             scattered = {n for n, e in ex.entries.items() if e.scatter}
@@ -149,8 +149,8 @@ def check_bad_input(rank, size):
     for tname in ("mpi", "horovod"):
         Corrupt.on = True
         ex = Exchange(params(), Corrupt(bits=4, bucket_size=512), make(tname),
-                      allreduce=HorovodAllreduce(horovod), fusion_bytes=20000, min_compress_numel=16, seed=3,
-                      collective="reduce_scatter")
+                      allreduce=HorovodAllreduce(horovod), fusion_bytes=20000,
+                      min_compress_numel=16, seed=3, collective="reduce_scatter")
         try:
             run(ex, rank, 0)
             raise AssertionError("a malformed shard was accepted")
