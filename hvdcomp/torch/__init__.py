@@ -17,7 +17,9 @@ from horovod.torch import *  # noqa: F401,F403,E402  (the whole horovod.torch su
 from ..transport.mpi import horovod_threads_disabled  # noqa: E402
 from ..exchange import StepStats  # noqa: E402,F401
 from ..exchange.driver import Settings  # noqa: E402
-from . import optimizer as optimizer_  # noqa: E402
+# (from .optimizer, not "from . import optimizer": the star import above brought
+# horovod.torch's own optimizer module under that name)
+from .optimizer import make as _make  # noqa: E402
 from .join import join  # noqa: E402,F401  (hvdcomp's, over Horovod's)
 
 _MPI_LAUNCH = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -109,8 +111,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         allreduce_summable=allreduce_summable, check_replicas=check_replicas,
         fusion_bytes=fusion_bytes, average=op == hvd.Average,
         predivide=gradient_predivide_factor, sparse_as_dense=sparse_as_dense)
-    return optimizer_.make(optimizer, named_parameters, settings, backward_passes_per_step,
-                           op, transport, hvd)
+    return _make(optimizer, named_parameters, settings, backward_passes_per_step, op,
+                 transport, hvd)
 
 
 def __getattr__(name):
