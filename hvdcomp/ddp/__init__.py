@@ -42,7 +42,7 @@ __all__ = ["HookState", "hook", "register", "check_backend"]
 def hook(state: "HookState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket's gradients across ranks with ``state``'s
     compressor, sending real encoded bytes; returns a Future of the averaged bucket without
-    waiting (module docstring: the steps).
+    waiting (module docstring).
 
     Example::
 
