@@ -47,7 +47,8 @@ def worker(args):
     import horovod.torch as hvd
     import hvdcomp
     from hvdcomp.auto import from_spec       # "auto+SPEC": Auto(SPEC); "rs+SPEC": reduce-scatter
-    from hvdcomp.torch.exchange import Exchange
+    from hvdcomp.exchange import Exchange
+    from hvdcomp.transport import HorovodAllreduce
     from hvdcomp.transport import make
     from shapes import bert_base, resnet50
     hvd.init()
@@ -65,7 +66,8 @@ def worker(args):
         if spec.split("+")[-1].split(":")[0] not in hvdcomp.available():
             continue
         comp, collective = from_spec(spec)
-        ex = Exchange(params, comp, make("mpi"), hvd=hvd, seed=1, collective=collective,
+        ex = Exchange(params, comp, make("mpi"), allreduce=HorovodAllreduce(hvd), seed=1,
+                      collective=collective,
                       **({"fusion_bytes": args.fusion_bytes} if args.fusion_bytes else {}))
         plan = {}
         for e in ex.entries.values():

@@ -61,7 +61,7 @@ def patch():
                        (TD.TorchDistTransport, ("_allgather_counts", "_allgatherv")),
                        (B.Transport, ("exchange",)),
                        (A.Averaging, ("combine", "accumulator", "finish")),
-                       (D.HookState, ("_exchange_bucket",))):
+                       (D, ("exchange_bucket",))):
         for n in names:
             setattr(cls, n, timed(f"{cls.__name__}.{n}", getattr(cls, n)))
     import hvdcomp.transport.framing as F
@@ -122,7 +122,7 @@ def timeline(tag):
     rows = sorted(TL, key=lambda r: r[1])
     print(f"[{tag} rank 0] timeline of the last step (s from its start):")
     for name, a, b, th in rows:
-        if name.split(".")[-1] in ("encode", "communicate", "decode", "_exchange_bucket",
+        if name.split(".")[-1] in ("encode", "communicate", "decode", "exchange_bucket",
                                    "_allgather_counts", "_allgatherv", "done"):
             print(f"    {a:7.3f} {b:7.3f} {b - a:7.3f}  {th:22s} {name}")
     sys.stdout.flush()
@@ -141,7 +141,8 @@ def main():
     import torch
     import horovod.torch as hvd
     from hvdcomp.auto import from_spec
-    from hvdcomp.torch.exchange import Exchange
+    from hvdcomp.exchange import Exchange
+    from hvdcomp.transport import HorovodAllreduce
     from hvdcomp.transport import make
     from shapes import resnet50
     import exchange as bx
@@ -159,7 +160,8 @@ def main():
             p.grad = torch.randn(shape, generator=g) * 1e-3
             params.append((name, p))
         comp, coll = from_spec(args.spec)
-        ex = Exchange(params, comp, make("mpi"), hvd=hvd, seed=1, collective=coll)
+        ex = Exchange(params, comp, make("mpi"), allreduce=HorovodAllreduce(hvd), seed=1,
+                      collective=coll)
         walls, cpus = [], []
         for rep in range(args.reps + 1):
             hvd.allreduce(torch.zeros(1), name="barrier")

@@ -8,24 +8,24 @@ average, bit for bit), and summable tensors go through an
 
 Every rank learns, in the collectives it already makes, which ranks had which gradient
 and which ranks had joined: frames carry a presence bitmap and a JOINED flag
-(:mod:`hvdcomp.transport.framing`), summed buffers end with counts (:class:`Allgather`).
+(:mod:`hvdcomp.transport.framing`), summed buffers end with counts (:mod:`.sums`).
 
 Every collective of a step also carries the step: frames carry its :class:`Stamp` (step,
 exchange id, SYNC flag), and each summed buffer ends with one slot per rank, where only
-that rank writes a small code of its step (:func:`slot_code`; 0: the rank has failed and is
+that rank writes a small code of its step (:func:`.sums.slot_code`; 0: the rank has failed and is
 stopping).  Every rank checks them, so ranks that fell out of step, or a rank that stops,
 raise on every rank at the first collective where it happens.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from ..compressors.protocols import AdaptiveLevels, ReportsEvents
 from ..compressors.state import finite as all_finite
-from ..errors import OutOfStep, RankFailure, WireFormatError
+from ..errors import RankFailure, WireFormatError
 from ..log import warn_limited
 from ..transport import Allreduce, Incoming, Outgoing, Stamp, Transport
 from ..transport.framing import STOP_MARK
@@ -34,28 +34,9 @@ from . import coo
 from .averaging import Averaging
 from .plan import Entry, wire_dtype
 from .stats import StepStats
+from .sums import Sum, Sums
 
-__all__ = ["Collective", "Allgather", "slot_code"]
-
-# slot_code: 1 + 3 * (step mod 85) + origin, at most 255 (exact in float16 and bfloat16)
-_SLOT_STEPS = 85
-_ORIGIN_BACKWARD, _ORIGIN_SYNC, _ORIGIN_JOINED = 0, 1, 2
-
-
-def slot_code(step: int, sync: bool, joined: bool) -> int:
-    """A rank's code of its step in the summed buffers' per-rank slots: 1 + 3 (step mod 85)
-    + origin (0: started by backward, 1: by synchronize()/step(), 2: joined), 1..255, so
-    that a float16 or bfloat16 sum of one nonzero code and zeros is exact.  0 marks a rank
-    that has failed and is stopping."""
-    origin = _ORIGIN_JOINED if joined else _ORIGIN_SYNC if sync else _ORIGIN_BACKWARD
-    return 1 + 3 * (int(step) % _SLOT_STEPS) + origin
-
-
-def _near_step(code: int, step: int) -> int:
-    """The step nearest to ``step`` whose slot code has ``code``'s step part."""
-    d = ((code - 1) // 3 - step % _SLOT_STEPS + _SLOT_STEPS // 2) % _SLOT_STEPS
-    return step + d - _SLOT_STEPS // 2
-
+__all__ = ["Collective", "Allgather"]
 
 class Collective:
     """Three stages per fusion bucket.  For every bucket ``k`` of every step, in bucket
@@ -127,35 +108,13 @@ class Collective:
 
 
 @dataclass
-class _Sum:
-    """One summed buffer of a bucket: the gradients cast to ``dtype`` and flattened, then
-    three counts per tensor (present, sparse, non-finite) and the joined count."""
-    handle: Any
-    flat: torch.Tensor
-    groups: List[Tuple[Entry, int]]
-    size: int
-    fallback: Dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def counts(self) -> torch.Tensor:
-        """3 counts per tensor, then the joined count."""
-        end = self.flat.numel() - self.size
-        return self.flat[end - 3 * len(self.groups) - 1:end].to(torch.float32)
-
-    @property
-    def slots(self) -> List[int]:
-        """Every rank's :func:`slot_code`."""
-        return [int(round(float(v))) for v in self.flat[self.flat.numel() - self.size:]]
-
-
-@dataclass
 class _Job:
     k: int
     step: int
     sync: bool
     messages: List[Entry]                  # wire messages, in this order in the frame
     out: Optional[Outgoing]                # their frame (None: no wire part)
-    sums: List[_Sum] = field(default_factory=list)
+    sums: List[Sum] = field(default_factory=list)
     incoming: Optional[Incoming] = None
     sparse: List[Entry] = field(default_factory=list)   # summed tensors sparse somewhere
     sparse_in: Optional[Incoming] = None
@@ -186,6 +145,7 @@ class Allgather(Collective):
         self.averaging = averaging
         self.rank, self.size, self.seed = transport.rank, transport.size, seed
         self.ident = int(ident) & 0xFFFFFFFF
+        self.sums = Sums(allreduce, averaging, self.rank, self.size, self.ident)
 
     def encode(self, k, entries, step, stats, sync=False, grads=None, failure=None):
         """Start the sums of the summable tensors, encode the others into one frame (an
@@ -202,7 +162,7 @@ class Allgather(Collective):
             if e.allreduce:
                 by_dtype.setdefault(wire_dtype(e.compressor), []).append(e)
         for dt, es in by_dtype.items():
-            job.sums.append(self._start_sum(k, dt, es, job,
+            job.sums.append(self.sums.start(k, dt, es, job,
                                             failing is not None or failure is not None))
         if job.messages:
             if failing is not None:
@@ -243,9 +203,11 @@ class Allgather(Collective):
             for s in job.sums:
                 self.allreduce.wait(s.handle)
         for s in job.sums:
-            self._check_slots(s, job)
+            if 0 in s.slots:                    # a failing rank's marks: every rank sees them
+                self.failure_seen = True
+            self.sums.check(s, job)
         for i, s in enumerate(job.sums):
-            self._sum_again(job.k, i, s, stats, job.grads)
+            self.sums.again(job.k, i, s, stats, job.grads)
             counts = s.counts
             for j, (e, _) in enumerate(s.groups):
                 dense, sparse = counts[3 * j] > 0, counts[3 * j + 1] > 0
@@ -364,88 +326,3 @@ class Allgather(Collective):
         if not finite:
             stats.nonfinite.append(e.name)
         return res
-
-    # --- sums -----------------------------------------------------------------------------
-    def _start_sum(self, k: int, dt: torch.dtype, es: List[Entry], job: _Job,
-                   failing: bool = False) -> _Sum:
-        """Flatten the gradients of ``es`` (``job.grads``, else each ``.grad``) cast to
-        ``dt``, append the counts and the per-rank slots (this rank's :func:`slot_code`, 0
-        when ``failing``: then the gradients are zeros), start the sum."""
-        parts, groups, counts = [], [], []
-        for e in es:
-            g = None if failing else self.averaging.gradient(e, job.grads)
-            n = e.param.numel()
-            if g is None or g.is_sparse:
-                parts.append(torch.zeros(n, dtype=dt, device=e.param.device))
-                counts += [0.0, float(g is not None), 0.0]
-            else:
-                x = g.reshape(-1).to(torch.float32)
-                bad = not all_finite(x)
-                if e.compressor.prescaled:
-                    x = x / self.size           # divide before the cast so sums cannot overflow
-                parts.append(x.to(dt))
-                counts += [1.0, 0.0, float(bad)]
-            groups.append((e, n))
-        counts.append(float(self.averaging.joined))
-        slots = [0.0] * self.size
-        if not failing:
-            slots[self.rank] = float(slot_code(job.step, job.sync, self.averaging.joined))
-        parts.append(torch.tensor(counts + slots, dtype=dt, device=parts[0].device))
-        flat = torch.cat(parts)
-        return _Sum(self.allreduce.start(flat, f"{k}.{str(dt)[6:]}"), flat, groups, self.size)
-
-    def _check_slots(self, s: _Sum, job: _Job) -> None:
-        """Raise (every rank alike: every rank sees the same sums) RankFailure when some
-        rank marked itself as failing, OutOfStep when some rank's step code differs."""
-        codes = s.slots
-        failed = [r for r, c in enumerate(codes) if c == 0]
-        if failed:
-            self.failure_seen = True
-            if job.failure is not None and codes[self.rank] == 0:
-                raise job.failure               # this rank's own error, as with a frame
-            r = failed[0]
-            raise RankFailure(f"hvdcomp: rank {r} stopped in bucket {job.k} of step "
-                              f"{job.step} (it raised an exception, was interrupted or exited "
-                              f"during a step; its own output says why)", r)
-        mine = codes[self.rank]
-        joined = [(c - 1) % 3 == _ORIGIN_JOINED for c in codes]
-        bad = [r for r, c in enumerate(codes)
-               if (c - 1) // 3 != (mine - 1) // 3
-               or (c != mine and not joined[r] and not joined[self.rank])]
-        if bad:
-            how = {_ORIGIN_BACKWARD: "started by backward", _ORIGIN_SYNC:
-                   "started by synchronize()/step()", _ORIGIN_JOINED: "joined"}
-            theirs = "; ".join(f"rank {r}: step {_near_step(codes[r], job.step)} "
-                               f"({how[(codes[r] - 1) % 3]})" for r in bad[:8])
-            raise OutOfStep(
-                f"hvdcomp: ranks out of step in bucket {job.k} (summed tensors): this rank "
-                f"(rank {self.rank}) is in step {job.step} of exchange {self.ident} "
-                f"({how[(mine - 1) % 3]}), but {theirs} (steps modulo {_SLOT_STEPS}). Every "
-                f"rank must run the same steps: the same number of backward passes and "
-                f"step() calls of each optimizer (a rank that skipped an iteration or called "
-                f"step() twice?)", bad)
-
-    def _sum_again(self, k: int, i: int, s: _Sum, stats: StepStats, grads=None) -> None:
-        """Tensors whose sum is not finite although no rank's gradient was: sum them again
-        in float32, each rank's gradient divided by the world size first (every rank sees
-        the same sums, so every rank takes part)."""
-        counts, redo, off = s.counts, [], 0
-        for j, (e, n) in enumerate(s.groups):
-            if counts[3 * j] > 0 and counts[3 * j + 2] == 0 and not all_finite(s.flat[off:off + n]):
-                redo.append((e, n))
-            off += n
-        if not redo:
-            return
-        parts = []
-        for e, n in redo:
-            g = self.averaging.gradient(e, grads)
-            parts.append(torch.zeros(n, device=e.param.device) if g is None or g.is_sparse
-                         else g.reshape(-1).to(torch.float32) / self.size)
-        flat = torch.cat(parts)
-        self.allreduce.wait(self.allreduce.start(flat, f"{k}.{i}.again"))
-        stats.bytes_sent += flat.numel() * 4
-        stats.traffic_bytes += 2 * (self.size - 1) / self.size * flat.numel() * 4
-        off = 0
-        for e, n in redo:
-            s.fallback[e.name] = flat[off:off + n]
-            off += n

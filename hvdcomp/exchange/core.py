@@ -54,7 +54,9 @@ class Exchange:
       for "reduce_scatter" on one rank or with a compressor that refuses it (NDQSG, LAQ).
     ident: this exchange's number in the frames' stamps (the same on every rank; the
     drop-in optimizer passes its creation number); check_replicas: compare a digest of the
-    parameters' values across ranks at the first step (:func:`~.buckets.check_replicas`).
+    parameters' values across ranks at the first step (:func:`~.buckets.check_replicas`);
+    agreed: the ranks have already agreed on every setting (a door's
+    :class:`~.driver.Settings` handshake), so only the plan and the carriers are compared.
 
     Construction is collective (Auto's measurements, the handshake): every rank builds its
     exchanges together, in the same order; :class:`~hvdcomp.errors.Mismatch` (a
@@ -72,15 +74,16 @@ class Exchange:
                  compress_1d: bool = False, seed: int = 0, average: bool = True,
                  predivide: float = 1.0, sparse_as_dense: bool = False, ident: int = 0,
                  check_replicas: bool = True,
-                 collective: Optional[str] = None):
+                 collective: Optional[str] = None, agreed: bool = False):
         self.transport = transport
         self.rank, self.size = transport.rank, transport.size
         self.seed = int(seed) & 0xFFFFFFFF
         if collective is None:
             collective = "auto" if isinstance(compression, Auto) else "allgather"
-        # before anything else: ranks that disagree would measure different things (Auto)
-        agree_settings(transport, {"collective": collective},
-                       "the collective (allgather, reduce_scatter or auto)")
+        if not agreed:
+            # before anything else: ranks that disagree would measure different things (Auto)
+            agree_settings(transport, {"collective": collective},
+                           "the collective (allgather, reduce_scatter or auto)")
         self.buckets = [] if fusion_bytes is None else fuse(named_params, fusion_bytes)
         self.plan = Plan(named_params, compression, transport, allreduce,
                          min_compress_numel=min_compress_numel, compress_1d=compress_1d,
@@ -88,21 +91,16 @@ class Exchange:
         self.collective_setting = collective
         # the carriers' name prefixes too: Horovod matches collectives by name
         self.ident = int(ident) & 0xFFFFFFFF
-        handshake(transport, {"seed": self.seed, "average": bool(average),
-                              "predivide": float(predivide),
-                              "sparse_as_dense": bool(sparse_as_dense),
-                              "compression": self.compression.spec(),
-                              "transport": transport.name,
-                              "transport prefix": getattr(transport, "prefix", ""),
-                              "allreduce prefix": (allreduce.prefix if allreduce is not None
-                                                   else None),
-                              "fusion_bytes": (None if fusion_bytes is None
-                                               else int(fusion_bytes)),
-                              "min_compress_numel": int(min_compress_numel),
-                              "compress_1d": bool(compress_1d),
-                              "collective": collective, "exchange id": self.ident,
-                              "check_replicas": bool(check_replicas)},
-                  self.buckets, self.entries)
+        carriers = {"transport": transport.name, "exchange id": self.ident,
+                    "transport prefix": getattr(transport, "prefix", ""),
+                    "allreduce prefix": allreduce.prefix if allreduce is not None else None}
+        settings = carriers if agreed else dict(
+            carriers, seed=self.seed, average=bool(average), predivide=float(predivide),
+            sparse_as_dense=bool(sparse_as_dense), compression=self.compression.spec(),
+            fusion_bytes=None if fusion_bytes is None else int(fusion_bytes),
+            min_compress_numel=int(min_compress_numel), compress_1d=bool(compress_1d),
+            collective=collective, check_replicas=bool(check_replicas))
+        handshake(transport, settings, self.buckets, self.entries)
         # (MPI's CUDA support matters to the MPI-based carriers only)
         self.cuda_aware = (report_cuda(named_params, self.rank)
                            if transport.name in ("mpi", "horovod") else None)
@@ -219,17 +217,21 @@ class Exchange:
     def call(self, k: int, names: Sequence[str], grads: Dict[str, torch.Tensor], step: int,
              done: Done, failure: Optional[BaseException] = None,
              out: Optional[Dict[str, torch.Tensor]] = None) -> None:
-        """Exchange the gradients ``grads`` ({name: gradient} for each of ``names``) of step
-        ``step`` now, as one collective bucket numbered ``k``, and return at once; ``done(
-        results, stats, error)`` runs on the pipeline's decode thread when they are averaged
-        (see :meth:`hvdcomp.exchange.pipeline.Pipeline.call`).  Every rank makes the same
-        calls in the same order.  ``failure``: this rank could not prepare the call (it still
-        takes part; every rank's ``done`` gets an error).  ``out``: {name: tensor} where the
-        averages may be written (a contiguous float32 tensor of the parameter's numel; the
-        DDP hook passes its bucket's views, which the encoder has read by then), saving a
-        copy; the results are then those tensors, flattened.  ValueError for a name the
-        exchange does not hold;
-        RuntimeError during a step of begin / ready / finish."""
+        """Exchange the gradients ``grads`` ({name: gradient} for each of ``names``, read on
+        the encode thread: leave them unchanged until ``done``) of step ``step`` now, as one
+        collective bucket numbered ``k``, and return at once; ``done(results, stats,
+        error)`` runs on the pipeline's decode thread when they are averaged
+        (:meth:`hvdcomp.exchange.pipeline.Calls.call`): {name: average, flat float32, reused
+        by the next call of the same tensor} and the call's own statistics, or ({}, stats,
+        the exception) after an error, raised on every rank.  ``done`` must not raise (what
+        it raises is logged and dropped).  Every rank makes the same calls in the same
+        order.  ``failure``: this rank could not prepare the call (it still makes the
+        collectives, contributing nothing; every rank's ``done`` gets an error: this rank
+        ``failure``, the others a RuntimeError naming it).  ``out``: {name: tensor} where
+        the averages may be written (a contiguous float32 tensor of the parameter's numel;
+        the DDP hook passes its bucket's views, which the encoder has read by then), saving
+        a copy; the results are then those tensors, flattened.  ValueError for a name the
+        exchange does not hold; RuntimeError during a step of begin / ready / finish."""
         unknown = [n for n in names if n not in self.entries]
         if unknown:
             raise ValueError(f"call(): not parameters of this exchange: {unknown}")

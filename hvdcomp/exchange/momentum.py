@@ -27,7 +27,7 @@ from ..compressors import Compressor
 from ..compressors.protocols import MomentumCorrection
 from .plan import Entry
 
-__all__ = ["handles_momentum", "corrected", "groups_by_param", "momentum_factors",
+__all__ = ["Correction", "handles_momentum", "corrected", "groups_by_param", "momentum_factors",
            "fold_weight_decay", "hide", "restore", "apply_hidden"]
 
 
@@ -107,3 +107,86 @@ def apply_hidden(params: Dict[str, torch.Tensor], hidden: Dict[str, torch.Tensor
                 p.sub_(g * lr)
             else:
                 p.add_(g, alpha=-lr)
+
+
+class Correction:
+    """The rules above for one exchange (:class:`hvdcomp.exchange.Exchange`), as both
+    doors use them: :meth:`attach` the optimizer (rule 1), :meth:`set_momentum` and
+    :meth:`fold_weight_decay` before each exchange (rule 2), :meth:`hide` and
+    :meth:`unhide` around the optimizer's step (rule 3).  ``corrected``: {name: parameter}
+    of rule 1; ``optimizer``: the one attached, or None."""
+
+    def __init__(self, exchange):
+        self.exchange = exchange
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.corrected: Dict[str, torch.Tensor] = {}
+        self._groups: Dict[int, dict] = {}
+        self._step_hooks: list = []
+        self._hidden: Dict[str, torch.Tensor] = {}
+
+    def attach(self, optimizer: torch.optim.Optimizer, hook_steps: bool = False) -> None:
+        """The optimizer that applies the averages: with a compressor that applies momentum
+        itself (DGC) and an SGD, its tensors are :attr:`corrected` (ValueError for Nesterov
+        momentum, dampening or maximize, before anything changes).  ``hook_steps``: the
+        optimizer's step is not the door's own (the DDP hook): the corrected tensors are
+        left out of it through its step pre/post hooks (:meth:`hide`, :meth:`unhide`)."""
+        mine = corrected(self.exchange.compression, self.exchange.entries, optimizer)
+        for h in self._step_hooks:
+            h.remove()
+        self.corrected, self.optimizer, self._step_hooks = mine, optimizer, []
+        if hook_steps and mine:
+            self._step_hooks = [optimizer.register_step_pre_hook(self._before_opt_step),
+                                optimizer.register_step_post_hook(self._after_opt_step)]
+
+    def _before_opt_step(self, optimizer, args, kwargs):
+        # A closure (zero_grad, backward) must run before the gradients are hidden: its
+        # backward pass is the exchange.  Run it here and hand the step its loss.  (args[0]
+        # is the optimizer itself: the hook sees step's own arguments.)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            if "closure" in kwargs:
+                kwargs = dict(kwargs, closure=lambda: loss)
+            else:
+                args = (args[0], lambda: loss) + tuple(args[2:])
+        self._hidden = self.hide()
+        return tuple(args), kwargs
+
+    def _after_opt_step(self, optimizer, args, kwargs) -> None:
+        hidden, self._hidden = self._hidden, {}
+        self.unhide(hidden)                   # p -= lr * the averaged update
+
+    def set_momentum(self) -> None:
+        """Before each exchange: the groups' momentum factors to the compressor, through
+        :meth:`Exchange.set_momentum` (also under the reduce-scatter's piece names).
+        RuntimeError when the compressor applies momentum itself and no optimizer is
+        attached (its own momentum would be applied a second time)."""
+        comp = self.exchange.compression
+        if handles_momentum(comp) and self.optimizer is None:
+            raise RuntimeError(
+                f"hvdcomp.ddp: {comp.name} applies momentum correction itself (Lin et al. "
+                f"2018, Sec. 3.2), so the optimizer's momentum must be off for its tensors: "
+                f"pass optimizer= to HookState or call state.attach_optimizer(optimizer) "
+                f"before the first step (Lightning: in configure_optimizers), or use "
+                f"{comp.name}:momentum_correction=False")
+        if self.corrected:
+            self._groups = groups_by_param(self.optimizer.param_groups)
+            self.exchange.set_momentum(momentum_factors(self.corrected, self._groups))
+
+    def fold_weight_decay(self, name: str, p: torch.Tensor,
+                          grad: Optional[torch.Tensor]) -> None:
+        """DGC's local gradient: the group's weight decay folded in (``grad += wd p``)
+        before momentum correction and selection, for the corrected tensors."""
+        if name in self.corrected:
+            fold_weight_decay(p, grad, self._groups[id(p)])
+
+    def hide(self) -> Dict[str, torch.Tensor]:
+        """Before the optimizer's step: the corrected tensors' gradients set aside."""
+        return hide(self.corrected)
+
+    def unhide(self, hidden: Dict[str, torch.Tensor], apply: bool = True) -> None:
+        """After it: the gradients given back and (``apply``) ``p -= lr * average``."""
+        restore(self.corrected, hidden)
+        if hidden and apply:
+            apply_hidden(self.corrected, hidden, groups_by_param(self.optimizer.param_groups))

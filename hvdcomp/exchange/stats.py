@@ -1,7 +1,7 @@
 """What one rank sent in one step."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List
 
 __all__ = ["StepStats"]
@@ -49,6 +49,24 @@ class StepStats:
     @property
     def ratio(self) -> float:
         return self.fp32_bytes / self.bytes_sent if self.bytes_sent else float("inf")
+
+    def merge(self, other: "StepStats") -> "StepStats":
+        """Add ``other`` (the statistics of another part of the same step, e.g. one DDP
+        bucket) into this one and return it: byte counts and seconds summed, compressors
+        updated, nonfinite and events extended, ``joined`` the larger; ``step`` stays."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "step":
+                continue
+            if f.name == "joined":
+                self.joined = max(mine, theirs)
+            elif isinstance(mine, dict):
+                mine.update(theirs)
+            elif isinstance(mine, list):
+                mine.extend(theirs)
+            else:
+                setattr(self, f.name, mine + theirs)
+        return self
 
     def as_dict(self) -> Dict[str, Any]:
         """Every field, plus ``ratio`` (None when nothing was sent, instead of inf), as plain

@@ -15,8 +15,12 @@ except ImportError as _e:
 from horovod.torch import *  # noqa: F401,F403,E402  (the whole horovod.torch surface)
 
 from ..transport.mpi import horovod_threads_disabled  # noqa: E402
-from .exchange import Exchange, StepStats
-from .optimizer import DistributedOptimizer, join  # join: hvdcomp's, over Horovod's
+from ..exchange import StepStats  # noqa: E402,F401
+from ..exchange.driver import Settings  # noqa: E402
+# (from .optimizer, not "from . import optimizer": the star import above brought
+# horovod.torch's own optimizer module under that name)
+from .optimizer import make as _make  # noqa: E402
+from .join import join  # noqa: E402,F401  (hvdcomp's, over Horovod's)
 
 _MPI_LAUNCH = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
@@ -45,6 +49,70 @@ def init(*args, **kwargs):
         except ImportError:
             pass
     return _hvd.init(*args, **kwargs)
+
+
+def _from_horovod(compression):
+    """Horovod's own Compression.none / Compression.fp16 as hvdcomp's spec; else as is."""
+    if compression is _hvd.Compression.none:
+        return "none"
+    return "fp16" if compression is _hvd.Compression.fp16 else compression
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
+                         backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
+                         *, transport=None, fusion_bytes=25 * 2**20, min_compress_numel=1024,
+                         compress_1d=False, seed=0, check_replicas=True,
+                         collective=None, allreduce_summable=True):
+    """Wrap ``optimizer`` so that ``p.grad`` holds gradients averaged across ranks, sent with
+    ``compression`` as real encoded bytes, when ``loss.backward()`` returns (README,
+    "Training-loop semantics").
+
+    Same signature as ``horovod.torch.DistributedOptimizer``, plus keyword-only settings.
+    The settings the DDP hook shares (compression, also Horovod's Compression.none/fp16;
+    collective, sparse_as_dense, fusion_bytes, min_compress_numel, compress_1d, seed,
+    check_replicas, allreduce_summable; gradient_predivide_factor as in Horovod) mean
+    what :class:`hvdcomp.exchange.driver.Settings` says; ``optimizer.plan`` and
+    ``optimizer.paths`` show what they chose per tensor.  The others:
+
+    backward_passes_per_step: the gradients of k backward passes are summed locally and
+        exchanged in the k-th.
+    op: hvd.Average (default) or hvd.Sum.
+    num_groups, groups: not used (hvdcomp fuses by ``fusion_bytes``); must be left default.
+    process_set: only the global process set is supported.
+    transport: the carrier of the wire messages, with identical results either way:
+        None or "auto" (default) picks "mpi" when MPI's world is Horovod's, rank for rank
+        (mpirun, horovodrun's MPI controller), else "horovod" (horovodrun --gloo; no
+        mpi4py); "mpi" (mpi4py Allgatherv; RuntimeError at construction when MPI's world
+        is not Horovod's); "horovod" (hvd.allgather); or a
+        :class:`hvdcomp.transport.Transport`.  ``optimizer.transport`` names the one used
+        (also logged at INFO on rank 0: :mod:`hvdcomp.log`).
+
+    Raises ValueError / TypeError for invalid settings, :class:`hvdcomp.Mismatch` (a
+    RuntimeError) on every rank if the ranks disagree on the model or any setting (each
+    difference named), or at the first step on the parameters' values;
+    :class:`hvdcomp.OutOfStep` on every rank when ranks exchange different steps (a rank that
+    skipped step() or called it twice); :class:`hvdcomp.RankFailure` naming a rank that
+    failed (README, "Failures").  After each step, ``optimizer.last_stats`` holds the bytes sent.
+    """
+    hvd = _hvd
+    if not hvd.is_initialized():
+        raise RuntimeError("call hvd.init() before creating the DistributedOptimizer")
+    if op is None:
+        op = hvd.Average
+    if num_groups or groups is not None:
+        raise ValueError("hvdcomp fuses tensors into buckets of fusion_bytes; num_groups and "
+                         "groups are not supported")
+    if process_set is not None and process_set is not hvd.global_process_set:
+        raise ValueError("hvdcomp supports only the global process set")
+    settings = Settings(
+        compression=_from_horovod(compression), collective=collective, seed=seed,
+        min_compress_numel=min_compress_numel, compress_1d=compress_1d,
+        allreduce_summable=allreduce_summable, check_replicas=check_replicas,
+        fusion_bytes=fusion_bytes, average=op == hvd.Average,
+        predivide=gradient_predivide_factor, sparse_as_dense=sparse_as_dense)
+    return _make(optimizer, named_parameters, settings, backward_passes_per_step, op,
+                 transport, hvd)
 
 
 def __getattr__(name):

@@ -11,7 +11,7 @@ import torch
 import hvdcomp
 from hvdcomp.exchange import Exchange
 from hvdcomp.exchange.buckets import agree_settings, param_digests
-from hvdcomp.exchange.collective import slot_code
+from hvdcomp.exchange.sums import slot_code
 
 from test_loops import Sums, Threads, World, on_ranks  # noqa: F401 - the thread ranks
 

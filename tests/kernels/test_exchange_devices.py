@@ -1,4 +1,4 @@
-"""The whole exchange (hvdcomp.torch.exchange.Exchange) of a small model, through every
+"""The whole exchange (hvdcomp.exchange.Exchange) of a small model, through every
 compressor: the result on one device and backend equals the result on another, bit for bit.
 
 * CPU, kernels vs the PyTorch reference (runs in CI): the host kernels change nothing.
@@ -16,7 +16,7 @@ import torch
 
 import hvdcomp
 from hvdcomp import backends
-from hvdcomp.torch.exchange import Exchange
+from hvdcomp.exchange import Exchange
 from hvdcomp.transport.base import Transport
 
 # every compressor of hvdcomp's registry, by its example spec, and one entropy-coded
@@ -51,7 +51,7 @@ def _model(device):
 def _run(spec, device, mode, steps=3):
     with backends.use(mode):
         params = _model(device)
-        ex = Exchange(params, hvdcomp.get(spec), LocalTransport(), hvd=None,
+        ex = Exchange(params, hvdcomp.get(spec), LocalTransport(),
                       fusion_bytes=4096, min_compress_numel=16, seed=3)
         out = []
         for step in range(steps):
@@ -90,7 +90,7 @@ def test_close_stops_the_threads_and_frees_the_exchange():
     import weakref
     before = {t.name for t in threading.enumerate()}
     params = _model("cpu")
-    ex = Exchange(params, hvdcomp.get("qsgd:bits=4"), LocalTransport(), hvd=None,
+    ex = Exchange(params, hvdcomp.get("qsgd:bits=4"), LocalTransport(),
                   min_compress_numel=16)
     for _, p in params:
         p.grad = torch.ones_like(p)

@@ -26,8 +26,8 @@ sys.path.insert(0, ROOT)
 import horovod.torch as hvd  # noqa: E402
 import hvdcomp  # noqa: E402
 from hvdcomp.compressors.protocols import ReportsEvents  # noqa: E402
-from hvdcomp.torch import Exchange  # noqa: E402
-from hvdcomp.transport import make  # noqa: E402
+from hvdcomp.exchange import Exchange  # noqa: E402
+from hvdcomp.transport import HorovodAllreduce, make  # noqa: E402
 
 # name -> (shape, dtype); odd shapes, odd sizes, half precision, a tensor that is NaN on one
 # rank, an all-zero one, a 1-element one, an empty one.
@@ -90,12 +90,12 @@ def assert_bit_exact(res: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]
 
 def exchange_of(opt) -> Exchange:
     """The optimizer's exchange (it has no public accessor)."""
-    return opt._exchange
+    return opt._driver.exchange
 
 
 def step_of(opt) -> int:
     """The optimizer's step count: the step of its next exchange (no public accessor)."""
-    return opt._hvdcomp_step
+    return opt._driver.step
 
 
 def buckets(ex: Exchange) -> List[List[str]]:
@@ -129,7 +129,9 @@ def make_exchange(comp, transport, named_params=None, **kw) -> Exchange:
     kw = dict(dict(fusion_bytes=20000, min_compress_numel=16, seed=3,
                    allreduce_summable=False), **kw)
     tp = make(transport) if isinstance(transport, str) else transport
-    return Exchange(named_params or params(), comp, tp, hvd=hvd, **kw)
+    summable = kw.pop("allreduce_summable")
+    return Exchange(named_params or params(), comp, tp,
+                    allreduce=HorovodAllreduce(hvd) if summable else None, **kw)
 
 
 def exchange_step(ex: Exchange, step: int, grad: Grad):

@@ -109,7 +109,7 @@ def check_stateful(spec, rank):
         assert part in got[0], (spec, part, got[0])
     assert same(opt2.state_dict()["state"], plain["state"]), spec
     assert len(opt2.state) == len(plain["state"]) > 0, spec
-    assert opt2._hvdcomp_step == 0
+    assert opt2._driver.step == 0
     assert same(opt2.compression.state_dict(), fresh), spec
 
     # the checkpoint hvdcomp saved: no warning, step and state restored
@@ -118,7 +118,7 @@ def check_stateful(spec, rank):
         warnings.simplefilter("always")
         opt3.load_state_dict(opt.state_dict())
     assert not hvdcomp_warnings(caught), (spec, hvdcomp_warnings(caught))
-    assert opt3._hvdcomp_step == STEPS
+    assert opt3._driver.step == STEPS
     assert same(opt3.compression.state_dict(), saved), spec
     assert not same(saved, fresh), spec
 

@@ -14,6 +14,8 @@ from worker_loops import (ALL, LR, MOM, STATELESS, batch, compare, expect, expec
 
 import hvdcomp
 import hvdcomp.torch as hvd
+from hvdcomp.exchange import Exchange
+from hvdcomp.transport import HorovodAllreduce
 from hvdcomp.transport import make as make_transport
 
 TRANSPORTS = ["mpi", "horovod"]
@@ -379,8 +381,9 @@ def casts(transport):
                 x = torch.randn(40, 40, generator=g)
                 x.view(-1)[:3] = torch.tensor(big)
                 grads.append(x.to(dtype))
-            ex = hvd.Exchange([("w", p)], hvdcomp.get(spec), make_transport(transport),
-                              hvd=hvd, min_compress_numel=16, allreduce_summable=summable)
+            ex = Exchange([("w", p)], hvdcomp.get(spec), make_transport(transport),
+                          allreduce=HorovodAllreduce(hvd) if summable else None,
+                          min_compress_numel=16)
             if spec == "fp16" and dtype == torch.bfloat16:
                 assert ex.entries["w"].compressor.name == "bf16"
             p.grad = grads[rank]

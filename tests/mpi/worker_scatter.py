@@ -14,7 +14,8 @@ from scatter_reference import Reference
 import horovod.torch as horovod
 import hvdcomp
 import hvdcomp.torch as hvd
-from hvdcomp.torch.exchange import Exchange
+from hvdcomp.exchange import Exchange
+from hvdcomp.transport import HorovodAllreduce
 from hvdcomp.transport import make
 
 COMPRESSORS = ["qsgd:bits=4,bucket_size=512", "qsgdinf:bits=3,bucket_size=100",
@@ -46,9 +47,9 @@ def check_compressors(rank, size):
     for spec in COMPRESSORS:
         by_transport = []
         for tname in ("mpi", "horovod"):
-            ex = Exchange(params(), hvdcomp.get(spec), make(tname), hvd=horovod,
-                          fusion_bytes=20000, min_compress_numel=16, seed=3,
-                          collective="reduce_scatter")
+            ex = Exchange(params(), hvdcomp.get(spec), make(tname),
+                          allreduce=HorovodAllreduce(horovod), fusion_bytes=20000,
+                          min_compress_numel=16, seed=3, collective="reduce_scatter")
             ex.set_momentum({n: 0.9 for n in SPECS})
             lay = ex.collective.layout
             scattered = {n for n, e in ex.entries.items() if e.scatter}
@@ -102,7 +103,7 @@ def check_optimizer(rank, size):
     model, opt = train("rs+dgc:density=0.05", 3, rank)
     assert opt.paths["0.weight"] == "reduce_scatter" and opt.paths["0.bias"] == "allreduce"
     comp = opt.compression
-    labels = [p.label for p in opt._exchange.collective.pieces()]
+    labels = [p.label for p in opt._driver.exchange.collective.pieces()]
     assert labels and all(comp.momentum_of(lb) == 0.9 for lb in labels)
     assert any(comp.momentum_buffer(lb) is not None for lb in labels)
     for p in model.parameters():
@@ -110,11 +111,11 @@ def check_optimizer(rank, size):
     sd = opt.state_dict()
     st2 = sd["hvdcomp"]["second_stage_state"]
     assert len(st2) == 1 and any(k.endswith("/avg") for k in st2[0]["v"]) == bool(
-        opt._exchange.collective.layout[0][rank])
+        opt._driver.exchange.collective.layout[0][rank])
     _, opt2 = train("dgc:density=0.05", 0, rank, collective="reduce_scatter")
     opt2.load_state_dict(sd)
     for k, t in st2[0]["v"].items():
-        assert torch.equal(opt2._exchange.second_stages()[0].accumulation(k), t)
+        assert torch.equal(opt2._driver.exchange.second_stages()[0].accumulation(k), t)
     _, opt3 = train("dgc:density=0.05", 0, rank)                      # allgather: refused
     try:
         opt3.load_state_dict(sd)
@@ -147,9 +148,9 @@ def check_bad_input(rank, size):
 
     for tname in ("mpi", "horovod"):
         Corrupt.on = True
-        ex = Exchange(params(), Corrupt(bits=4, bucket_size=512), make(tname), hvd=horovod,
-                      fusion_bytes=20000, min_compress_numel=16, seed=3,
-                      collective="reduce_scatter")
+        ex = Exchange(params(), Corrupt(bits=4, bucket_size=512), make(tname),
+                      allreduce=HorovodAllreduce(horovod), fusion_bytes=20000,
+                      min_compress_numel=16, seed=3, collective="reduce_scatter")
         try:
             run(ex, rank, 0)
             raise AssertionError("a malformed shard was accepted")
@@ -163,7 +164,7 @@ def check_bad_input(rank, size):
         ex.close()
     # ranks disagreeing on the collective: refused at the handshake, on every rank
     try:
-        Exchange(params(), hvdcomp.get("qsgd"), make("mpi"), hvd=horovod,
+        Exchange(params(), hvdcomp.get("qsgd"), make("mpi"), allreduce=HorovodAllreduce(horovod),
                  min_compress_numel=16,
                  collective="reduce_scatter" if rank == size - 1 else "allgather")
         raise AssertionError("disagreeing ranks were not detected")

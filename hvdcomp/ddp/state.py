@@ -1,0 +1,291 @@
+"""The DDP hook's state (:class:`HookState`): the settings, the set-up over
+torch.distributed, DGC's optimizer, checkpoints; the lifecycle itself is
+:class:`hvdcomp.exchange.driver.Driver`'s."""
+import atexit
+import itertools
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..auto import Auto
+from ..compressors import Compressor
+from ..errors import ConfigError
+from ..exchange import Exchange, StepStats
+from ..exchange.driver import FORMAT, Driver, Reports, Settings, resolve
+from ..transport.torch_dist import TorchDistAllreduce, TorchDistTransport, private_group
+from .bucket import begin_step
+
+__all__ = ["HookState", "check_backend"]
+
+_created = itertools.count()     # HookStates built in this process: the exchange id
+
+
+def _inner(model) -> torch.nn.Module:
+    """The module whose parameters are named: DDP's wrapped module, or ``model`` itself."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    if isinstance(model, torch.nn.DataParallel):
+        raise TypeError("hvdcomp.ddp works with DistributedDataParallel (one process per "
+                        "device); torch.nn.DataParallel has no communication hooks")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"HookState needs the model (a torch.nn.Module, or the "
+                        f"DistributedDataParallel wrapping it); got {type(model).__name__}")
+    return model
+
+
+def _sparse_names(module: torch.nn.Module, named: List[Tuple[str, torch.Tensor]]) -> List[str]:
+    """Names of the trainable parameters that get sparse gradients: the weights of
+    ``nn.Embedding`` / ``nn.EmbeddingBag`` modules with ``sparse=True`` (DDP's own rule)."""
+    ids = {id(p): n for n, p in named}
+    return sorted({ids[id(m.weight)] for m in module.modules()
+                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                   and m.sparse and id(m.weight) in ids})
+
+
+def check_backend(devices: Set[str], backend: str) -> None:
+    """ValueError unless ``backend`` carries parameters on ``devices`` (device types): Gloo
+    for CPU parameters, NCCL for CUDA ones, one device type."""
+    if len(devices) > 1:
+        raise ValueError(f"hvdcomp.ddp: parameters on several device types {sorted(devices)}")
+    if "cuda" in devices and backend != "nccl":
+        raise ValueError(f"hvdcomp.ddp: CUDA parameters need the nccl backend; the process "
+                         f"group uses {backend!r}")
+    if "cpu" in devices and backend != "gloo":
+        raise ValueError(f"hvdcomp.ddp: CPU parameters need the gloo backend; the process "
+                         f"group uses {backend!r}")
+
+
+class HookState(Reports):
+    """The state of :func:`hook`: the exchange (compressors with their statistics, level
+    tables, residuals, momentum), the step counter and the last step's statistics.
+
+    model: the model (or the DistributedDataParallel wrapping it); its trainable parameters,
+      named by ``named_parameters()``, are what the hook exchanges.
+    compression, seed, min_compress_numel, compress_1d, allreduce_summable,
+      check_replicas: as :class:`hvdcomp.exchange.driver.Settings` says (the same settings
+      as the drop-in optimizer's); the collective is the allgather ("rs+" in the spec:
+      ConfigError).  A typo in the spec raises ConfigError, before any collective.
+    process_group: DDP's process group (default: the default group); hvdcomp runs on two
+      private groups with its ranks and backend (its threads' collectives never mix with
+      DDP's).  Gloo for CPU parameters, NCCL for CUDA ones (ValueError otherwise).
+    optimizer: needed with a compressor that applies momentum itself (DGC, Lin et al.
+      2018, Sec. 3.2; an SGD): see :meth:`attach_optimizer`.  Without one, the first step
+      raises RuntimeError (the SGD would apply its momentum a second time).
+
+    Construction is collective (private groups, the handshake, Auto's measurements) when
+    torch.distributed is initialized; otherwise (PyTorch Lightning builds the process group
+    after the strategy) it happens on the first hook call.  Every setting, the parameters'
+    names, shapes, dtypes and devices and the group's backend are first agreed over one
+    fixed channel (an ``all_gather`` on DDP's process group): ranks that disagree raise
+    :class:`hvdcomp.Mismatch` (a RuntimeError) on every rank, naming each difference.
+
+    ``last_stats``, ``step``, ``plan``, ``paths``, ``compression``: as their docstrings say.
+    """
+
+    def __init__(self, model, compression=None, *, process_group=None, optimizer=None,
+                 seed: int = 0, min_compress_numel: int = 1024, compress_1d: bool = False,
+                 allreduce_summable: bool = True, check_replicas: bool = True):
+        module = _inner(model)
+        self._ident = next(_created)
+        self._named: List[Tuple[str, torch.Tensor]] = [
+            (n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._sparse = _sparse_names(module, self._named)
+        # the DDP model, when given: its Join setting (divide_by_initial_world_size)
+        self._ddp = (weakref.ref(model) if isinstance(
+            model, torch.nn.parallel.DistributedDataParallel) else None)
+        comp, collective = resolve(compression)     # a typo: ConfigError, no collective
+        if collective == "reduce_scatter":
+            raise ConfigError(f"compression {compression!r}: the DDP hook sends over the "
+                              f"allgather (torch.distributed has no variable-length "
+                              f"all-to-all here); drop the 'rs+' prefix")
+        self._compression = comp
+        self._settings = Settings(
+            compression=comp, collective="allgather", seed=seed,
+            min_compress_numel=min_compress_numel, compress_1d=compress_1d,
+            allreduce_summable=allreduce_summable, check_replicas=check_replicas,
+            fusion_bytes=None)                        # DDP forms the buckets
+        self._pg = process_group
+        self._pending_optimizer = optimizer
+        self._loaded: Optional[Dict[str, Any]] = None
+        self._driver: Optional[Driver] = None
+        self._in_step = False
+        self._joined = False                # this step: DDP's Join shadow calls
+        self._seen = 0
+        self._in_flight = 0                 # calls handed to the exchange, not yet done
+        self._lock = threading.Lock()
+        if dist.is_available() and dist.is_initialized():
+            self.setup()
+
+    # --- set-up -----------------------------------------------------------------------
+    def setup(self) -> None:
+        """Build the exchange (collective; done at construction when torch.distributed is
+        initialized, else by the first hook call).  Nothing if already built.
+
+        Raises RuntimeError without torch.distributed or when the ranks disagree (the
+        handshake), ValueError for parameters the process group's backend cannot carry or
+        an optimizer the compressor cannot share momentum with.
+        """
+        if self._driver is not None:
+            return
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("hvdcomp.ddp: torch.distributed is not initialized; call "
+                               "torch.distributed.init_process_group first (torchrun sets "
+                               "its environment)")
+        group = self._pg or dist.group.WORLD
+        devices = {p.device.type for _, p in self._named}
+        backend = dist.get_backend(group)
+        # Every setting, agreed over one fixed channel (DDP's group) before anything that
+        # depends on them: making the private groups is itself collective, so ranks that
+        # differ in any setting are reported instead of hanging.
+        self._settings.agree(
+            TorchDistTransport(group), "the DDP hook settings",
+            launcher="hvdcomp.ddp.HookState", backend=backend, devices=sorted(devices),
+            parameters=[[n, list(p.shape), str(p.dtype)] for n, p in self._named],
+            **{"HookState number": self._ident, "sparse gradients": self._sparse})
+        if self._sparse:                      # (every rank alike: agreed above)
+            raise TypeError(
+                f"hvdcomp.ddp: {self._sparse} get sparse gradients (nn.Embedding or "
+                f"nn.EmbeddingBag with sparse=True); the DDP hook averages dense buckets "
+                f"only: build them with sparse=False (DDP then hands the hook their dense "
+                f"gradients), or train them with the drop-in optimizer (hvdcomp.torch), "
+                f"which sends sparse gradients as indices and values")
+        check_backend(devices, backend)
+        transport = TorchDistTransport(private_group(group))
+        self._sums_group = private_group(group)
+        self._driver = Driver(self._named, self._settings, transport,
+                              TorchDistAllreduce(self._sums_group), ident=self._ident)
+        self._names = {id(p): n for n, p in self._named}
+        atexit.register(_stop_at_exit, weakref.ref(self))
+        if self._pending_optimizer is not None:
+            opt, self._pending_optimizer = self._pending_optimizer, None
+            self.attach_optimizer(opt)
+        if self._loaded is not None:
+            loaded, self._loaded = self._loaded, None
+            self.load_state_dict(loaded)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Tell the state the optimizer that applies the averaged gradients (before the
+        first step).  With a compressor that applies momentum itself (DGC) and an SGD, the
+        rules of :mod:`hvdcomp.exchange.momentum`: per step the groups' momentum factors go
+        to the compressor and their weight decay into the local gradient, and the SGD's
+        step (through its step pre/post hooks) leaves the compressor's tensors to the
+        hook's ``p -= lr * average``; ``param_groups`` are not altered.  ValueError for
+        Nesterov momentum, dampening or maximize; TypeError for a non-optimizer.  Other
+        compressors need no optimizer (it is only remembered).  Collective when
+        torch.distributed is initialized (it sets the state up)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"attach_optimizer needs a torch.optim.Optimizer; got "
+                            f"{type(optimizer).__name__}")
+        if self._driver is None:
+            self._pending_optimizer = optimizer
+            if dist.is_available() and dist.is_initialized():
+                self.setup()                  # attaches it
+            return
+        self._driver.momentum.attach(optimizer, hook_steps=True)
+
+    # --- what users read --------------------------------------------------------------
+    @property
+    def exchange(self) -> Optional[Exchange]:
+        """The :class:`~hvdcomp.exchange.Exchange` (None before set-up and after close)."""
+        return self._driver.exchange if self._driver is not None else None
+
+    @property
+    def compression(self) -> Compressor:
+        """The compressor (with Auto, Auto's compressor)."""
+        c = self._compression
+        return c.compressor if isinstance(c, Auto) else c
+
+    @property
+    def last_stats(self) -> Optional[StepStats]:
+        """The last step's :class:`~hvdcomp.exchange.StepStats`, complete once backward has
+        returned (None before the first step)."""
+        return self._driver.last_stats if self._driver is not None else None
+
+    @property
+    def plan(self) -> Dict[str, str]:
+        """{parameter name: the compressor its gradient travels with} (after setup)."""
+        self.setup()
+        return super().plan
+
+    @property
+    def step(self) -> int:
+        """The number of exchanges done: the step of the next messages' headers and Philox
+        keys."""
+        return self._driver.step if self._driver is not None else 0
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.setup()
+        self._driver.step = int(value)
+
+    # --- one DDP bucket (hvdcomp.ddp.bucket) ------------------------------------------
+    def _prepare(self, names, params, grads) -> Dict[str, Optional[torch.Tensor]]:
+        """The bucket's gradients as the exchange takes them ({name: view, None if absent}),
+        starting the step on its first bucket."""
+        if not self._in_step:
+            begin_step(self)
+        # What this rank has: DDP passes a zero slot for a parameter this rank did not use
+        # (find_unused_parameters), whose .grad is then still None; it is absent, as on the
+        # Horovod path (averaging.py: absent somewhere counts zeros, except LAQ / NDQSG).
+        # A rank that has joined (DDP's Join) has nothing (module docstring).
+        mine: Dict[str, Optional[torch.Tensor]] = {}
+        if self._joined:
+            return {n: None for n in names}
+        for n, p, g in zip(names, params, grads):
+            mine[n] = g if p.grad is not None else None
+            self._driver.momentum.fold_weight_decay(n, p, mine[n])   # DGC: local gradient
+        return mine
+
+    # --- checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything the hook remembers, to resume bit-exactly: the step, the compressor's
+        state (level tables, residuals, momentum, LAQ's aggregates) and, for LAQ, the
+        parameters of the last step (the next step's parameter change is measured against
+        them): :meth:`hvdcomp.exchange.driver.Driver.state_dict`, with this rank and the
+        world size.  Residuals are per rank: save one checkpoint per rank
+        (``torch.save(state.state_dict(), f"hook.{rank}.pt")``).  Call between steps
+        (RuntimeError during backward)."""
+        self.setup()
+        if self._in_step:
+            raise RuntimeError("HookState.state_dict() during a step: call it after backward")
+        ex = self.exchange
+        return {"rank": ex.rank, "world_size": ex.size, **self._driver.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s result (before the first step; kept until setup if
+        torch.distributed is not initialized yet).  ValueError for another rank's or
+        world size's checkpoint, or another compressor's."""
+        if self._driver is None and not (dist.is_available() and dist.is_initialized()):
+            self._loaded = dict(state)
+            return
+        self.setup()
+        ex = self.exchange
+        if state.get("format") != FORMAT:
+            raise ValueError(f"not a HookState checkpoint (format {state.get('format')!r})")
+        if (state["rank"], state["world_size"]) != (ex.rank, ex.size):
+            raise ValueError(f"checkpoint of rank {state['rank']} of {state['world_size']}, "
+                             f"this is rank {ex.rank} of {ex.size}: save and load one "
+                             f"checkpoint per rank (residuals are per rank)")
+        self._driver.load_state_dict(state)
+
+    def close(self) -> None:
+        """Stop the exchange's threads and free its buffers and process groups (between
+        steps; the hook cannot run afterwards)."""
+        if self._driver is not None:
+            self.exchange.close()
+            dist.destroy_process_group(self.exchange.transport.group)
+            dist.destroy_process_group(self._sums_group)
+            self._driver = None
+
+
+def _stop_at_exit(ref) -> None:
+    """Stop the exchange's threads when the interpreter exits (daemon threads still alive
+    while it finalizes can abort the process), unless a call is in flight (its collective
+    may wait for a rank that is gone: leave it to the process's end)."""
+    state = ref()
+    if state is not None and state._driver is not None and state._in_flight == 0:
+        state.exchange.close()
+        state._driver = None

@@ -1,0 +1,223 @@
+"""The lifecycle both doors share (hvdcomp.exchange.driver): Settings validated once and
+their handshake record, StepStats.merge, the one checkpoint format, DGC's momentum guard."""
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hvdcomp  # noqa: E402
+from hvdcomp.exchange import StepStats  # noqa: E402
+from hvdcomp.exchange.driver import FORMAT, Driver, Settings, resolve  # noqa: E402
+from world import run_ranks  # noqa: E402
+
+SHAPES = {"a.weight": (16, 24), "a.bias": (24,), "b.weight": (8, 16)}
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(n, torch.nn.Parameter(torch.randn(*s, generator=g))) for n, s in SHAPES.items()]
+
+
+def _grads(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {n: torch.randn(*s, generator=g) for n, s in SHAPES.items()}
+
+
+# --- Settings ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, exc, needle", [
+    (dict(seed="3"), TypeError, "seed must be an integer"),
+    (dict(seed=1.5), TypeError, "seed must be an integer"),
+    (dict(seed=True), TypeError, "seed must be an integer"),
+    (dict(min_compress_numel=-1), ValueError, "min_compress_numel must be >= 0"),
+    (dict(min_compress_numel=16.0), TypeError, "min_compress_numel must be an integer"),
+    (dict(fusion_bytes=0), ValueError, "fusion_bytes must be >= 1"),
+    (dict(predivide=0.0), ValueError, "gradient_predivide_factor"),
+    (dict(predivide=float("nan")), ValueError, "gradient_predivide_factor"),
+    (dict(predivide="2"), ValueError, "gradient_predivide_factor"),
+    (dict(collective=3), TypeError, "collective must be a string"),
+])
+def test_settings_refuse_invalid_values(kw, exc, needle):
+    with pytest.raises(exc, match=needle):
+        Settings(**kw)
+
+
+def test_settings_are_frozen_and_keep_what_was_given():
+    s = Settings(seed=np.int64(7), fusion_bytes=None, min_compress_numel=0)
+    assert s.seed == 7 and type(s.seed) is np.int64 and s.fusion_bytes is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.seed = 8
+
+
+def test_record_is_what_the_ranks_compare(monkeypatch):
+    monkeypatch.delenv("HVDCOMP_COMPRESSION", raising=False)
+    rec = Settings().record()
+    # every field once, under Horovod's name for the predivide factor; JSON values only
+    names = {f.name for f in dataclasses.fields(Settings)} - {"predivide"}
+    assert set(rec) == names | {"gradient_predivide_factor"}
+    assert json.loads(json.dumps(rec)) == rec
+    assert rec["compression"] == "none" and rec["collective"] == "default"
+    assert rec["gradient_predivide_factor"] == 1.0 and rec["fusion_bytes"] == 25 * 2**20
+    # the spec as given (before parsing); its prefix names the collective
+    rec = Settings(compression="auto+rs+qsgd:bits=4").record()
+    assert rec["compression"] == "auto+rs+qsgd:bits=4" and rec["collective"] == "reduce_scatter"
+    assert Settings(compression="qsgd", collective="allgather").record()["collective"] \
+        == "allgather"
+    comp = hvdcomp.get("qsgd:bits=4")
+    assert Settings(compression=comp).record()["compression"] == comp.spec()
+    monkeypatch.setenv("HVDCOMP_COMPRESSION", "alq:bits=3")
+    assert Settings().record()["compression"] == "alq:bits=3"
+
+
+def test_resolve(monkeypatch):
+    monkeypatch.setenv("HVDCOMP_COMPRESSION", "qsgd:bits=4")
+    comp, coll = resolve(None)
+    assert comp.spec() == hvdcomp.get("qsgd:bits=4").spec() and coll is None
+    comp, coll = resolve("rs+terngrad")
+    assert comp.name == "terngrad" and coll == "reduce_scatter"
+    mine = hvdcomp.get("signef")
+    assert resolve(mine) == (mine, None)
+    with pytest.raises(hvdcomp.ConfigError, match="unknown setting 'bitz'"):
+        resolve("qsgd:bitz=3")
+    with pytest.raises(TypeError, match="compression must be"):
+        resolve(3)
+
+
+def test_one_handshake_names_each_difference():
+    def build(rank, tp):
+        Settings(compression="qsgd", seed=rank).agree(tp, "the test settings", extra="same",
+                                                      door=f"d{rank % 2}")
+    got = run_ranks(3, build)
+    for e in got:
+        assert isinstance(e, hvdcomp.Mismatch), e
+        text = str(e)
+        assert "the test settings" in text
+        assert "  seed: 0 on rank 0; 1 on rank 1; 2 on rank 2" in text, text
+        assert '  door: "d0" on ranks 0, 2; "d1" on rank 1' in text, text
+        assert "extra" not in text and "compression" not in text
+    assert run_ranks(2, lambda r, tp: Settings(seed=4).agree(tp, "x", a=1)) == [None, None]
+
+
+# --- StepStats.merge ------------------------------------------------------------------------
+def test_step_stats_merge_sums_field_by_field():
+    a = StepStats(step=3, bytes_sent=100, fp32_bytes=400, recv_bytes=90, traffic_bytes=150.5,
+                  compressors={"w": "qsgd"}, nonfinite=["w"], events=["e1"], joined=1,
+                  encode_s=0.25, comm_s=0.5, decode_s=0.125, reduce_s=0.0625)
+    b = StepStats(step=9, bytes_sent=7, fp32_bytes=28, recv_bytes=6, traffic_bytes=10.25,
+                  compressors={"v": "none", "w": "fp16"}, nonfinite=["v"],
+                  events=["e2", "e3"], joined=0, encode_s=1.0, comm_s=2.0, decode_s=4.0,
+                  reduce_s=8.0)
+    want = {"step": 3, "bytes_sent": 107, "fp32_bytes": 428, "recv_bytes": 96,
+            "traffic_bytes": 160.75, "compressors": {"w": "fp16", "v": "none"},
+            "nonfinite": ["w", "v"], "events": ["e1", "e2", "e3"], "joined": 1,
+            "encode_s": 1.25, "comm_s": 2.5, "decode_s": 4.125, "reduce_s": 8.0625}
+    assert set(want) == {f.name for f in dataclasses.fields(StepStats)}   # every field
+    assert a.merge(b) is a
+    assert {k: getattr(a, k) for k in want} == want
+    assert a.ratio == 428 / 107
+    assert b.compressors == {"v": "none", "w": "fp16"} and b.events == ["e2", "e3"]
+    # joined is the largest count, not a sum
+    assert StepStats(joined=1).merge(StepStats(joined=2)).joined == 2
+
+
+# --- the checkpoint format -----------------------------------------------------------------
+def _step(d, rank, step):
+    for n, p in d.exchange.entries.items():
+        p.param.grad = _grads(rank, step)[n]
+    d.begin()
+    for n in reversed(list(SHAPES)):
+        d.exchange.ready(n)
+    out = {n: t.clone() for n, t in d.finish().items()}
+    d.update()
+    return out
+
+
+def test_checkpoint_round_trip_resumes_bit_exactly():
+    settings = Settings(compression="signef", min_compress_numel=16, seed=5)
+
+    def body(rank, tp):
+        d = Driver(_params(), settings, tp, ident=0)
+        for step in range(2):
+            _step(d, rank, step)
+        sd = d.state_dict()
+        assert set(sd) == {"format", "step", "compression", "compressor_state",
+                           "second_stage_state", "params_before"}
+        assert sd["format"] == FORMAT and sd["step"] == 2 and sd["second_stage_state"] == []
+        # a fresh exchange restored from it continues exactly as the original
+        e = Driver(_params(), settings, tp, ident=1)
+        e.load_state_dict(torch.load(_saved(sd, rank), weights_only=False))
+        assert e.step == 2
+        mine, theirs = d.compression.state_dict(), e.compression.state_dict()
+        assert mine.keys() == theirs.keys() and len(mine["residuals"]) == 2
+        assert all(torch.equal(mine["residuals"][n], theirs["residuals"][n])
+                   for n in mine["residuals"])
+        a, b = _step(d, rank, 2), _step(e, rank, 2)
+        d.exchange.close()
+        e.exchange.close()
+        return all(torch.equal(a[n], b[n]) for n in a)
+
+    assert run_ranks(2, body) == [True, True]
+
+
+def _saved(sd, rank):
+    path = f"/tmp/hvdcomp-test-driver-{os.getpid()}-{rank}.pt"
+    torch.save(sd, path)
+    return path
+
+
+def test_check_state_refuses_what_it_cannot_load():
+    def body(rank, tp):
+        d = Driver(_params(), Settings(compression="signef", min_compress_numel=16), tp)
+        sd = d.state_dict()
+        errors = []
+        for bad in ({**sd, "compression": "qsgd:bits=4"}, {**sd, "format": FORMAT + 1},
+                    {k: v for k, v in sd.items() if k != "compressor_state"},
+                    {**sd, "second_stage_state": [{}]}, "not a dict"):
+            try:
+                d.load_state_dict(bad)
+            except ValueError as e:
+                errors.append(str(e))
+        # a checkpoint from before the format existed (step, spec and state only) loads
+        old = {k: sd[k] for k in ("step", "compression", "compressor_state")}
+        d.load_state_dict(dict(old, step=4))
+        d.exchange.close()
+        return errors, d.step
+
+    for errors, step in run_ranks(2, body):
+        assert step == 4 and len(errors) == 5, errors
+        assert "saved with compression 'qsgd:bits=4'" in errors[0]
+        assert f"format {FORMAT + 1}" in errors[1]
+        assert "'compressor_state'" in errors[2] and "'compressor_state'" in errors[4]
+        assert "1 second-stage states" in errors[3]
+
+
+# --- DGC's momentum guard --------------------------------------------------------------------
+def test_momentum_guard_names_the_reduce_scatter_pieces():
+    def body(rank, tp):
+        d = Driver(_params(), Settings(compression="dgc:density=0.1", min_compress_numel=16,
+                                       collective="reduce_scatter"), tp)
+        try:
+            d.begin()
+            raise AssertionError("DGC without an optimizer was accepted")
+        except RuntimeError as e:
+            assert "attach_optimizer" in str(e), e
+        d.momentum.attach(torch.optim.SGD([e.param for e in d.exchange.entries.values()],
+                                          lr=0.1, momentum=0.7))
+        d.momentum.set_momentum()
+        comp = d.compression
+        pieces = d.exchange.collective.pieces()
+        corrected = set(d.momentum.corrected)
+        got = {p.label: comp.momentum_of(p.label) for p in pieces if p.name in corrected}
+        got.update({n: comp.momentum_of(n) for n in corrected})
+        d.exchange.close()
+        return len(pieces), sorted(corrected), got
+
+    for n_pieces, corrected, got in run_ranks(2, body):
+        # the 2-D tensors are DGC's (the bias is too small); each is cut into shards
+        assert corrected == ["a.weight", "b.weight"] and n_pieces >= 2
+        assert len(got) > 2 and all(v == 0.7 for v in got.values()), got
