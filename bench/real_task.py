@@ -283,7 +283,8 @@ def exchange(args):
     cmd = [os.path.join(ROOT, "launch", "cluster"), str(args.hosts), args.rate, "--",
            os.path.join(ROOT, "launch", "run"), "-np", str(args.hosts), python(),
            os.path.abspath(__file__), "exchange-worker", "--model", args.model,
-           "--reps", str(args.reps), "--methods", ";".join(hv), "--ddp-methods",
+           "--reps", str(args.reps), "--pretrain", str(args.pretrain),
+           "--methods", ";".join(hv), "--ddp-methods",
            ";".join(ddp), "--json", out]
     # torch.distributed (the DDP rows) between the emulated hosts: rank 0 is host 1
     env = dict(os.environ, PYTHONPATH=ROOT, HVDCOMP_MPIRUN_ARGS=(
@@ -401,7 +402,8 @@ def validate(args):
     last = res["evals"][-1]
     row = dict(kind="validate", label=args.row, spec=spec, model=args.model,
                hosts=args.hosts, rate=args.rate, steps=res["steps"],
-               train_s=last["train_seconds"], forward_backward_s=last["forward_backward_s"],
+               train_s=last["train_seconds"], steps_wall_s=last["steps_wall_s"],
+               forward_backward_s=last["forward_backward_s"],
                optimizer_step_s=last["optimizer_step_s"], load_before=load0,
                load_after=conditions(), command=_rel(cmd))
     append(row)
@@ -605,7 +607,8 @@ def _validation_table(val, comp, exr):
                 "validate --model cnn --hosts 4 --rate 1gbit --row fp32` (and --rate 100mbit, "
                 "--hosts 8).\n")
     lines = ["\n## Validation of the composition (the job itself under launch/cluster)\n",
-             "Measured: the training job's wall clock per step (evaluation excluded) on the "
+             "Measured: the training job's wall clock per step (rank 0, from the start of "
+             "forward to the end of the optimizer step; evaluation excluded) on the "
              "emulated hosts.  Composed (a): compute per step of one process alone + the "
              "exchange bench's time; composed (b): the job's own forward+backward time per "
              "step there (the ranks share this machine's 2 cores) + the exchange bench's "
@@ -615,7 +618,7 @@ def _validation_table(val, comp, exr):
     for v in val:
         c = comp.get((v["model"], MODELS[v["model"]]["batch"]))
         e = exr.get((v["model"], v["hosts"], v["rate"], v["spec"]))
-        meas = v["train_s"] / v["steps"]
+        meas = v["steps_wall_s"] / v["steps"]
         fb = v["forward_backward_s"] / v["steps"]
         a = f"{c['median_s'] + e['median_s']:.3f}" if c and e else "-"
         b = (e["median_s"] + fb) if e else None
@@ -726,6 +729,8 @@ def main():
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--rows", default="item4")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--pretrain", type=int, default=100,
+                   help="SGD steps before the gradients are taken (the same on every rank)")
     p = sub.add_parser("exchange-worker")
     p.add_argument("--model", default="cnn")
     p.add_argument("--reps", type=int, default=5)
@@ -740,7 +745,13 @@ def main():
     p.add_argument("--row", default="fp32")
     p.add_argument("--steps", type=int, default=60)
     sub.add_parser("report", help="render the page and plots from the JSONL")
+    ap.add_argument("--results", default="", help="results prefix instead of "
+                    "bench/results/real_task (e.g. /tmp/x for a smoke test)")
     args = ap.parse_args()
+    if args.results:
+        global RESULTS, JSONL
+        RESULTS = os.path.abspath(args.results)
+        JSONL = RESULTS + ".jsonl"
     {"train": train, "compute": compute, "exchange": exchange,
      "exchange-worker": exchange_worker, "validate": validate, "report": report}[args.cmd](args)
 

@@ -228,6 +228,8 @@ def main(argv=None):
                     help="test-set evaluations per epoch (the accuracy curve's points)")
     ap.add_argument("--max-steps", type=int, default=0,
                     help="stop after this many steps in all (0: every epoch in full)")
+    ap.add_argument("--step-times", action="store_true",
+                    help="rank 0's seconds of every step in the JSON results")
     ap.add_argument("--log-dir", default="", help="rank 0's metrics.csv (and TensorBoard)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--json", default="", help="write the results here (rank 0)")
@@ -305,7 +307,8 @@ def main(argv=None):
     eval_s = 0.0                       # rank 0's evaluations, taken off the training clock
     steps = 0
     sent = fp32 = 0
-    loss_sum, loss_n, fb_s, step_s = 0.0, 0, 0.0, 0.0
+    loss_sum, loss_n, fb_s, step_s, wall_s = 0.0, 0, 0.0, 0.0, 0.0
+    step_times = []                    # rank 0's seconds per step (--step-times)
     for epoch in range(1, args.epochs + 1):
         if steps >= total:
             break
@@ -327,6 +330,9 @@ def main(argv=None):
             loss_sum += loss.item()
             loss_n += 1
             st = job.last_stats.as_dict()
+            t3 = time.perf_counter()
+            wall_s += t3 - t0
+            step_times.append(t3 - t0)
             sent += st["bytes_sent"]
             fp32 += st["fp32_bytes"]
             steps += 1
@@ -341,8 +347,9 @@ def main(argv=None):
                                test_acc=acc, train_loss=loss_sum / max(loss_n, 1),
                                bytes_per_rank=hi, fp32_bytes=fp32,
                                ratio=fp32 / hi if hi else None,
-                               train_seconds=time.time() - t_train - eval_s,
-                               forward_backward_s=fb_s, optimizer_step_s=step_s)
+                               train_seconds=t_eval - t_train - eval_s,
+                               forward_backward_s=fb_s, optimizer_step_s=step_s,
+                               steps_wall_s=wall_s)
                     history.append(row)
                     if metrics is not None:
                         metrics.write(row)
@@ -370,7 +377,8 @@ def main(argv=None):
                            "launcher": job.name, "transport": job.transport,
                            "steps_per_epoch": steps_per_epoch, "steps": steps,
                            "wall_seconds": time.time() - t_start, "args": vars(args),
-                           "evals": history, "final_acc": history[-1]["test_acc"]}, f,
+                           "evals": history, "final_acc": history[-1]["test_acc"],
+                           **({"step_times": step_times} if args.step_times else {})}, f,
                           indent=1)
     job.close()
 
