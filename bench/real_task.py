@@ -102,6 +102,7 @@ LINKS = [(4, "1gbit"), (8, "1gbit"), (4, "100mbit")]
 RATE_LABEL = {"1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s", "10gbit": "10 Gbit/s"}
 DGC_STAGES = [0.25 ** (s + 1) for s in range(4)]      # warm-up densities (DGC Sec. 3.3)
 MASTER_PORT = 29577
+LOADED = 2.5        # 1-minute load average above which a timing is marked "under load"
 
 
 # --- the JSONL file --------------------------------------------------------------------------
@@ -531,7 +532,8 @@ def report(args):
         lines.append(f"\n### {model}: time to {target:.2f} % (composed)\n")
         lines.append(f"Compute per step (forward + backward + SGD step of {cfg['batch']} "
                      f"images, 1 process, 1 thread): {c['median_s'] * 1e3:.1f} ms "
-                     f"(min {c['min_s'] * 1e3:.1f}, load {c['load_before']}).\n")
+                     f"(min {c['min_s'] * 1e3:.1f}, load {c['load_before']}, under load: "
+                     f"{_loaded(c)}).\n")
         curves = {}
         for hosts, rate in LINKS:
             ex = {k[3]: v["median_s"] for k, v in exr.items()
@@ -710,14 +712,16 @@ def _targets(table, tta, best_psgd, ref):
 def _exchange_table(model, exr):
     lines = [f"\n### {model}: exchange per step on the emulated links (slowest rank, median)\n",
              "| hosts x rate | method | time (s) [min-max] | MB sent per rank | "
-             "encode / comm / decode (s) | load (1 min) | measured |", "|---|---|---|---|---|---|---|"]
+             "encode / comm / decode (s) | load (1 min) | under load | measured |",
+             "|---|---|---|---|---|---|---|---|"]
     for k, r in sorted(exr.items()):
         if k[0] != model:
             continue
         lines.append(f"| {k[1]} x {k[2]} | {k[3]} | {r['median_s']:.3f} [{r['min_s']:.3f}-"
                      f"{r['max_s']:.3f}] | {r['bytes_per_rank'] / 1e6:.3f} | "
                      f"{r.get('encode_s', 0):.3f} / {r.get('comm_s', 0):.3f} / "
-                     f"{r.get('decode_s', 0):.3f} | {r['load_before']} | {r['date']} |")
+                     f"{r.get('decode_s', 0):.3f} | {r['load_before']} | {_loaded(r)} | "
+                     f"{r['date']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -749,16 +753,24 @@ def _validation_table(val, comp, exr):
     return "\n".join(lines) + "\n"
 
 
+def _loaded(r) -> str:
+    """'yes' when the machine (2 cores) was loaded beyond its cores at the start or the end
+    of the measurement: its seconds are not timing-quality (its accuracy is unaffected)."""
+    return "yes" if max(r.get("load_before", 0), r.get("load_after", 0)) > LOADED else "no"
+
+
 def _runs_table(tr):
     lines = ["\n## Runs (conditions)\n",
              "Accuracy does not depend on the machine's load; the wall-clock seconds here do "
              "(load: 1-minute load average on 2 cores, before / after).\n",
-             "| model | row | seed | launcher | final acc (%) | wall (s) | load | finished (UTC) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | row | seed | launcher | final acc (%) | wall (s) | load | under load | "
+             "finished (UTC) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(tr, key=lambda r: r["date"]):
-        lines.append(f"| {r['model']} | {r['label']} | {r['seed']} | {r['launcher']} | "
+        lines.append(f"| {r['model']} | {r['label']} | {r['seed']} | {r['launcher']}"
+                     f"{' under launch/cluster ' + r['link'] if r.get('link') else ''} | "
                      f"{r['final_acc']:.2f} | {r['wall_s']:.0f} | {r['load_before']} / "
-                     f"{r['load_after']} | {r['date']} |")
+                     f"{r['load_after']} | {_loaded(r)} | {r['date']} |")
     return "\n".join(lines) + "\n"
 
 
