@@ -1,29 +1,12 @@
 """bench/bits_variance.py's plain references: PowerSGD's power-iteration step (Vogels et al.
 2019, Alg. 1) and CGX's stochastic max-min variance, against hand-worked cases."""
-import os
-import sys
 
 import pytest
 import torch
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+from benchmod import import_bench
 
-
-def _import_bench(name):
-    """bench/NAME.py, imported without leaving bench/ on sys.path or its ``common`` in
-    sys.modules (tests/mpi and tests/exchange import a ``common`` of their own)."""
-    saved = sys.modules.pop("common", None)
-    sys.path.insert(0, BENCH)
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(BENCH)
-        sys.modules.pop("common", None)
-        if saved is not None:
-            sys.modules["common"] = saved
-
-
-B = _import_bench("bits_variance")
+B = import_bench("bits_variance")
 
 
 def test_powersgd_recovers_a_rank_r_matrix_exactly():

@@ -1,15 +1,13 @@
 """bench/real_task.py's composition of the time to accuracy (#21 item 4), on hand-made runs:
 the exchange priced per step by the setting in use (PowerSGD's fp32 start, DGC's warm-up
 stages as hvdcomp's DGC computes them), the steps to target, and the claims' verdicts."""
-import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import real_task  # noqa: E402
-from hvdcomp.compressors.sparse import warmup_density  # noqa: E402
+from benchmod import import_bench
+from hvdcomp.compressors.sparse import warmup_density
+
+real_task = import_bench("real_task")
 
 
 def _run(spec, accs, every=2):
