@@ -1,5 +1,5 @@
 """The exchange core and the doors know compressors only through the contract: no module under
-hvdcomp/exchange, hvdcomp/auto.py, hvdcomp/ddp.py or hvdcomp/torch/ imports a concrete
+hvdcomp/exchange, hvdcomp/auto.py, hvdcomp/ddp/ or hvdcomp/torch/ imports a concrete
 compressor class (issue 20, item 2).  What they may take from hvdcomp.compressors: the base
 contract (Compressor, TensorKey, the ABSENT_* values of ``Compressor.absent_rank``), the
 registry functions (get, available, parse_spec, register, registry, examples), and the
@@ -26,14 +26,13 @@ ALLOWED = {PKG: CONTRACT, PKG + ".base": CONTRACT, PKG + ".protocols": None,
 def _core_modules():
     """{module name: path} of the modules that must not name a compressor class."""
     out = {}
-    for sub in ("exchange", "torch"):
+    for sub in ("exchange", "torch", "ddp"):
         d = os.path.join(ROOT, "hvdcomp", sub)
         for f in sorted(os.listdir(d)):
             if f.endswith(".py"):
                 name = f"hvdcomp.{sub}" + ("" if f == "__init__.py" else "." + f[:-3])
                 out[name] = os.path.join(d, f)
-    for f in ("auto", "ddp"):
-        out[f"hvdcomp.{f}"] = os.path.join(ROOT, "hvdcomp", f + ".py")
+    out["hvdcomp.auto"] = os.path.join(ROOT, "hvdcomp", "auto.py")
     return out
 
 
