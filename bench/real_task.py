@@ -320,8 +320,8 @@ def exchange_worker(args):
     import horovod.torch as hvd
     import fashion
     from hvdcomp.auto import from_spec
-    from hvdcomp.torch.exchange import Exchange
-    from hvdcomp.transport import make
+    from hvdcomp.exchange import Exchange
+    from hvdcomp.transport import HorovodAllreduce, make
     import exchange as exbench
     hvd.init()
     torch.set_num_threads(1)
@@ -348,7 +348,8 @@ def exchange_worker(args):
     out = []
     for spec in filter(None, args.methods.split(";")):
         comp, collective = from_spec(spec)
-        ex = Exchange(params, comp, make("mpi"), hvd=hvd, seed=1, collective=collective)
+        ex = Exchange(params, comp, make("mpi"), allreduce=HorovodAllreduce(hvd), seed=1,
+                      collective=collective)
         times, stats = [], []
         for rep in range(args.reps + 1):
             fresh_gradients()
