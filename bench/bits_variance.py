@@ -49,6 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import FC300100, SmallCNN, training_gradients  # noqa: E402
+from quantizers import fit_to  # noqa: E402  (ALQ/AMQ levels fitted as bench/quantizers.py does)
 
 import hvdcomp  # noqa: E402
 
@@ -130,13 +131,6 @@ def quantizer(name, bits, entropy):
         return hvdcomp.get(base, **kw)
     except hvdcomp.ConfigError:
         return None
-
-
-def fit_to(comp, grads):
-    """ALQ/AMQ: fit the levels to these gradients, as the refit during training does."""
-    if hasattr(comp, "fit"):
-        stats = sum(comp.statistics(g) for g in grads.values())
-        comp.adopt(comp.fit(stats))
 
 
 def run_messages(make, grads, draw):
