@@ -34,6 +34,7 @@ def _run(cmd, timeout=600) -> str:
 
 
 def _check(out: str):
+    out = re.sub(r"^\[default\d+\]:", "", out, flags=re.M)   # torchrun --tee's rank prefix
     ranks = re.findall(r"^rank (\d+): loss ([\d.]+) -> ([\d.]+), params ([0-9a-f]+)$", out, re.M)
     sent = re.findall(r"^(\d+) ([\d.]+)$", out, re.M)
     assert sorted(r for r, *_ in ranks) == ["0", "1"] and len(sent) == 2, out
@@ -54,5 +55,10 @@ def test_minimal_horovod_example():
 
 
 def test_minimal_ddp_example():
+    # torchrun starts its workers with `python -u`, so print() leaves in pieces (text, then
+    # "\n") and two workers sharing one pipe interleave mid-line (seen in CI: "4354", "4354",
+    # " 8.8..." read as "43544354 8.8...").  With --tee the agent alone writes the workers'
+    # lines, whole, each prefixed with its rank.
     _check(_run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc_per_node", "2", os.path.join(ROOT, "examples", "minimal_ddp.py")]))
+                 "--nproc_per_node", "2", "--tee", "1",
+                 os.path.join(ROOT, "examples", "minimal_ddp.py")]))
