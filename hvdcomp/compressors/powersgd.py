@@ -89,13 +89,15 @@ class _Pending:
 class PowerSGD(SummedRounds, Compressor):
     """PowerSGD (Vogels et al., NeurIPS 2019, Algorithms 1 and 2; module docstring).
 
-    rank: the rank r of the approximation (int >= 1); start_iter: steps before it that
-      travel uncompressed (int >= 0; PyTorch's ``start_powerSGD_iter``);
+    rank: the rank r of the approximation (int >= 1; min(rank, n, m) is used).
+    start_iter: the steps before it send every tensor uncompressed (int >= 0; PyTorch's
+      ``start_powerSGD_iter``).
     min_compression_rate: a tensor is compressed only when n m > (n + m) r times this
-      (float >= 0; PyTorch's default 2);
+      (float >= 0; PyTorch's default 2).
     warm_start: start each step's power iteration from the last step's Q (True), or from
-      fresh Philox normals every step (False);
-    orthogonalization: "auto" (Gram-Schmidt for r <= 2, QR above), "gram_schmidt" or "qr".
+      fresh Philox normals every step (False).
+    orthogonalization: "auto" (Gram-Schmidt for r <= 2, QR above, as PyTorch's hook),
+      "gram_schmidt" or "qr"; in float64 on the CPU.
 
     Sends per compressed n x m tensor 4 (n + m) r bytes in two float32 allreduces (P, then
     Q), uncompressed ones 4 numel bytes.  The initial Q of a tensor is Philox normals (Box-
