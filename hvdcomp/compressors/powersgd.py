@@ -65,12 +65,11 @@ def orthogonalize(a: torch.Tensor, method: str = "auto") -> torch.Tensor:
     return a
 
 
-def work_dtype(device: torch.device) -> torch.dtype:
-    """The dtype of the products and the orthogonalization: float64 on the CPU, where a
-    float32 BLAS result can depend on the number of threads that computed it (so that the
-    float32 results, rounded once, are the same on every rank and in a resumed run),
-    float32 on a GPU."""
-    return torch.float64 if device.type == "cpu" else torch.float32
+# The products and the orthogonalization run in float64, and what is sent or kept is rounded
+# once to float32: a float32 BLAS result can depend on the number of threads (MKL) or on
+# the device that computed it, a float64 one rounded to float32 practically never does, so
+# every rank, a resumed run and a rank on another device get the same float32 values.
+WORK = torch.float64
 
 
 @dataclass
@@ -97,8 +96,10 @@ class PowerSGD(SummedRounds, Compressor):
     warm_start: start each step's power iteration from the last step's Q (True), or from
       fresh Philox normals every step (False).
     orthogonalization: "auto" (Gram-Schmidt for r <= 2, QR above, as PyTorch's hook),
-      "gram_schmidt" or "qr"; in float64 on the CPU.
+      "gram_schmidt" or "qr".
 
+    Computes in float64 (products, orthogonalization; M = gradient + residual is held in
+    float64 between the rounds), sends and keeps float32.
     Sends per compressed n x m tensor 4 (n + m) r bytes in two float32 allreduces (P, then
     Q), uncompressed ones 4 numel bytes.  The initial Q of a tensor is Philox normals (Box-
     Muller on :func:`hvdcomp.random.uniform`, key (seed, 0), counter (tensor id, step)), the
@@ -109,7 +110,7 @@ class PowerSGD(SummedRounds, Compressor):
     ``encode`` raises TypeError, as does the reduce-scatter.
     """
     keeps_state = True
-    example = "powersgd:rank=2,start_iter=1,min_compression_rate=1.0"
+    example = "powersgd:rank=2,min_compression_rate=1.0"
 
     def __init__(self, rank: int = 4, start_iter: int = 0, min_compression_rate: float = 2.0,
                  warm_start: bool = True, orthogonalization: str = "auto"):
@@ -181,7 +182,7 @@ class PowerSGD(SummedRounds, Compressor):
                 out.copy_(grad.reshape(-1))
             return
         n, m, r = mat
-        wdt = work_dtype(out.device)
+        wdt = WORK
         M = None
         if grad is not None:
             M = grad.reshape(n, m).to(torch.float32).to(wdt, copy=True)
@@ -198,7 +199,7 @@ class PowerSGD(SummedRounds, Compressor):
 
     def next_round(self, i, summed, key, out):
         pend = self._pending[key.name]
-        wdt = work_dtype(out.device)
+        wdt = WORK
         pend.P = orthogonalize(summed.reshape(pend.n, pend.r).to(wdt, copy=True),
                                self.orthogonalization)
         if pend.M is not None:
