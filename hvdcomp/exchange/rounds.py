@@ -54,7 +54,6 @@ class RoundsJob:
     views: List[List[torch.Tensor]] = field(default_factory=list)
     handle: Any = None
     failure: Optional[BaseException] = None
-    done: bool = False
 
 
 class Rounds:

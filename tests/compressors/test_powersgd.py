@@ -307,6 +307,29 @@ def test_nonfinite_gradient_is_nan_everywhere_and_the_state_stays(carrier):
         assert torch.equal(after[r][0][3]["b.fc"], got[r][0][3]["b.fc"])
 
 
+@pytest.mark.parametrize("carrier", [False, True])
+def test_gradient_absent_on_one_rank_counts_zeros(carrier):
+    """Rank 1 has no gradient for b.fc at step 1: it contributes zeros to P and Q, keeps its
+    residual, and takes the shared Q like the others (simulate with None for it)."""
+    shapes = {"b.fc": (64, 32)}
+
+    def grads(step, rank):
+        return {} if (step == 1 and rank == 1) else grads_of(step, rank, shapes)
+    world, spec = 3, "powersgd:rank=2"
+    got = run_exchange(world, spec, 3, carrier, shapes=shapes, grads=grads, keep=True)
+    comps = [hvdcomp.get(spec) for _ in range(world)]
+    for step in range(3):
+        gs = [grads(step, r).get("b.fc") for r in range(world)]
+        sim = simulate(comps, gs, [key("b.fc", (64, 32), step, r, world, 0)
+                                   for r in range(world)])
+        for r in range(world):
+            assert torch.equal(got[r][0][step]["b.fc"], sim[r]), (step, r)
+    for r in range(world):
+        assert torch.equal(got[r][2]["q"]["b.fc"], comps[r].state_dict()["q"]["b.fc"])
+        assert torch.equal(got[r][2]["residual"]["b.fc"],
+                           comps[r].state_dict()["residual"]["b.fc"])
+
+
 def test_ranks_that_disagree_on_the_rank_are_refused():
     def fn(rank, tp):
         return Exchange(params_of(), hvdcomp.get(f"powersgd:rank={2 + rank}"), tp,
