@@ -330,6 +330,34 @@ def test_gradient_absent_on_one_rank_counts_zeros(carrier):
                            comps[r].state_dict()["residual"]["b.fc"])
 
 
+@pytest.mark.parametrize("carrier", [False, True])
+def test_sparse_gradient_raises_on_every_rank(carrier):
+    """A sparse gradient on rank 0 only: rank 0 raises the TypeError naming
+    sparse_as_dense, the other ranks a RankFailure naming rank 0; none waits forever."""
+    from hvdcomp.errors import RankFailure
+    shapes = {"b.fc": (64, 32)}
+
+    def grads(step, rank):
+        g = grads_of(step, rank, shapes)
+        return {"b.fc": g["b.fc"].to_sparse()} if rank == 0 else g
+
+    def fn(rank, tp):
+        ar = RankOrderSums(tp.world, rank) if carrier else None
+        params = params_of(shapes)
+        ex = Exchange(params, hvdcomp.get("powersgd"), tp, allreduce=ar,
+                      min_compress_numel=16)
+        params[0][1].grad = grads(0, rank)["b.fc"]
+        ex.begin(0)
+        ex.ready("b.fc")
+        try:
+            ex.finish()
+        finally:
+            ex.close()
+    got = run_ranks(2, fn)
+    assert isinstance(got[0], TypeError) and "sparse_as_dense" in str(got[0])
+    assert isinstance(got[1], RankFailure) and got[1].rank == 0
+
+
 def test_ranks_that_disagree_on_the_rank_are_refused():
     def fn(rank, tp):
         return Exchange(params_of(), hvdcomp.get(f"powersgd:rank={2 + rank}"), tp,
