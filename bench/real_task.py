@@ -63,6 +63,9 @@ ROWS = {
     "PowerSGD r1": f"torch-powersgd:rank=1,start_iter={PSGD_START}",
     "PowerSGD r2": f"torch-powersgd:rank=2,start_iter={PSGD_START}",
     "PowerSGD r4": f"torch-powersgd:rank=4,start_iter={PSGD_START}",
+    "hvdcomp PowerSGD r1": f"powersgd:rank=1,start_iter={PSGD_START}",
+    "hvdcomp PowerSGD r2": f"powersgd:rank=2,start_iter={PSGD_START}",
+    "hvdcomp PowerSGD r4": f"powersgd:rank=4,start_iter={PSGD_START}",
     "ALQ 3b": "alq:bits=3",
     "ALQ 3b rANS": "alq:bits=3,entropy=1",
     "ALQ 3b RS": "rs+alq:bits=3",
@@ -279,6 +282,8 @@ def exchange_methods(labels):
             ddp += ["ddp:allreduce", f"ddp:powersgd:rank={r}"]
         elif spec == "torch-fp16":
             ddp.append("ddp:fp16")
+        elif spec.startswith("powersgd:"):
+            hv += ["none", _compressing(spec)]
         elif spec.startswith("dgc:") and "warmup" in spec:
             hv += ["dgc:density=0.001"] + [f"dgc:density={d:g}" for d in DGC_STAGES]
         else:
@@ -442,6 +447,13 @@ def _latest(rs, key):
     return out
 
 
+def _compressing(spec):
+    """hvdcomp's powersgd spec without its start_iter: the exchange once it compresses."""
+    s = dict(kv.split("=") for kv in spec.split(":", 1)[1].split(","))
+    s.pop("start_iter", None)
+    return "powersgd:" + ",".join(f"{k}={v}" for k, v in s.items())
+
+
 def step_methods(spec, steps_per_epoch, ex=None):
     """f(step) -> the exchange method timed for that step (1-based) of a run of ``spec``.
     fp32 (``none``) is priced at the faster of the two fp32 carriers measured on the link
@@ -451,6 +463,11 @@ def step_methods(spec, steps_per_epoch, ex=None):
     if spec == "none" and ex and "ddp:allreduce" in ex:
         fast = min(("none", "ddp:allreduce"), key=lambda m: ex.get(m, math.inf))
         return lambda t: fast
+    if spec.startswith("powersgd:"):
+        s = dict(kv.split("=") for kv in spec.split(":", 1)[1].split(","))
+        start, fast = int(s.get("start_iter", 0)), _compressing(spec)
+        # hvdcomp counts steps from 0: steps 1..start travel uncompressed (fp32 sums)
+        return lambda t: "none" if t <= start else fast
     if spec.startswith("torch-powersgd"):
         s = dict(kv.split("=") for kv in spec.split(":", 1)[1].split(","))
         start, r = int(s.get("start_iter", 10)), s["rank"]
