@@ -87,6 +87,14 @@ class HookState(Reports):
     fixed channel (an ``all_gather`` on DDP's process group): ranks that disagree raise
     :class:`hvdcomp.Mismatch` (a RuntimeError) on every rank, naming each difference.
 
+    A HookState set up on parameters that an open HookState exchanges replaces it (the
+    old one is closed: threads stopped, process groups destroyed; a hook call on it raises
+    RuntimeError); ValueError if the old one also holds parameters the new one does not.
+    One HookState serves one DDP wrapper at a time (RuntimeError when two wrappers call it
+    in one backward pass).  Pickling and copying: before set-up only (TypeError after:
+    save :meth:`state_dict`).  docs/semantics.md, "Objects built again, re-wrapped or
+    copied".
+
     ``last_stats``, ``step``, ``plan``, ``paths``, ``compression``: as their docstrings say.
     """
 

@@ -94,6 +94,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         :class:`hvdcomp.transport.Transport`.  ``optimizer.transport`` names the one used
         (also logged at INFO on rank 0: :mod:`hvdcomp.log`).
 
+    Built again on the same parameters (e.g. to change the learning rate), it replaces the
+    open hvdcomp optimizer that hooks them: that one is closed (its hooks removed, its
+    threads stopped; its ``step()`` then raises RuntimeError) and hvdcomp's state starts
+    fresh (``new.load_state_dict(old.state_dict())`` carries it); ValueError if the old
+    one also holds parameters the new one does not.  TypeError for an optimizer that is
+    already a DistributedOptimizer (hvdcomp's or Horovod's), and for pickling or copying
+    the result (save its ``state_dict()``).  Horovod's ``broadcast_optimizer_state``
+    treats it as Horovod's own (no exchange in its state-initialising step);
+    :func:`hvdcomp.torch.broadcast_state` makes hvdcomp's state equal across ranks
+    (docs/semantics.md, "Horovod's helpers and options").
+
     Raises ValueError / TypeError for invalid settings, :class:`hvdcomp.Mismatch` (a
     RuntimeError) on every rank if the ranks disagree on the model or any setting (each
     difference named), or at the first step on the parameters' values;
