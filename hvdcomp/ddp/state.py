@@ -351,7 +351,9 @@ class HookState(Reports):
     def _check_open(self) -> None:
         if self._closed:
             why = (f"it was replaced by HookState number {self._replaced_by}, built on the "
-                   f"same parameters: register that one on the DDP wrapper in use"
+                   f"same parameters: run backward through the DDP wrapper that one is "
+                   f"registered on (a DDP wrapper takes one communication hook: to use a "
+                   f"new HookState, wrap the module in a new DDP)"
                    if self._replaced_by is not None else "close() was called")
             raise RuntimeError(f"hvdcomp.ddp: this HookState (number {self._ident}) is "
                                f"closed: {why}")

@@ -148,6 +148,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 f"close() first, or build the new optimizer on all of its parameters")
         for o in old:
             o._replace(self._ident)
+        # a carrier built here (not handed in) is freed by close()
+        self._owns_transport = transport is None or isinstance(transport, str)
         self._driver = Driver(named, settings, select_transport(transport, hvd),
                               HorovodAllreduce(hvd) if settings.allreduce_summable else None,
                               ident=self._ident)
@@ -263,6 +265,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._closed:
             self._closed = True
             self._exchange.close()
+            free = getattr(self._exchange.transport, "free", None)
+            if self._owns_transport and free is not None:
+                free()                        # its communicators (MPI_Comm_free)
 
     def synchronize(self) -> StepStats:
         """Make sure ``p.grad`` holds the averaged gradients.

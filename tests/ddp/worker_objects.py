@@ -3,7 +3,7 @@ around the same module with the same HookState or a new one, copies and pickles 
 state and of the model, and a state shared by two DDP wrappers in one backward pass
 (refused).  Expected averages come from plain torch (every rank recomputes every rank's
 gradient on a hook-free copy of the model), never from hvdcomp.  Every rank writes
-rank<r>.ok at the end; test_objects.py's timeout turns a hang into a failure (and
+rank<r>.ok at the end; test_ddp_objects.py's timeout turns a hang into a failure (and
 faulthandler prints where each rank was).
 """
 import copy
@@ -127,8 +127,8 @@ def new_wrappers(spec):
 
 
 def copies(spec):
-    """The live HookState: pickle, deepcopy, copy and torch.save raise TypeError naming
-    state_dict(); its state_dict goes through torch.save into a HookState of a new
+    """The live HookState (and the DDP wrapper holding it): pickle, deepcopy, copy and
+    torch.save raise TypeError naming state_dict(); its state_dict goes through torch.save into a HookState of a new
     wrapper.  A deep copy of the model (an EMA / SWA twin) trains without any exchange."""
     m = model_fn()
     ddp = DDP(m)
@@ -137,6 +137,8 @@ def copies(spec):
     for fn in [lambda: pickle.dumps(state), lambda: copy.deepcopy(state),
                lambda: copy.copy(state), lambda: torch.save(state, io.BytesIO())]:
         raises(fn, TypeError, "cannot be pickled, copied or deep-copied", "state_dict()")
+    # the DDP wrapper holds the state among its comm hooks: the same error
+    raises(lambda: copy.deepcopy(ddp), TypeError, "state_dict()")
     twin = copy.deepcopy(m)
     loss_of(twin, dist.get_rank(), 1).backward()
     local = copy.deepcopy(m)

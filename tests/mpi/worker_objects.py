@@ -5,7 +5,7 @@ restored from a checkpoint, and Horovod's DistributedOptimizer options.
 Expected values come from plain torch (every rank recomputes every rank's gradients on a
 copy of the model and averages them) or from horovod.torch's own DistributedOptimizer
 with Compression.none on a twin model, never from hvdcomp.  Hangs: cases.py's barrier
-after each case aborts the job, and test_objects.py's timeout fails it.
+after each case aborts the job, and test_mpi_objects.py's timeout fails it.
 """
 import copy
 import io
@@ -22,7 +22,7 @@ import horovod.torch as horovod
 import hvdcomp.torch as hvd
 
 LR = 0.1
-STATEFUL = ["topk:density=0.1", "alq:bits=3", "signef", "dgc:density=0.1", "laq"]
+RESTORED = ["topk:density=0.1", "alq:bits=3", "signef", "dgc:density=0.1", "laq", "none"]
 
 
 def model_fn(seed=11):
@@ -146,6 +146,10 @@ def recreate(spec, summable):
     assert opt2._driver.step == 1 and opt2.last_stats.step == 0
     assert opt1._driver.step == old_step and opt1.last_stats is old_stats
     assert threading.active_count() == threads, (threading.active_count(), threads)
+    if opt1.transport == "mpi":                 # its communicators freed
+        from mpi4py import MPI
+        ex = opt1._exchange
+        assert ex.transport.comm == MPI.COMM_NULL and ex.transport._bye_comm == MPI.COMM_NULL
     if spec == "none":
         close(params_of(model), want, "after re-creating the optimizer")
     identical_everywhere(list(model.parameters()), "replicas after re-creating")
@@ -162,6 +166,23 @@ def recreate(spec, summable):
     identical_everywhere(list(model.parameters()), "replicas after the third")
     assert threading.active_count() == threads
     opt3.close()
+
+
+@case
+def recreate_many_times():
+    """An optimizer built again 200 times (a learning-rate schedule done by rebuilding):
+    each replaces the last (threads and MPI communicators freed: MPICH allows only a few
+    thousand), one exchange per backward pass, replicas identical."""
+    model = model_fn()
+    opt = make(model, "topk:density=0.1")
+    train_step(model, opt, 0)
+    threads = threading.active_count()
+    for k in range(200):
+        opt = make(model, "topk:density=0.1", lr=LR / (k + 2))
+    train_step(model, opt, 1)
+    assert opt._driver.step == 1 and threading.active_count() == threads
+    identical_everywhere(list(model.parameters()), "replicas after 200 rebuilds")
+    opt.close()
 
 
 @case
@@ -288,7 +309,7 @@ def broadcast_fresh(spec, helper):
     opt.close()
 
 
-@case.each(STATEFUL + ["none"])
+@case.each(RESTORED)
 def broadcast_restored(spec):
     """Only rank 0 restored from a checkpoint (model and optimizer state_dict, with
     hvdcomp's state: residuals, fitted levels, step), the other ranks fresh:
