@@ -35,6 +35,7 @@ def exchange_bucket(state, bucket: dist.GradBucket) -> torch.futures.Future:
                 f"shape {tuple(p.shape)} that is not a trainable parameter of the model "
                 f"this HookState was built from; build it from the model DDP wraps")
         names.append(n)
+    _check_one_wrapper(state, names)
     # Anything raised from here on (as any error of the exchange) fails every rank's
     # backward: the call still takes part in the bucket's collectives (Exchange.call)
     failure: Optional[BaseException] = None
@@ -84,11 +85,40 @@ def exchange_bucket(state, bucket: dist.GradBucket) -> torch.futures.Future:
     ex.call(bucket.index(), names, mine, step, done, failure, out)
     if last:
         state._in_step = False
+        state._last_task = state._step_task
         driver.step += 1
     # Future.set_exception stores the exception as the value for Python's wait() to
     # raise; DDP's reducer waits in C++, where only an error set by a failing callback
     # is an error: chain one that re-raises it.
     return fut.then(value)
+
+
+def _check_one_wrapper(state, names) -> None:
+    """RuntimeError when a second DDP wrapper calls the hook with the same state in the
+    same backward pass (the state registered on two DDP wrappers, both run forward): a
+    parameter handed twice in one step, or a second step begun in the backward pass that
+    began the previous one.  (Two wrappers used in turn, one per backward pass, are one
+    wrapper at a time: that works.)  Every rank alike: raised from every rank's hook."""
+    task = _graph_task()
+    if not state._in_step:
+        twice = task != -1 and task == state._last_task
+        state._step_names, state._step_task = set(), task
+    else:
+        twice = not state._step_names.isdisjoint(names)
+    if twice:
+        raise RuntimeError(
+            "hvdcomp.ddp: this HookState exchanged the same parameters twice in one "
+            "backward pass: it is registered on two DistributedDataParallel wrappers of "
+            "the same module that both ran forward.  One HookState serves one DDP "
+            "wrapper: build a HookState for each (HookState(ddp_model, ...)), or run "
+            "forward through one wrapper only")
+    state._step_names.update(names)
+
+
+def _graph_task() -> int:
+    """The current backward pass's graph task id (-1 outside backward or unknown)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if task is None else task()
 
 
 def _in_backward() -> bool:

@@ -15,12 +15,17 @@ from ..compressors import Compressor
 from ..errors import ConfigError
 from ..exchange import Exchange, StepStats
 from ..exchange.driver import FORMAT, Driver, Reports, Settings, resolve
+from ..log import logger
 from ..transport.torch_dist import TorchDistAllreduce, TorchDistTransport, private_group
 from .bucket import begin_step
 
 __all__ = ["HookState", "check_backend"]
 
 _created = itertools.count()     # HookStates built in this process: the exchange id
+#: The HookStates set up and not closed, by number: held until closed (or replaced), so
+#: that every rank sees the same ones when a new HookState replaces an old one (a garbage
+#: collection at different moments on different ranks must not decide it).
+_open: Dict[int, "HookState"] = {}
 
 
 def _inner(model) -> torch.nn.Module:
@@ -82,6 +87,14 @@ class HookState(Reports):
     fixed channel (an ``all_gather`` on DDP's process group): ranks that disagree raise
     :class:`hvdcomp.Mismatch` (a RuntimeError) on every rank, naming each difference.
 
+    A HookState set up on parameters that an open HookState exchanges replaces it (the
+    old one is closed: threads stopped, process groups destroyed; a hook call on it raises
+    RuntimeError); ValueError if the old one also holds parameters the new one does not.
+    One HookState serves one DDP wrapper at a time (RuntimeError when two wrappers call it
+    in one backward pass).  Pickling and copying: before set-up only (TypeError after:
+    save :meth:`state_dict`).  docs/semantics.md, "Objects built again, re-wrapped or
+    copied".
+
     ``last_stats``, ``step``, ``plan``, ``paths``, ``compression``: as their docstrings say.
     """
 
@@ -115,9 +128,34 @@ class HookState(Reports):
         self._joined = False                # this step: DDP's Join shadow calls
         self._seen = 0
         self._in_flight = 0                 # calls handed to the exchange, not yet done
+        self._step_names: Set[str] = set()  # parameters handed to this step's calls
+        self._step_task = -1                # the backward pass (graph task) of this step
+        self._last_task = -1                # ... of the step before
+        self._closed = False
+        self._replaced_by: Optional[int] = None
         self._lock = threading.Lock()
         if dist.is_available() and dist.is_initialized():
             self.setup()
+
+    # --- copies ------------------------------------------------------------------------
+    def __getstate__(self):
+        """Pickling and copying: only before set-up (the settings, the parameters, a
+        checkpoint loaded: e.g. a state handed to Lightning's strategy, which spawns its
+        processes first); TypeError once the exchange is live (threads, process groups)."""
+        if self._driver is not None or self._closed:
+            raise TypeError(
+                "an hvdcomp.ddp.HookState cannot be pickled, copied or deep-copied once set "
+                "up: it holds a live exchange (threads, process groups).  Save "
+                "state.state_dict() (one file per rank: torch.save(state.state_dict(), "
+                "f'hook.{rank}.pt')) and load it with HookState(model, ...)"
+                ".load_state_dict(...)")
+        d = dict(self.__dict__)
+        del d["_lock"]
+        return d
+
+    def __setstate__(self, d) -> None:
+        self.__dict__.update(d)
+        self._lock = threading.Lock()
 
     # --- set-up -----------------------------------------------------------------------
     def setup(self) -> None:
@@ -130,6 +168,7 @@ class HookState(Reports):
         """
         if self._driver is not None:
             return
+        self._check_open()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("hvdcomp.ddp: torch.distributed is not initialized; call "
                                "torch.distributed.init_process_group first (torchrun sets "
@@ -137,6 +176,9 @@ class HookState(Reports):
         group = self._pg or dist.group.WORLD
         devices = {p.device.type for _, p in self._named}
         backend = dist.get_backend(group)
+        # An open HookState that exchanges some of these parameters (built again for a new
+        # DDP wrapper of the same module) is replaced, once the ranks agree on it.
+        old = _replaced(self._named, self._ident)
         # Every setting, agreed over one fixed channel (DDP's group) before anything that
         # depends on them: making the private groups is itself collective, so ranks that
         # differ in any setting are reported instead of hanging.
@@ -144,7 +186,18 @@ class HookState(Reports):
             TorchDistTransport(group), "the DDP hook settings",
             launcher="hvdcomp.ddp.HookState", backend=backend, devices=sorted(devices),
             parameters=[[n, list(p.shape), str(p.dtype)] for n, p in self._named],
+            replaces={str(o._ident): left for o, left in old.items()},
             **{"HookState number": self._ident, "sparse gradients": self._sparse})
+        partial = {o._ident: left for o, left in old.items() if left}
+        if partial:                           # (every rank alike: agreed above)
+            k, left = next(iter(partial.items()))
+            raise ValueError(
+                f"hvdcomp.ddp: HookState number {k} (still open) exchanges some of these "
+                f"parameters and also {left[:5]}{'...' if len(left) > 5 else ''}, which this "
+                f"one does not: replacing it would leave those unexchanged.  Call its "
+                f"close() first, or build the new HookState on the whole model")
+        for o in old:
+            o._replace(self._ident)
         if self._sparse:                      # (every rank alike: agreed above)
             raise TypeError(
                 f"hvdcomp.ddp: {self._sparse} get sparse gradients (nn.Embedding or "
@@ -158,6 +211,7 @@ class HookState(Reports):
         self._driver = Driver(self._named, self._settings, transport,
                               TorchDistAllreduce(self._sums_group), ident=self._ident)
         self._names = {id(p): n for n, p in self._named}
+        _open[self._ident] = self
         atexit.register(_stop_at_exit, weakref.ref(self))
         if self._pending_optimizer is not None:
             opt, self._pending_optimizer = self._pending_optimizer, None
@@ -273,12 +327,51 @@ class HookState(Reports):
 
     def close(self) -> None:
         """Stop the exchange's threads and free its buffers and process groups (between
-        steps; the hook cannot run afterwards)."""
+        steps; the hook cannot run afterwards: RuntimeError).  A new HookState built on
+        the same parameters closes the old one itself."""
+        self._closed = True
+        _open.pop(self._ident, None)
         if self._driver is not None:
             self.exchange.close()
             dist.destroy_process_group(self.exchange.transport.group)
             dist.destroy_process_group(self._sums_group)
             self._driver = None
+
+    def _replace(self, by: int) -> None:
+        """Closed because HookState number ``by`` replaces it (every rank alike)."""
+        self.close()
+        self._replaced_by = by
+        if dist.get_rank() == 0:
+            logger.info("hvdcomp.ddp: HookState number %d replaces number %d on the same "
+                        "parameters: the old one is closed (threads stopped, process groups "
+                        "destroyed); its state (step, residuals, levels) is not carried over "
+                        "(new.load_state_dict(old.state_dict()) before closing carries it)",
+                        by, self._ident)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            why = (f"it was replaced by HookState number {self._replaced_by}, built on the "
+                   f"same parameters: run backward through the DDP wrapper that one is "
+                   f"registered on (a DDP wrapper takes one communication hook: to use a "
+                   f"new HookState, wrap the module in a new DDP)"
+                   if self._replaced_by is not None else "close() was called")
+            raise RuntimeError(f"hvdcomp.ddp: this HookState (number {self._ident}) is "
+                               f"closed: {why}")
+
+
+def _replaced(named, ident: int) -> Dict["HookState", List[str]]:
+    """The open HookStates that exchange any of ``named``'s parameters (the new HookState
+    number ``ident`` replaces them), each with the names of its other parameters (those
+    the new one would leave unexchanged)."""
+    mine = {id(p) for _, p in named}
+    out = {}
+    for k, other in sorted(_open.items()):
+        if k == ident or other._closed:
+            continue
+        held = [(n, id(p)) for n, p in other._named]
+        if any(i in mine for _, i in held):
+            out[other] = [n for n, i in held if i not in mine]
+    return out
 
 
 def _stop_at_exit(ref) -> None:

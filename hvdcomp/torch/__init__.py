@@ -21,6 +21,7 @@ from ..exchange.driver import Settings  # noqa: E402
 # horovod.torch's own optimizer module under that name)
 from .optimizer import make as _make  # noqa: E402
 from .join import join  # noqa: E402,F401  (hvdcomp's, over Horovod's)
+from .broadcast import broadcast_optimizer_state, broadcast_state  # noqa: E402,F401
 
 _MPI_LAUNCH = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
@@ -77,9 +78,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
 
     backward_passes_per_step: the gradients of k backward passes are summed locally and
         exchanged in the k-th.
-    op: hvd.Average (default) or hvd.Sum.
-    num_groups, groups: not used (hvdcomp fuses by ``fusion_bytes``); must be left default.
-    process_set: only the global process set is supported.
+    op: hvd.Average (default) or hvd.Sum; others (Adasum, Min, Max, Product) raise
+        ValueError.  gradient_predivide_factor other than 1 with op=Sum: ValueError (as in
+        Horovod).
+    num_groups, groups: not used (hvdcomp fuses by ``fusion_bytes``); anything but the
+        defaults raises ValueError.
+    process_set: only the global process set is supported (ValueError otherwise).
+    Each of these errors is raised on every rank, after the ranks have compared their
+    settings.
     transport: the carrier of the wire messages, with identical results either way:
         None or "auto" (default) picks "mpi" when MPI's world is Horovod's, rank for rank
         (mpirun, horovodrun's MPI controller), else "horovod" (horovodrun --gloo; no
@@ -87,6 +93,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         is not Horovod's); "horovod" (hvd.allgather); or a
         :class:`hvdcomp.transport.Transport`.  ``optimizer.transport`` names the one used
         (also logged at INFO on rank 0: :mod:`hvdcomp.log`).
+
+    Built again on the same parameters (e.g. to change the learning rate), it replaces the
+    open hvdcomp optimizer that hooks them: that one is closed (its hooks removed, its
+    threads stopped; its ``step()`` then raises RuntimeError) and hvdcomp's state starts
+    fresh (``new.load_state_dict(old.state_dict())`` carries it); ValueError if the old
+    one also holds parameters the new one does not.  TypeError for an optimizer that is
+    already a DistributedOptimizer (hvdcomp's or Horovod's), and for pickling or copying
+    the result (save its ``state_dict()``).  Horovod's ``broadcast_optimizer_state``
+    treats it as Horovod's own (no exchange in its state-initialising step);
+    :func:`hvdcomp.torch.broadcast_state` makes hvdcomp's state equal across ranks
+    (docs/semantics.md, "Horovod's helpers and options").
 
     Raises ValueError / TypeError for invalid settings, :class:`hvdcomp.Mismatch` (a
     RuntimeError) on every rank if the ranks disagree on the model or any setting (each
@@ -100,11 +117,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         raise RuntimeError("call hvd.init() before creating the DistributedOptimizer")
     if op is None:
         op = hvd.Average
-    if num_groups or groups is not None:
-        raise ValueError("hvdcomp fuses tensors into buckets of fusion_bytes; num_groups and "
-                         "groups are not supported")
-    if process_set is not None and process_set is not hvd.global_process_set:
-        raise ValueError("hvdcomp supports only the global process set")
+    refused = _refused(op, gradient_predivide_factor, num_groups, groups, process_set)
     settings = Settings(
         compression=_from_horovod(compression), collective=collective, seed=seed,
         min_compress_numel=min_compress_numel, compress_1d=compress_1d,
@@ -112,7 +125,22 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         fusion_bytes=fusion_bytes, average=op == hvd.Average,
         predivide=gradient_predivide_factor, sparse_as_dense=sparse_as_dense)
     return _make(optimizer, named_parameters, settings, backward_passes_per_step, op,
-                 transport, hvd)
+                 transport, hvd, refused)
+
+
+def _refused(op, predivide, num_groups, groups, process_set):
+    """The text of the ValueError for Horovod options this door does not honour, or None.
+    Raised after the settings handshake, so that every rank raises it (a rank that raised
+    before would leave the others waiting in the handshake)."""
+    if num_groups or groups is not None:
+        return ("hvdcomp fuses tensors into buckets of fusion_bytes; num_groups and groups "
+                "are not supported (leave them at their defaults; set fusion_bytes=)")
+    if process_set is not None and process_set is not _hvd.global_process_set:
+        return ("hvdcomp supports only the global process set (process_set=None or "
+                "hvd.global_process_set)")
+    if predivide != 1.0 and op != _hvd.Average:
+        return "gradient_predivide_factor not supported with op != Average (as in Horovod)"
+    return None
 
 
 def __getattr__(name):

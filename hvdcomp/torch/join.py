@@ -7,7 +7,7 @@ from typing import Dict
 
 import numpy as np
 
-__all__ = ["join", "register"]
+__all__ = ["join", "register", "live"]
 
 #: The open DistributedOptimizers by creation number (what join() drives).
 _live: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -16,6 +16,11 @@ _live: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary(
 def register(ident: int, optimizer) -> None:
     """Make ``optimizer`` (number ``ident``) one that :func:`join` takes part for."""
     _live[ident] = optimizer
+
+
+def live() -> list:
+    """The open hvdcomp DistributedOptimizers, oldest first."""
+    return [o for _, o in sorted(_live.items()) if not o._closed]
 
 
 def join(device: int = -1) -> int:
@@ -32,7 +37,7 @@ def join(device: int = -1) -> int:
     (LAQ, NDQSG) raise ValueError on every rank in the first step a rank sits out; the
     optimizers' exceptions are re-raised here.
     """
-    opts = [o for _, o in sorted(_live.items()) if not o._closed]
+    opts = live()
     if not opts:
         import horovod.torch as hvd
         return hvd.join(device)

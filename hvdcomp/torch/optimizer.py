@@ -25,9 +25,10 @@ from torch.autograd import Variable
 
 from ..exchange import StepStats
 from ..exchange.driver import Driver, Reports, Settings, plain
+from ..log import logger
 from ..transport import HorovodAllreduce, HorovodTransport
 from ..transport import select as select_transport
-from .join import register
+from .join import live, register
 
 __all__ = ["make"]
 
@@ -67,15 +68,53 @@ def _named_floats(param_groups, named_parameters):
     return [(n, p) for n, p in named if p.is_floating_point()]
 
 
+def _check_wrappable(optimizer) -> None:
+    """TypeError for an optimizer that already exchanges its gradients: hvdcomp's own
+    DistributedOptimizer or Horovod's (both hook the parameters; wrapped again, every
+    backward pass would exchange twice)."""
+    if getattr(type(optimizer), "_hvdcomp_optimizer", False):
+        raise TypeError(
+            "this optimizer is already an hvdcomp DistributedOptimizer; wrap the torch "
+            "optimizer itself (a new hvdcomp DistributedOptimizer built on the same "
+            "parameters replaces the old one: see hvdcomp.torch.DistributedOptimizer)")
+    if hasattr(optimizer, "_allreduce_grad_async"):
+        raise TypeError(
+            "this optimizer is already horovod.torch's DistributedOptimizer (it allreduces "
+            "the gradients itself); wrap the torch optimizer itself")
+
+
+def _replaced(named, ident: int):
+    """The open hvdcomp DistributedOptimizers that hook any of ``named``'s parameters
+    (the new optimizer number ``ident`` replaces them), and for each one whose other
+    parameters the new one would leave unexchanged, their names: {optimizer: [names]}."""
+    mine = {id(p) for _, p in named}
+    out = {}
+    for other in live():
+        if other._ident == ident or other._closed:
+            continue
+        held = [(n, id(p)) for n, p in other._named]
+        if any(i in mine for _, i in held):
+            out[other] = [n for n, i in held if i not in mine]
+    return out
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     # Methods of this class are copied into a subclass of the user's optimizer class, so
     # they use super(self.__class__, self) rather than zero-argument super().
 
+    _hvdcomp_optimizer = True
+
     def __init__(self, params, named_parameters, settings: Settings, backward_passes_per_step,
-                 op, transport, hvd):
+                 op, transport, hvd, refused=None):
         super(self.__class__, self).__init__(params)
         self._ident = next(_created)
+        self._closed = False
+        self._replaced_by = None
         named = _named_floats(self.param_groups, named_parameters)
+        # An open hvdcomp optimizer that already hooks these parameters (the optimizer
+        # built again, e.g. to change the learning rate) is replaced: closed once the
+        # ranks agree (recorded below), so that each backward pass exchanges once.
+        old = _replaced(named, self._ident)
         # Every setting, agreed over one fixed channel (Horovod's allgather under a fixed
         # name) before anything that depends on them: building the transport is itself
         # collective, so ranks that differ in any setting are reported instead of hanging.
@@ -87,13 +126,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                        else type(transport).__name__),
             backward_passes_per_step=plain(backward_passes_per_step),
             op={hvd.Average: "Average", hvd.Sum: "Sum"}.get(op, repr(op)),
-            parameters=[[n, list(p.shape), str(p.dtype)] for n, p in named])
+            parameters=[[n, list(p.shape), str(p.dtype)] for n, p in named],
+            replaces={str(o._ident): left for o, left in old.items()},
+            refused=refused)
+        # (after the handshake: every rank raises the same error)
+        if refused:
+            raise ValueError(refused)
         self._bpps = int(backward_passes_per_step)
         if self._bpps < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvdcomp.torch.DistributedOptimizer supports op=Average and "
                              "op=Sum (Adasum cannot combine decoded messages)")
+        partial = {o._ident: left for o, left in old.items() if left}
+        if partial:
+            k, left = next(iter(partial.items()))
+            raise ValueError(
+                f"hvdcomp DistributedOptimizer number {k} (still open) hooks some of these "
+                f"parameters and also {left[:5]}{'...' if len(left) > 5 else ''}, which this "
+                f"one does not hold: replacing it would leave those unexchanged.  Call its "
+                f"close() first, or build the new optimizer on all of its parameters")
+        for o in old:
+            o._replace(self._ident)
+        # a carrier built here (not handed in) is freed by close()
+        self._owns_transport = transport is None or isinstance(transport, str)
         self._driver = Driver(named, settings, select_transport(transport, hvd),
                               HorovodAllreduce(hvd) if settings.allreduce_summable else None,
                               ident=self._ident)
@@ -106,7 +162,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._fired = set()       # hooks fired in this backward pass
         self._readied = set()
         self._should_sync = True
-        self._closed = False
         self._hooks: Dict[str, object] = {}
         self._hook_trainable()
         register(self._ident, self)     # for join()
@@ -170,16 +225,49 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._fresh = True
         self._hook_trainable()        # parameters unfrozen since: hooked from now on
 
+    def _replace(self, by: int) -> None:
+        """Closed because optimizer number ``by`` replaces it (on every rank alike)."""
+        if self._exchange.in_step:
+            self._exchange.finish()           # (every rank: the ranks agreed on the swap)
+        self.close()
+        self._replaced_by = by
+        if self._exchange.rank == 0:
+            logger.info("hvdcomp DistributedOptimizer number %d replaces number %d on the same "
+                        "parameters: the old one is closed (hooks removed, threads stopped); "
+                        "its hvdcomp state (step, residuals, levels) is not carried over "
+                        "(new.load_state_dict(old.state_dict()) carries it)", by, self._ident)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            why = (f"it was replaced by hvdcomp DistributedOptimizer number "
+                   f"{self._replaced_by}, built on the same parameters: step that one"
+                   if self._replaced_by is not None else "close() was called")
+            raise RuntimeError(f"this hvdcomp DistributedOptimizer (number {self._ident}) is "
+                               f"closed: {why}")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "an hvdcomp DistributedOptimizer cannot be pickled, copied or deep-copied: it "
+            "holds a live exchange (threads, communicators) and hooks on the model's "
+            "parameters.  Save optimizer.state_dict() (it includes hvdcomp's state) and "
+            "load it into a DistributedOptimizer built on the model's parameters")
+
     # --- public ---------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the exchange's worker threads and free its buffers (they live as long as the
-        threads otherwise, i.e. the process).  Call when done with the optimizer, between
-        steps; it cannot step afterwards."""
+        threads otherwise, i.e. the process), and remove its hooks from the parameters.
+        Call when done with the optimizer, between steps; it cannot step afterwards
+        (RuntimeError).  A new DistributedOptimizer built on the same parameters closes
+        the old one itself."""
         for h in self._hooks.values():
             h.remove()
         self._hooks = {}
-        self._closed = True
-        self._exchange.close()
+        if not self._closed:
+            self._closed = True
+            self._exchange.close()
+            free = getattr(self._exchange.transport, "free", None)
+            if self._owns_transport and free is not None:
+                free()                        # its communicators (MPI_Comm_free)
 
     def synchronize(self) -> StepStats:
         """Make sure ``p.grad`` holds the averaged gradients.
@@ -191,6 +279,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Returns the :class:`~hvdcomp.exchange.StepStats` of the last exchange (also
         in ``last_stats``).  Raises WireFormatError if any rank's message is malformed.
         """
+        self._check_open()
         self._queued, self._fired = False, set()   # never inside a backward pass
         if not self._exchange.in_step:
             if self._fresh and self._passes == 0:
@@ -217,6 +306,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         and ``backward()``), the closure's backward pass averages the gradients before the
         update; an optimizer that calls its closure several times (LBFGS) gets averaged
         gradients every time."""
+        self._check_open()
         if closure is not None and not self._driver.momentum.corrected:
             def run():
                 loss = closure()
@@ -287,10 +377,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 
 def make(optimizer, named_parameters, settings: Settings, backward_passes_per_step, op,
-         transport, hvd):
+         transport, hvd, refused=None):
     """``optimizer`` wrapped: an instance of a subclass of its class with this module's
-    methods and :class:`~hvdcomp.exchange.driver.Reports`' properties."""
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__, Reports),
-               dict(_DistributedOptimizer.__dict__))
+    methods and :class:`~hvdcomp.exchange.driver.Reports`' properties.  TypeError for an
+    optimizer that is already a DistributedOptimizer (hvdcomp's or Horovod's).
+    ``refused``: a ValueError's text, raised on every rank after the settings handshake
+    (an option this door refuses, so that no rank is left waiting in the handshake)."""
+    _check_wrappable(optimizer)
+    body = dict(_DistributedOptimizer.__dict__)
+    # Horovod's helpers recognise their DistributedOptimizer by its module:
+    # broadcast_optimizer_state then initialises the state of a fresh optimizer with the
+    # wrapped optimizer's own step (no exchange, which the other ranks would not join)
+    # instead of calling step() (docs/semantics.md, "Horovod's helpers").
+    body["__module__"] = _HOROVOD_OPTIMIZER_MODULE
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, Reports), body)
     return cls(optimizer.param_groups, named_parameters, settings, backward_passes_per_step,
-               op, transport, hvd)
+               op, transport, hvd, refused)
+
+
+#: The module of horovod.torch's DistributedOptimizer (what its helpers compare with).
+_HOROVOD_OPTIMIZER_MODULE = "horovod.torch.optimizer"

@@ -208,6 +208,18 @@ class MPITransport(Transport):
     def close(self) -> None:
         self._stop_listening()
 
+    def free(self) -> None:
+        """:meth:`close`, then free this transport's two communicators (MPI_Comm_free:
+        call it on every rank, with no collective of it in flight; the transport cannot
+        be used afterwards).  For the owner of the transport (an optimizer that built it),
+        so that optimizers built again and again do not exhaust MPI's communicators."""
+        self.close()
+        if self._MPI.Is_finalized():
+            return
+        for comm in (self._bye_comm, self.comm):
+            if comm != self._MPI.COMM_NULL:
+                comm.Free()
+
     def _stop_listening(self) -> None:
         self._listening = False
         req, self._bye_req = self._bye_req, None
