@@ -18,7 +18,7 @@ from .collective import Allgather, Collective
 from .core import Exchange, refit
 from .plan import Entry, Plan
 from .scatter import ReduceScatter
-from .stats import StepStats
+from .step_stats import StepStats
 
 __all__ = ["Exchange", "StepStats", "Plan", "Entry", "Collective", "Allgather",
            "ReduceScatter", "refit"]

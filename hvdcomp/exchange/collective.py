@@ -33,7 +33,7 @@ from ..wire import Message
 from . import coo
 from .averaging import Averaging
 from .plan import Entry, wire_dtype
-from .stats import StepStats
+from .step_stats import StepStats
 from .sums import Sum, Sums
 
 __all__ = ["Collective", "Allgather"]
@@ -55,10 +55,9 @@ class Collective:
     into ``out[name]`` where ``out`` (None, or {name: tensor}) has a contiguous float32
     tensor of the parameter's numel there (the DDP hook's views into its bucket; a
     collective may ignore ``out``: the caller copies what is not already there).  ``stats``
-    is the step's :class:`~hvdcomp.exchange.stats.StepStats`: a collective adds what it sends
-    (``bytes_sent``, ``traffic_bytes``), ``events``, ``nonfinite`` and ``joined``; the
-    pipeline records
-    the compressors, ``fp32_bytes`` and the stage timings.
+    is the step's :class:`~hvdcomp.exchange.step_stats.StepStats`: a collective adds what
+    it sends (``bytes_sent``, ``traffic_bytes``), ``events``, ``nonfinite`` and ``joined``;
+    the pipeline records the compressors, ``fp32_bytes`` and the stage timings.
 
     The rules that keep every rank in step:
 
