@@ -73,7 +73,7 @@ def test_size_within_two_percent_of_entropy_on_real_gradient():
     torch.nn.functional.cross_entropy(m(x[:64]), y[:64]).backward()
     g = m[0].weight.grad
     c = hvdcomp.get("alq:bits=3")
-    from hvdcomp.ops.stats import bucket_stats
+    from hvdcomp.ops.level_stats import bucket_stats
     c.adopt(hvdcomp.levels.fit_alq(bucket_stats.reference(g, 8192).numpy(), 3))
     key = hvdcomp.TensorKey("w", 0, 0, 0, 4, 0)
     from hvdcomp.ops.quantize import quantize_reference

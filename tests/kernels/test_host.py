@@ -25,7 +25,7 @@ from hvdcomp import levels as L
 from hvdcomp.codecs import pack_bits, unpack_bits
 from hvdcomp.ops import quantize as Q
 from hvdcomp.ops import random as R
-from hvdcomp.ops.stats import bucket_stats
+from hvdcomp.ops.level_stats import bucket_stats
 from hvdcomp.random import random_words, uniform
 
 from kernel_cases import (BITS, BUCKETS, KEY, NORMS, SIZES, gradient, on_levels, ref_decode_add,
