@@ -2,11 +2,11 @@
 // sampling, deterministic selection, masking, and the decoder's scatter-add.
 //
 // Specification: the references of hvdcomp/ops/sparsify.py (update, select, mask,
-// scatter_add, sample_positions, topk_indices) with hvdcomp/random.py (Philox words).  Every float
-// operation below is the reference's, in the reference's order, in float32 (the clipping
-// norm: float64, in the fixed order defined here).  Orchestration (which kernel when, the
-// choice of the threshold, the exact top-k among candidates): the kernel implementations
-// of those ops, in the same module.
+// scatter_add, sample_positions, topk_indices) with hvdcomp/philox.py (Philox words).
+// Every float operation below is the reference's, in the reference's order, in float32
+// (the clipping norm: float64, in the fixed order defined here).  Orchestration (which
+// kernel when, the choice of the threshold, the exact top-k among candidates): the kernel
+// implementations of those ops, in the same module.
 //
 // Per coordinate i of a tensor of n (the reference sparsify.update, flags below):
 //   g  = grad[i]                       (float32)

@@ -77,7 +77,7 @@ def test_size_within_two_percent_of_entropy_on_real_gradient():
     c.adopt(hvdcomp.levels.fit_alq(bucket_stats.reference(g, 8192).numpy(), 3))
     key = hvdcomp.TensorKey("w", 0, 0, 0, 4, 0)
     from hvdcomp.ops.quantize import quantize_reference
-    from hvdcomp.random import uniform
+    from hvdcomp.philox import uniform
     u = uniform(g.numel(), seed=0, step=0, rank=0, tensor_id=0)
     _, codes = quantize_reference(g.reshape(-1), c.levels, 8192, "l2", u)
     sym = codes.numpy()

@@ -21,7 +21,7 @@ import hvdcomp
 from hvdcomp import ConfigError, WireFormatError
 from hvdcomp.compressors.protocols import MomentumCorrection
 from hvdcomp.compressors.sparse import DGC, RandK, TopK
-from hvdcomp.random import random_words
+from hvdcomp.philox import random_words
 from hvdcomp.wire import FLAG_NONFINITE, Message
 
 F32 = np.float32

@@ -16,7 +16,7 @@ import torch
 from hvdcomp.codecs import unpack_bits
 from hvdcomp.ops import quantize as Q
 from hvdcomp.ops import random as R
-from hvdcomp.random import random_words, uniform
+from hvdcomp.philox import random_words, uniform
 
 from kernel_cases import (BITS, BUCKETS, KEY, NORMS, SIZES, gradient, on_levels, ref_decode_add,
                           ref_norms, reference, same_bits, tables, ulp_distance)

@@ -22,7 +22,7 @@ from hvdcomp.ops import psq as P
 from hvdcomp.ops import quantize as Q
 from hvdcomp.ops import random as R
 from hvdcomp.ops import ternary as T
-from hvdcomp.random import random_words, uniform
+from hvdcomp.philox import random_words, uniform
 
 from kernel_cases import KEY, gradient, ref_decode_add, same_bits, tables
 

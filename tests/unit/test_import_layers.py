@@ -22,7 +22,7 @@ LAYERS = [  # top first
     {"hvdcomp.codecs", "hvdcomp.levels"},
     {"hvdcomp.ops"},
     {"hvdcomp.backends"},
-    {"hvdcomp.wire", "hvdcomp.random", "hvdcomp.errors", "hvdcomp.log"},  # every layer's
+    {"hvdcomp.wire", "hvdcomp.philox", "hvdcomp.errors", "hvdcomp.log"},  # every layer's
 ]
 
 
