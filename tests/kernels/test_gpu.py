@@ -15,7 +15,7 @@ import torch
 
 from hvdcomp.codecs import unpack_bits
 from hvdcomp.ops import quantize as Q
-from hvdcomp.ops import random as R
+from hvdcomp.ops import philox_draws as R
 from hvdcomp.philox import random_words, uniform
 
 from kernel_cases import (BITS, BUCKETS, KEY, NORMS, SIZES, gradient, on_levels, ref_decode_add,

@@ -24,7 +24,7 @@ import torch
 from hvdcomp import levels as L
 from hvdcomp.codecs import pack_bits, unpack_bits
 from hvdcomp.ops import quantize as Q
-from hvdcomp.ops import random as R
+from hvdcomp.ops import philox_draws as R
 from hvdcomp.ops.level_stats import bucket_stats
 from hvdcomp.philox import random_words, uniform
 

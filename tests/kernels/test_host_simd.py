@@ -20,7 +20,7 @@ from hvdcomp.compressors.base import TensorKey
 from hvdcomp.ops import dithered as Dith
 from hvdcomp.ops import psq as P
 from hvdcomp.ops import quantize as Q
-from hvdcomp.ops import random as R
+from hvdcomp.ops import philox_draws as R
 from hvdcomp.ops import ternary as T
 from hvdcomp.philox import random_words, uniform
 
