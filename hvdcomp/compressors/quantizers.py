@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .. import levels as L
-from ..codecs import packed_size
+from ..ops.bitpack import packed_size
 from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
 from ..ops import level_stats, quantize
@@ -54,7 +54,7 @@ class BucketQuantizer(Compressor):
       bits: bits per coordinate on the wire, sign included (int, 2..8): 2**(bits-1) levels.
       bucket_size: coordinates per bucket (int, 1..2**31; each bucket sends one float32 norm).
       entropy: rANS-code the codes with a model carried in the message (flag ENTROPY;
-        hvdcomp.codecs.rans) instead of packing them at ``bits`` each.
+        hvdcomp.ops.rans) instead of packing them at ``bits`` each.
     Raises ValueError for values out of range, TypeError for bits or bucket_size that are
     not ints (a spec string's values are converted by hvdcomp.get).
 

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import hvdcomp
-from hvdcomp.codecs.rans import decode_symbols, encode_symbols
 from hvdcomp.ops import rans as rans_ops
-from hvdcomp.ops.rans import PRECISION, quantize_frequencies
+from hvdcomp.ops.rans import PRECISION, decode_symbols, encode_symbols, quantize_frequencies
 from hvdcomp.errors import WireFormatError
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from hvdcomp import levels as L
-from hvdcomp.codecs import pack_bits
+from hvdcomp.ops.bitpack import pack_bits
 from hvdcomp.ops import quantize as Q
 from hvdcomp.philox import uniform
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hvdcomp import levels as L
-from hvdcomp.codecs import pack_bits, unpack_bits
+from hvdcomp.ops.bitpack import pack_bits, unpack_bits
 from hvdcomp.ops import quantize as Q
 from hvdcomp.ops import philox_draws as R
 from hvdcomp.ops.level_stats import bucket_stats

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvdcomp.codecs import pack_bits
+from hvdcomp.ops.bitpack import pack_bits
 from hvdcomp.compressors.base import TensorKey
 from hvdcomp.ops import dithered as Dith
 from hvdcomp.ops import psq as P

@@ -9,7 +9,7 @@ sys.path.insert(0, __import__('os').path.dirname(__import__('os').path.dirname(_
 from hvdcomp.backends import host
 from hvdcomp.ops import laq, stats
 from hvdcomp.ops.laq import quantize_innovation, dequantize_innovation, fixed_sum
-from hvdcomp.codecs import pack_bits, unpack_bits
+from hvdcomp.ops.bitpack import pack_bits, unpack_bits
 torch.set_num_threads(1); host.set_num_threads(1); host.load()
 n = 25_000_000
 g = torch.Generator().manual_seed(0)
