@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvdcomp.codecs import sparse as S
+from hvdcomp.codecs import sparse_vectors as S
 from hvdcomp.ops import rice
 from hvdcomp.errors import WireFormatError
 
