@@ -255,7 +255,7 @@ extern "C" __global__ void hvd_dgc_sum_f64(const double* __restrict__ p, long lo
 }
 
 // out[j] = |v(pos_j)| for j < s, pos_j = u63_j mod n with u63_j = ((w_2j >> 1) << 32) | w_2j+1
-// (hvdcomp.compressors.sparse.sample_positions), v as at the top of this file.  n >= 1.
+// (hvdcomp.ops.sparsify.sample_positions), v as at the top of this file.  n >= 1.
 extern "C" __global__ void hvd_dgc_sample(const float* __restrict__ g,
                                           const float* __restrict__ u_old,
                                           const float* __restrict__ v_old, long long n,
