@@ -40,7 +40,7 @@ k0 capped at 62); then, as gaps are not exactly geometric, the one of
 ``k0 - 1, k0, k0 + 1`` (within 0..62) that gives the fewest bits ``m (k + 1) + sum(d >> k)``,
 the smaller on a tie.  The decoder reads k from the section; any k in 0..62 is valid.
 
-The coding itself (NumPy specification and kernels/sparse.cu, the parameter choice, the
+The coding itself (NumPy specification and kernels/rice.cu, the parameter choice, the
 checks) is hvdcomp.ops.rice; this module gives its sections as host bytes.
 
 Values section (``encode_values`` / ``decode_values``)

@@ -10,7 +10,7 @@ In short, the indices ``i_0 < ... < i_{m-1}`` become gaps ``d_0 = i_0``,
 one LSB-first stream, zero padded) and the k-bit remainders (packed LSB-first).
 
 Operations (an :class:`~hvdcomp.ops.Op` each: a NumPy reference, the specification, and
-kernels/sparse.cu):
+kernels/rice.cu):
 
     encode(indices, numel, k=-1) -> uint8 tensor    the index section
     decode(section, numel, device=None) -> int64    its indices; WireFormatError if malformed

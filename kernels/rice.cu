@@ -1,4 +1,4 @@
-// sparse.cu: the Golomb-Rice index section of the sparsifiers' messages (hvdcomp/ops/rice.py:
+// rice.cu: the Golomb-Rice index section of the sparsifiers' messages (hvdcomp/ops/rice.py:
 // the ops encode / decode, whose references are the specification; the layout is described
 // in hvdcomp/codecs/sparse_vectors.py, whose encode_indices / decode_indices call them).
 //

@@ -1,4 +1,4 @@
-"""kernels/sparse.cu (hvdcomp/ops/rice.py's kernel implementations) against the NumPy
+"""kernels/rice.cu (hvdcomp/ops/rice.py's kernel implementations) against the NumPy
 specification hvdcomp.ops.rice.encode.reference / decode.reference: sections identical
 byte for byte, indices identical, invalid inputs and malformed sections rejected with the
 same errors; the public encode_indices / decode_indices against HVDCOMP_BACKEND=reference.
