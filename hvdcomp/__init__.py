@@ -8,8 +8,8 @@
                                    compression=c)       # real encoded bytes on the wire
 """
 from .compressors import (ALQ, AMQ, BF16, BHQ, DGC, DQSG, FP16, LAQ, NDQSG, NUQSGD, PSQ,
-                          QSGD, Compressor, NoneCompressor, QSGDInf, RandK, SignEF, TensorKey,
-                          TernGrad, TopK, available, get, parse_spec, register)
+                          QSGD, Compressor, NoneCompressor, PowerSGD, QSGDInf, RandK, SignEF,
+                          TensorKey, TernGrad, TopK, available, get, parse_spec, register)
 from . import levels, wire
 from .auto import Auto, CostModel
 from .errors import ConfigError, Mismatch, OutOfStep, RankFailure, WireFormatError
@@ -19,5 +19,5 @@ __version__ = "0.1.0"
 
 __all__ = ["ALQ", "AMQ", "BF16", "FP16", "NUQSGD", "QSGD", "QSGDInf", "NoneCompressor",
            "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG", "TopK", "RandK", "DGC", "LAQ",
-           "Compressor", "TensorKey", "available", "get", "parse_spec", "register",
+           "PowerSGD", "Compressor", "TensorKey", "available", "get", "parse_spec", "register",
            "ConfigError", "WireFormatError", "RankFailure", "OutOfStep", "Mismatch", "Message", "Auto", "CostModel", "__version__"]

@@ -14,7 +14,8 @@ gives it seeded per-rank gradients, and compares the averages it returns with wh
 process computes from the same inputs: every rank's gradient encoded with a fresh
 compressor and that rank's key, the messages round-tripped through bytes and combined in
 rank order, then finalized (the wire format's promise: every rank gets the same average,
-bit for bit).  An item passes when it matches on every rank.  The workers print one line
+bit for bit); for a compressor summed in rounds (powersgd), the rounds played by one
+process in rank order (:func:`hvdcomp.exchange.rounds.simulate`).  An item passes when it matches on every rank.  The workers print one line
 per item, ``HVDCOMP-SELFTEST {json}``, from rank 0; the command collects them.
 
 Exit status: 0 when every item passed, 1 when one failed or a launcher could not run, 2
@@ -55,8 +56,17 @@ def _expected(spec: str, names: Sequence[str], tensor_ids: Dict[str, int], size:
     import torch
 
     import hvdcomp
+    from hvdcomp.compressors.protocols import SummedRounds
+    from hvdcomp.exchange.rounds import simulate
     out = {}
     for name in names:
+        if isinstance(hvdcomp.get(spec), SummedRounds):   # no messages: the rounds
+            keys = [hvdcomp.TensorKey(name, tensor_ids[name], 0, r, size, SEED,
+                                      shape=SHAPES[name], dtype=torch.float32)
+                    for r in range(size)]
+            out[name] = simulate([hvdcomp.get(spec) for _ in range(size)],
+                                 [_grad(name, r) for r in range(size)], keys)[rank]
+            continue
         keys = [hvdcomp.TensorKey(name, tensor_ids[name], 0, r, size, SEED)
                 for r in range(size)]
         msgs = [hvdcomp.Message.from_bytes(hvdcomp.get(spec).encode(_grad(name, r), keys[r])

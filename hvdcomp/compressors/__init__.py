@@ -15,6 +15,7 @@ from .psq import BHQ, PSQ
 from .dithered import DQSG, NDQSG
 from .sparsifiers import DGC, RandK, TopK
 from .laq import LAQ
+from .powersgd import PowerSGD
 
 for _m in _pkgutil.iter_modules(__path__):
     _importlib.import_module(f"{__name__}.{_m.name}")
@@ -22,4 +23,5 @@ for _m in _pkgutil.iter_modules(__path__):
 __all__ = ["Compressor", "TensorKey", "available", "get", "parse_spec", "register",
            "registry", "examples", "ABSENT_ZEROS", "ABSENT_LAST", "ABSENT_REFUSE",
            "NoneCompressor", "FP16", "BF16", "BucketQuantizer", "QSGD", "QSGDInf", "NUQSGD",
-           "ALQ", "AMQ", "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG", "TopK", "RandK", "DGC", "LAQ"]
+           "ALQ", "AMQ", "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG", "TopK", "RandK", "DGC", "LAQ",
+           "PowerSGD"]

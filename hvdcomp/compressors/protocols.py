@@ -14,15 +14,19 @@ that needs none of them inherits none.  Nothing shared changes when a compressor
   step (LAQ's lazy rule, Sun et al. 2019, Eq. 7).
 * :class:`ReportsEvents`: notable events to surface in ``StepStats.events`` (e.g. NDQSG's side
   information too far from the truth, Abdi & Fekri 2019).
+* :class:`SummedRounds`: no per-rank wire messages; the tensors are summed across ranks by
+  allreduces in rounds, with local computation between them (PowerSGD, Vogels et al. 2019,
+  Algorithm 1: P summed, orthogonalized, then Q summed).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["AdaptiveLevels", "MomentumCorrection", "ParamDeltas", "ReportsEvents"]
+__all__ = ["AdaptiveLevels", "MomentumCorrection", "ParamDeltas", "ReportsEvents",
+           "SummedRounds"]
 
 
 class AdaptiveLevels:
@@ -103,3 +107,45 @@ class ReportsEvents:
             return []
         self._events = []
         return ev
+
+
+class SummedRounds:
+    """The compressor's tensors are summed across ranks in rounds, by allreduces of float32
+    buffers with local computation in between, instead of travelling as per-rank wire
+    messages (``encode`` raises TypeError).  The exchange core
+    (:mod:`hvdcomp.exchange.rounds`) runs the rounds of all such tensors of a fusion bucket
+    (or DDP bucket) together, fusing each round's buffers into one allreduce, and calls,
+    on every rank, for every such tensor, with the tensor's key of this rank
+    (``key.shape`` is the parameter's shape, ``key.step`` the step):
+
+    1. ``round_sizes(shape, step)``: the float32 elements the tensor adds to each round's
+       buffer (a tuple; one entry per round; every rank computes the same);
+    2. ``first_round(grad, key, out)``: write this rank's contribution to round 0 into
+       ``out`` (a zeroed flat float32 view of ``round_sizes[0]`` elements); ``grad`` is None
+       where this rank contributes nothing (no gradient, a non-finite one, a rank that has
+       joined or is failing): ``out`` stays zero, but the rounds still run on this rank;
+    3. ``next_round(i, summed, key, out)`` for i = 1 .. len(round_sizes) - 1:
+       ``summed`` is the tensor's part of round i - 1's sum over ranks (the same on every
+       rank), ``out`` this rank's zeroed part of round i;
+    4. ``last_round(summed, key, acc)``: from the last round's sum, write the sum of the
+       ranks' contributions into ``acc`` (flat float32, the parameter's numel); then the
+       core averages it (``finalize``, where the compressor may commit the step's state:
+       it is called only for a finite result).
+
+    A tensor that no rank has a gradient for, or that is non-finite on some rank (the
+    counts summed with round 0 say so on every rank), skips the later rounds (zeros are
+    sent in its place) and gets no ``last_round`` nor ``finalize``: the step's work is
+    forgotten at the next ``first_round`` and the state stays as it was.
+    """
+
+    def round_sizes(self, shape: Tuple[int, ...], step: int) -> Tuple[int, ...]:
+        raise NotImplementedError
+
+    def first_round(self, grad: Optional[torch.Tensor], key, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def next_round(self, i: int, summed: torch.Tensor, key, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def last_round(self, summed: torch.Tensor, key, acc: torch.Tensor) -> None:
+        raise NotImplementedError

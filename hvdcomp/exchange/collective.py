@@ -32,6 +32,7 @@ from . import coo
 from .averaging import Averaging
 from .frames import drain_events, frame, observe
 from .plan import Entry, wire_dtype
+from .rounds import Rounds, RoundsJob
 from .step_stats import StepStats
 from .sums import Sum, Sums
 
@@ -118,6 +119,7 @@ class _Job:
     sparse_in: Optional[Incoming] = None
     grads: Optional[Dict[str, Optional[torch.Tensor]]] = None   # None: each param.grad
     failure: Optional[BaseException] = None      # this rank failed before encoding
+    rounds: Optional[RoundsJob] = None           # tensors summed in rounds (.rounds)
 
 
 class Allgather(Collective):
@@ -129,7 +131,8 @@ class Allgather(Collective):
     gradient, a sparse one and a non-finite one, then the ranks that had joined.  Tensors
     that are sparse somewhere then travel as indices and values in a second allgather;
     tensors whose sum overflowed although every rank's gradient was finite are summed
-    again in float32, each rank's gradient divided by the world size first.
+    again in float32, each rank's gradient divided by the world size first.  Tensors whose
+    compressor sums in rounds (``Entry.rounds``: PowerSGD) go through :mod:`.rounds`.
 
     transport: the byte carrier; allreduce: the summable carrier or None; averaging:
     gradients in and averages out; seed: the shared seed of the tensor keys; ident: the
@@ -144,6 +147,7 @@ class Allgather(Collective):
         self.rank, self.size, self.seed = transport.rank, transport.size, seed
         self.ident = int(ident) & 0xFFFFFFFF
         self.sums = Sums(allreduce, averaging, self.rank, self.size, self.ident)
+        self.rounds = Rounds(transport, allreduce, averaging, seed, self.ident)
 
     def encode(self, k, entries, step, stats, sync=False, grads=None, failure=None):
         """Start the sums of the summable tensors, encode the others into one frame (an
@@ -152,7 +156,8 @@ class Allgather(Collective):
         raises in ``communicate``, this one ``failure``)."""
         if failure is not None:
             grads = {e.name: None for e in entries}
-        job = _Job(k, step, bool(sync), [e for e in entries if not e.allreduce], None,
+        job = _Job(k, step, bool(sync),
+                   [e for e in entries if not e.allreduce and not e.rounds], None,
                    grads=grads, failure=failure)
         failing = self.failing
         by_dtype: Dict[torch.dtype, List[Entry]] = {}
@@ -162,6 +167,10 @@ class Allgather(Collective):
         for dt, es in by_dtype.items():
             job.sums.append(self.sums.start(k, dt, es, job,
                                             failing is not None or failure is not None))
+        in_rounds = [e for e in entries if e.rounds]
+        if in_rounds:
+            job.rounds = self.rounds.encode(k, in_rounds, job,
+                                            failing is not None or failure is not None)
         if job.messages:
             if failing is not None:
                 job.out = Outgoing.failed(RankFailure(failing, self.rank), STOP_MARK + failing)
@@ -197,9 +206,17 @@ class Allgather(Collective):
                 stats.bytes_sent += len(job.out)
                 stats.recv_bytes += sum(job.incoming.nbytes) - len(job.out)
                 stats.traffic_bytes += (self.size - 1) / self.size * sum(job.incoming.nbytes)
+            if job.rounds is not None:
+                self.rounds.communicate(job.rounds, job)
         finally:
             for s in job.sums:
                 self.allreduce.wait(s.handle)
+            if job.rounds is not None:
+                self.rounds.wait(job.rounds)
+        if job.rounds is not None:
+            if any(0 in s.slots for s in job.rounds.sums):
+                self.failure_seen = True
+            self.rounds.check(job.rounds, job, stats)
         for s in job.sums:
             if 0 in s.slots:                    # a failing rank's marks: every rank sees them
                 self.failure_seen = True
@@ -245,6 +262,8 @@ class Allgather(Collective):
                            self.averaging.accumulator(e, dest[e.name]).copy_(sl))
                 out[e.name] = self.averaging.finish(e, acc, True, self._key(e, job.step),
                                                     stats, joined, prescaled)
+        if job.rounds is not None:
+            out.update(self.rounds.decode(job.rounds, stats, dest))
         if job.sparse:
             out.update(self._decode_frames(job.sparse, job.sparse_in, job.step, stats))
         if job.messages:

@@ -370,7 +370,8 @@ class Reports:
 
     @property
     def paths(self) -> Dict[str, str]:
-        """{parameter name: "allreduce", "allgather" or "reduce_scatter"}."""
+        """{parameter name: "allreduce", "allgather", "reduce_scatter" or "rounds" (summed by
+        allreduces in rounds: PowerSGD)}."""
         return self._driver.exchange.plan.paths()
 
     @property

@@ -29,6 +29,7 @@ import torch
 
 from ..auto import COLLECTIVES, Auto
 from ..compressors import Compressor, TensorKey, get
+from ..compressors.protocols import SummedRounds
 from ..errors import ConfigError
 from ..transport import Allreduce, Transport
 from .buckets import agree
@@ -44,7 +45,9 @@ class Entry:
     name: parameter name; param: the parameter (its ``grad`` is read); tensor_id: index in
     the name-sorted order (the wire header's tensor id); compressor: what it travels with;
     allreduce: summable and carried by the Allreduce carrier (else by wire messages);
-    scatter: its messages go over the reduce-scatter (else over the allgather).
+    scatter: its messages go over the reduce-scatter (else over the allgather);
+    rounds: its compressor sums it in rounds (:mod:`hvdcomp.exchange.rounds`: PowerSGD),
+    by the Allreduce carrier when there is one, else by allgathers of float32 buffers.
     """
     name: str
     param: torch.Tensor
@@ -52,11 +55,12 @@ class Entry:
     compressor: Compressor
     allreduce: bool
     scatter: bool = False
+    rounds: bool = False
 
     @property
     def path(self) -> str:
-        """"allreduce", "allgather" or "reduce_scatter"."""
-        return ("allreduce" if self.allreduce else
+        """"allreduce", "allgather", "reduce_scatter" or "rounds"."""
+        return ("allreduce" if self.allreduce else "rounds" if self.rounds else
                 "reduce_scatter" if self.scatter else "allgather")
 
     def key(self, step: int, rank: int, size: int, seed: int) -> TensorKey:
@@ -117,6 +121,10 @@ class Plan:
         self.auto: Optional[Auto] = None
         if isinstance(compression, Auto):
             self.auto, compression = compression, compression.compressor
+            if isinstance(compression, SummedRounds):
+                raise ConfigError(f"{compression.name} is summed by allreduces in rounds, "
+                                  f"which Auto's cost model does not plan; pass it without "
+                                  f"Auto")
         self.compression: Compressor = compression
         allowed = collectives(compression, collective, transport.size)
         if self.auto is None and len(allowed) > 1:
@@ -144,17 +152,18 @@ class Plan:
             if name in chosen:
                 comp, scatter = chosen[name]
                 comp = keep_range(comp, p)
-            summed = (allreduce is not None and comp.summable
+            rounds = isinstance(comp, SummedRounds)
+            summed = (not rounds and allreduce is not None and comp.summable
                       and wire_dtype(comp) in allreduce.dtypes)
             self.entries[name] = Entry(name, p, order[name], comp, summed,
-                                       scatter and not summed)
+                                       scatter and not summed and not rounds, rounds)
 
     def compressor_names(self) -> Dict[str, str]:
         """{parameter name: name of the compressor its gradient travels with}."""
         return {n: e.compressor.name for n, e in self.entries.items()}
 
     def paths(self) -> Dict[str, str]:
-        """{parameter name: "allreduce", "allgather" or "reduce_scatter"}."""
+        """{parameter name: "allreduce", "allgather", "reduce_scatter" or "rounds"}."""
         return {n: e.path for n, e in self.entries.items()}
 
 

@@ -7,7 +7,9 @@ import torch
 
 import hvdcomp
 import hvdcomp.compressors
-from hvdcomp.compressors.protocols import AdaptiveLevels, MomentumCorrection, ParamDeltas
+from hvdcomp.compressors.protocols import (AdaptiveLevels, MomentumCorrection, ParamDeltas,
+                                          SummedRounds)
+from hvdcomp.exchange.rounds import simulate
 
 # every registered compressor by its example spec (settings that exercise its state: ALQ/AMQ
 # refit within the 4 steps of train()), plus settings that switch state off
@@ -27,14 +29,17 @@ def same(a, b):
 
 
 def train(comp, gen, steps=4):
-    """Use ``comp`` as the exchange does for one rank of one: encode, decode, and the
-    protocols' hooks (statistics summed and adopted, momentum factors, parameter deltas)."""
+    """Use ``comp`` as the exchange does for one rank of one: encode, decode (or the rounds
+    of a SummedRounds compressor), and the protocols' hooks (statistics summed and adopted, momentum factors, parameter deltas)."""
     if isinstance(comp, MomentumCorrection):
         comp.set_momentum({"w": 0.9})
     for step in range(steps):
         key = hvdcomp.TensorKey("w", 0, step, 0, 1, seed=3, shape=(64, 32),
                                 dtype=torch.float32)
         grad = torch.randn(64, 32, generator=gen)
+        if isinstance(comp, SummedRounds):        # no wire message: the rounds, one rank
+            simulate([comp], [grad], [key])
+            continue
         if isinstance(comp, AdaptiveLevels) and comp.wants_stats(step):
             comp.observe(grad)
         msg = comp.encode(grad, key)

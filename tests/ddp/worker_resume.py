@@ -12,7 +12,7 @@ test_ddp.py checks that ``resume`` ends with exactly the parameters of the unint
 run, for compressors whose state matters: ALQ with a refit just before and just after the
 checkpoint, DGC (momentum and residuals, the optimizer's momentum handed over), EF-SignSGD
 and TopK (residuals), LAQ (its lazy rule needs the last step's parameters), NDQSG, TernGrad
-(the step feeds the Philox keys).  Taking the checkpoint must not disturb the run (it
+(the step feeds the Philox keys), PowerSGD (residuals and the warm start's Q).  Taking the checkpoint must not disturb the run (it
 continues from the same objects), so the uninterrupted run and the checkpointed one are one.
 """
 import sys
@@ -27,7 +27,7 @@ import hvdcomp.ddp
 N, K = 3, 3
 SPECS = ["alq:bits=3,bucket_size=512,refit_steps=3/5,refit_every=0",
          "dgc:density=0.05", "signef", "topk:density=0.05", "laq:bits=4", "ndqsg:bits=4",
-         "terngrad"]
+         "terngrad", "powersgd:rank=2"]
 
 
 def inputs(rank, step):

@@ -20,6 +20,7 @@ FROZEN = {
     "terngrad": 15, "signef": 16, "psq": 17, "bhq": 18, "dqsg": 19, "ndqsg": 20,
     "dgc": 21, "topk": 22, "randk": 23, "laq": 24,
     "coo": 25,
+    "powersgd": 26,
 }
 
 
