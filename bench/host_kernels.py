@@ -47,7 +47,7 @@ from hvdcomp.compressors.base import TensorKey  # noqa: E402
 from hvdcomp.ops import dithered as Dith  # noqa: E402
 from hvdcomp.ops import psq as P  # noqa: E402
 from hvdcomp.ops import quantize as Q  # noqa: E402
-from hvdcomp.ops import random as R  # noqa: E402
+from hvdcomp.ops import philox_draws as R  # noqa: E402
 from hvdcomp.ops import ternary as T  # noqa: E402
 
 _CTYPES = {"q": ctypes.c_longlong, "i": ctypes.c_int, "I": ctypes.c_uint,

@@ -16,7 +16,7 @@ algorithm MPI runs, and the CPU work of a rank:
 Message sizes: ALQ's exactly (``Compressor.message_bytes``: header, a norm per bucket, 3 bits
 per element; frames 9 + 8 per message + the presence bitmap); DGC's estimated from its
 encoding, k values of 32 bits and Golomb-Rice coded gaps of about log2(n/k) + 1.5 bits
-(hvdcomp.compressors.sparse); the tables compare both with the measured payload bytes.
+(hvdcomp.compressors.sparsifiers); the tables compare both with the measured payload bytes.
 
 Cost (:func:`predict`), with parameters fitted by :func:`fit`:
 
@@ -71,7 +71,7 @@ def _msg_alq2(shape) -> int:
 
 
 def _msg_dgc(shape, density=0.001) -> int:
-    from hvdcomp.compressors.sparse import num_selected
+    from hvdcomp.compressors.sparsifiers import num_selected
     n = math.prod(shape)
     k = num_selected(density, n)
     return HEADER + 8 * len(shape) + 16 + 5 + math.ceil(k * (32 + math.log2(n / k) + 1.5) / 8)
@@ -117,7 +117,7 @@ def account(model: str, method: str, n: int) -> Dict[str, float]:
     messages, cast elements, buckets."""
     import shapes as S
     from hvdcomp.compressors import get
-    from hvdcomp.compressors.sparse import num_selected
+    from hvdcomp.compressors.sparsifiers import num_selected
     from hvdcomp.exchange.buckets import fuse
     from hvdcomp.exchange.shards import layout
     shapes = dict({"resnet50": S.resnet50, "bert_base": S.bert_base}[model]())

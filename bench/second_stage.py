@@ -33,7 +33,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 import hvdcomp  # noqa: E402
 from hvdcomp import levels as L  # noqa: E402
 from hvdcomp.exchange.shards import second_stage  # noqa: E402
-from hvdcomp.ops import stats as S  # noqa: E402
+from hvdcomp.ops import level_stats as S  # noqa: E402
 from mnist import FC300100, load_digits  # noqa: E402
 
 BUCKET = 8192

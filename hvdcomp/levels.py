@@ -13,8 +13,8 @@ magnitude r in [l_j, l_{j+1}] has variance (l_{j+1} - r)(r - l_j); a bucket's er
 is its norm squared times the sum of that over its coordinates.
 
 The distribution of normalized magnitudes comes from cheap statistics of the gradients,
-computed by the ops of hvdcomp.ops.stats (``bucket_stats``, ``histogram_stats``) and summed
-across tensors and ranks; the fits here take those sums.  ``model="normal"`` is the
+computed by the ops of hvdcomp.ops.level_stats (``bucket_stats``, ``histogram_stats``) and
+summed across tensors and ranks; the fits here take those sums.  ``model="normal"`` is the
 paper's: the signed normalized coordinates v_i / ||v|| are N(mu, sigma^2) (magnitudes: a
 folded normal truncated to [0, 1]), from three sums weighted by the bucket norm squared.
 ``model="hist"`` (default) keeps, per bin of a fixed 256-bin log-spaced histogram of
@@ -213,7 +213,7 @@ def _strictly_increasing(levels: np.ndarray) -> np.ndarray:
 
 class HistogramModel:
     """The distribution of normalized magnitudes as point masses at the bin means of
-    :func:`hvdcomp.ops.stats.histogram_stats` (no parametric assumption: heavy tails are
+    :func:`hvdcomp.ops.level_stats.histogram_stats` (no parametric assumption: heavy tails are
     kept)."""
 
     def __init__(self, stats):
@@ -263,7 +263,7 @@ def model_from_stats(stats):
 
 
 def fit_alq(stats, bits: int, sweeps: int = 30) -> np.ndarray:
-    """ALQ levels for the model of ``stats`` (hvdcomp.ops.stats: ``bucket_stats``, the
+    """ALQ levels for the model of ``stats`` (hvdcomp.ops.level_stats: ``bucket_stats``, the
     paper's truncated normal; ``histogram_stats``, binned, no parametric assumption).
 
     Coordinate descent from three starts (model quantiles, uniform, exponential), keeping the

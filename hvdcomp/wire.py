@@ -50,7 +50,7 @@ MAX_NDIM = 8
 MAX_SECTIONS = 8
 MAX_DIM = 2**63 - 1          # a shape entry (and the numel) fits a torch size (int64)
 FLAG_NONFINITE = 0x01
-FLAG_ENTROPY = 0x02          # the symbol section is rANS-coded (hvdcomp.codecs.rans)
+FLAG_ENTROPY = 0x02          # the symbol section is rANS-coded (hvdcomp.ops.rans)
 _KNOWN_FLAGS = FLAG_NONFINITE | FLAG_ENTROPY
 
 _FIXED = struct.Struct("<4sBBBBBBBBIIIIIQQ")

@@ -2,11 +2,11 @@
 // sampling, deterministic selection, masking, and the decoder's scatter-add.
 //
 // Specification: the references of hvdcomp/ops/sparsify.py (update, select, mask,
-// scatter_add, sample_positions, topk_indices) with hvdcomp/random.py (Philox words).  Every float
-// operation below is the reference's, in the reference's order, in float32 (the clipping
-// norm: float64, in the fixed order defined here).  Orchestration (which kernel when, the
-// choice of the threshold, the exact top-k among candidates): the kernel implementations
-// of those ops, in the same module.
+// scatter_add, sample_positions, topk_indices) with hvdcomp/philox.py (Philox words).
+// Every float operation below is the reference's, in the reference's order, in float32
+// (the clipping norm: float64, in the fixed order defined here).  Orchestration (which
+// kernel when, the choice of the threshold, the exact top-k among candidates): the kernel
+// implementations of those ops, in the same module.
 //
 // Per coordinate i of a tensor of n (the reference sparsify.update, flags below):
 //   g  = grad[i]                       (float32)
@@ -255,7 +255,7 @@ extern "C" __global__ void hvd_dgc_sum_f64(const double* __restrict__ p, long lo
 }
 
 // out[j] = |v(pos_j)| for j < s, pos_j = u63_j mod n with u63_j = ((w_2j >> 1) << 32) | w_2j+1
-// (hvdcomp.compressors.sparse.sample_positions), v as at the top of this file.  n >= 1.
+// (hvdcomp.ops.sparsify.sample_positions), v as at the top of this file.  n >= 1.
 extern "C" __global__ void hvd_dgc_sample(const float* __restrict__ g,
                                           const float* __restrict__ u_old,
                                           const float* __restrict__ v_old, long long n,

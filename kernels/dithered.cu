@@ -2,7 +2,7 @@
 //
 // Specification: hvdcomp/ops/dithered.py (dqsg_quantize, dqsg_reconstruct, bucket_checksums,
 // nested_resolve; NDQSG.resolve / combine in hvdcomp/compressors/dithered.py) with
-// hvdcomp/random.py (Philox:
+// hvdcomp/philox.py (Philox:
 // the dither is the uniform of index i minus 1/2, the check weights the word of index
 // 2**60 + i, or'ed with 1) and hvdcomp/ops/bitpack.py (LSB-first packing).  Every float
 // operation is the reference's, in its order and precision.

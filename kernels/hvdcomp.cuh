@@ -6,7 +6,7 @@
 //     grid of blocks on the CPU, blocks in parallel, the threads of a block one after another.
 //
 // Rules that keep the three bit-identical to each other and to the PyTorch reference
-// (hvdcomp/compressors/quantizers.py, hvdcomp/random.py):
+// (hvdcomp/compressors/quantizers.py, hvdcomp/philox.py):
 //   * no FMA contraction: nvcc/NVRTC --fmad=false, g++ -ffp-contract=off (a*b+c must round
 //     twice, as PyTorch's separate ops do);
 //   * IEEE division and sqrt (nvcc/NVRTC default: -prec-div=true, -prec-sqrt=true, -ftz=false;
@@ -27,7 +27,7 @@ typedef unsigned long long u64;
 typedef long long i64;
 
 // ---------------------------------------------------------------------------------------------
-// 1. Philox4x32-10 (Salmon et al., SC 2011), bit-identical to hvdcomp/random.py.
+// 1. Philox4x32-10 (Salmon et al., SC 2011), bit-identical to hvdcomp/philox.py.
 //    key = (seed, rank); counter = (block lo, block hi, tensor_id, step), block = index / 4;
 //    element `index` takes output word index % 4.
 // ---------------------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ __device__ __forceinline__ float uniform01(u32 word) {
 //
 //    philox_words<SIMD>(first, count, seed, rank, tensor_id, step, out):
 //        out[4*j + w] = philox_block(first + j, ...).w[w]  for j < count
-//    (so out[k] is the word of element 4*first + k, hvdcomp/random.py's order).
+//    (so out[k] is the word of element 4*first + k, hvdcomp/philox.py's order).
 //
 //    The scalar round costs two 32x32->64 multiplies and a dependent chain of ten rounds; the
 //    vector versions run 2 (SSE2), 4 (AVX2) or 8 (AVX-512) blocks per register, each word in

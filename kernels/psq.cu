@@ -1,7 +1,7 @@
 // psq.cu: the per-sample (PSQ) and block Householder (BHQ) quantizers, per-element work.
 //
 // Specification: hvdcomp/ops/psq.py (quantize_rows, dequantize_rows, row_variance,
-// householder_blocks, bhq_plan) with hvdcomp/random.py (Philox uniforms) and
+// householder_blocks, bhq_plan) with hvdcomp/philox.py (Philox uniforms) and
 // hvdcomp/ops/bitpack.py (LSB-first packing).  Every float operation below is the
 // reference's, in the reference's order and precision (float64 where it computes in float64).
 //
@@ -197,7 +197,7 @@ __device__ __forceinline__ Reflector reflector(i64 k) {
 // ---- kernels ------------------------------------------------------------------------------
 
 // out[0 .. ceil(n*bits/8)) = pack_bits(quantize_rows(x.view(n/D, D), bits, u)[1], bits) with
-// u = hvdcomp.random.uniform(n, seed, step, rank, tensor_id) and lohi (float32 (R, 2)) the
+// u = hvdcomp.philox.uniform(n, seed, step, rank, tensor_id) and lohi (float32 (R, 2)) the
 // per-row (min, max) that quantize_rows computes.  bits in 1..8, D >= 1.
 extern "C" __global__ void hvd_psq_quantize_pack(const float* __restrict__ x, long long n,
                                                  long long D, const float* __restrict__ lohi,

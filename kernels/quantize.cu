@@ -2,7 +2,7 @@
 //
 // One kernel set for the whole family, parameterized by the level table and the norm type.
 // The specification is hvdcomp/ops/quantize.py (quantize_reference,
-// dequantize_reference, bucket_norms) with hvdcomp/random.py (Philox uniforms) and
+// dequantize_reference, bucket_norms) with hvdcomp/philox.py (Philox uniforms) and
 // hvdcomp/ops/bitpack.py (LSB-first packing).  Every float operation below is the
 // reference's, in the reference's order, in float32 (norms: float64, see below).
 //

@@ -1,9 +1,9 @@
-// random.cu: the Philox streams of hvdcomp/random.py as kernels.
+// random.cu: the Philox streams of hvdcomp/philox.py as kernels.
 //
 // hvd_philox_words(out, n, offset, ...): out[i] = word of index offset + i (uint32), as
-//   hvdcomp.random.random_words(n, offset=offset, ...).
+//   hvdcomp.philox.random_words(n, offset=offset, ...).
 // hvd_uniform(out, n, offset, ...): out[i] = the float32 uniform of index offset + i, as
-//   hvdcomp.random.uniform(n, offset=offset, ...).
+//   hvdcomp.philox.uniform(n, offset=offset, ...).
 // Used to pin the device Philox against the reference (tests/kernels) and wherever a kernel
 // needs the uniforms themselves.  One thread per element, grid-stride, any geometry.
 #include "hvdcomp.cuh"

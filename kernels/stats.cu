@@ -1,14 +1,16 @@
-// stats.cu: the per-rank statistics of ALQ / AMQ (hvdcomp/ops/stats.py), from one gradient.
+// stats.cu: the per-rank statistics of ALQ / AMQ (hvdcomp/ops/level_stats.py), from one
+// gradient.
 //
-// The specification is hvdcomp/ops/stats.py: histogram_stats (model "hist", the default) and
-// bucket_stats (model "normal", the paper's).  Every per-element float operation below is the
-// reference's, in float64, in the reference's order; only the SUMS are in the kernels' own
-// fixed order (the reference sums with torch.bincount / torch.sum, whose order is PyTorch's
-// and, on a GPU, not even deterministic), so the statistics agree with the reference to a few
-// float64 ulps per sum and are bit-identical between the host build and the GPU, for any
-// thread count (tests/kernels/test_stats.py says what is asserted).
+// The specification is hvdcomp/ops/level_stats.py: histogram_stats (model "hist", the
+// default) and bucket_stats (model "normal", the paper's).  Every per-element float
+// operation below is the reference's, in float64, in the reference's order; only the SUMS
+// are in the kernels' own fixed order (the reference sums with torch.bincount / torch.sum,
+// whose order is PyTorch's and, on a GPU, not even deterministic), so the statistics agree
+// with the reference to a few float64 ulps per sum and are bit-identical between the host
+// build and the GPU, for any thread count (tests/kernels/test_stats.py says what is
+// asserted).
 //
-// Kernels (geometry and checks: hvdcomp/ops/stats.py):
+// Kernels (geometry and checks: hvdcomp/ops/level_stats.py):
 //   hvd_stats_norms          one block per bucket (grid-stride), blockDim = reduce_block(bucket)
 //                            nrm[b] = ||bucket b||_2 or ||.||_inf, float64
 //   hvd_stats_hist_partial   one thread per chunk of `chunk` elements (grid-stride), any
@@ -25,8 +27,8 @@
 //     (T = blockDim.x, fixed by bucket_size) in four interleaved partials joined as
 //     (a0 + a1) + (a2 + a3), then the block_reduce tree;  nrm = sqrt of that.
 //   * binned sums: within a chunk of `chunk` consecutive elements, element order; then the
-//     chunks' sums in row groups of `group` rows in row order, repeatedly (ops/stats.py), until
-//     one row is left.
+//     chunks' sums in row groups of `group` rows in row order, repeatedly
+//     (ops/level_stats.py), until one row is left.
 //   * normal model: per bucket, sum v_i and sum v_i^2 in the L2 norm's order; then the
 //     buckets' three products in row groups as above.
 #include "hvdcomp.cuh"
@@ -92,7 +94,8 @@ __device__ inline Sum2 vsums64(const float* __restrict__ xb, i64 len, double saf
 }
 
 // The float64 norm of one bucket, every thread of the block gets it (block_reduce).
-//   l2: sqrt(sum x^2)  (ops/stats.py: b.norm(dim=1) in float64);  linf: max |x| (b.abs().amax).
+//   l2: sqrt(sum x^2)  (ops/level_stats.py: b.norm(dim=1) in float64);
+//   linf: max |x| (b.abs().amax).
 __device__ inline double bucket_norm64(const float* __restrict__ xb, i64 len, int linf) {
   const i64 stride = blockDim.x;
   if (linf) {
@@ -163,7 +166,7 @@ __device__ inline void hist_chunk(const float* __restrict__ x, i64 n,
 
 // nrm[b] = float64 norm of bucket b of x (n floats, buckets of bucket_size, the last partial):
 // linf = 0: sqrt(sum x^2) in the order described at the top; linf = 1: max |x| (NaN
-// propagates).  blockDim.x = reduce_block(bucket_size) (ops/stats.py).
+// propagates).  blockDim.x = reduce_block(bucket_size) (ops/level_stats.py).
 extern "C" __global__ void hvd_stats_norms(const float* __restrict__ x, long long n,
                                            long long bucket_size, int linf,
                                            double* __restrict__ nrm) {

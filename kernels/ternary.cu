@@ -2,7 +2,7 @@
 // (hvdcomp/compressors/signef.py): per-bucket scales, stochastic ternarization / scaled sign
 // with error feedback, packing, and decode-accumulate.
 //
-// The specification is the references of hvdcomp/ops/ternary.py (with hvdcomp/random.py and
+// The specification is the references of hvdcomp/ops/ternary.py (with hvdcomp/philox.py and
 // hvdcomp/ops/bitpack.py); every float operation that reaches a message or a residual is
 // the reference's, in the reference's order, in float32.  Launch geometry and argument checks:
 // the kernel implementations in hvdcomp/ops/ternary.py.

@@ -159,7 +159,7 @@ def check_int(v, name: str, lo: int, hi: int) -> int:
 
 
 def u32(v, name: str) -> int:
-    """A key/counter word: any integer, taken modulo 2**32 as hvdcomp.random does."""
+    """A key/counter word: any integer, taken modulo 2**32 as hvdcomp.philox does."""
     return check_int(v, name, -2**63, 2**63 - 1) & 0xFFFFFFFF
 
 

@@ -1,8 +1,8 @@
-"""Byte-level codecs shared by the compressors: bit packing (hvdcomp.ops.bitpack), rANS
-entropy coding (rans), the code section of a message (sections) and the sparse codecs
-(sparse)."""
-from ..ops.bitpack import pack_bits, packed_size, unpack_bits
-from .rans import decode_codes, decode_symbols, empirical_entropy_bits, encode_codes, encode_symbols
+"""The sections of a message that the compressors share: :mod:`.sections` (the code
+section: packed or rANS-coded codes) and :mod:`.sparse_vectors` (sparse vectors:
+Golomb-Rice coded index gaps and their values).
 
-__all__ = ["pack_bits", "unpack_bits", "packed_size", "encode_symbols", "decode_symbols",
-           "empirical_entropy_bits", "encode_codes", "decode_codes"]
+The coders they are made of, each with its kernels, live in the ops layer and are imported
+from there: bit packing (:mod:`hvdcomp.ops.bitpack`), rANS (:mod:`hvdcomp.ops.rans`) and
+Golomb-Rice (:mod:`hvdcomp.ops.rice`).
+"""

@@ -4,7 +4,7 @@ Every compressor that sends fixed-width codes writes them with :func:`write_code
 them with :func:`read_codes`; the packed form (``hvdcomp.ops.bitpack.pack_bits``: code i
 at bit ``i * bits``, little-endian within bytes) is the currency on both sides, so the
 kernels never unpack to int64 and back.  With ``entropy`` the section is the rANS coding of
-the codes (hvdcomp.codecs.rans, alphabet ``2**bits`` unless given) and the message carries
+the codes (hvdcomp.ops.rans, alphabet ``2**bits`` unless given) and the message carries
 FLAG_ENTROPY.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Tuple
 import numpy as np
 import torch
 
-from ..wire import FLAG_ENTROPY, Message
 from ..ops.bitpack import packed_size
-from .rans import decode_codes, encode_codes
+from ..ops.rans import decode_codes, encode_codes
+from ..wire import FLAG_ENTROPY, Message
 
 __all__ = ["write_codes", "read_codes"]
 
@@ -32,7 +32,7 @@ def write_codes(packed: torch.Tensor, n: int, bits: int, entropy: bool,
     Raises ValueError for codes outside the alphabet.
     """
     if entropy:
-        return encode_codes(packed, n, bits, alphabet), FLAG_ENTROPY
+        return encode_codes(packed, n, bits, alphabet).cpu().numpy(), FLAG_ENTROPY
     return packed.cpu().numpy(), 0
 
 

@@ -13,7 +13,7 @@ from .terngrad import TernGrad
 from .signef import SignEF
 from .psq import BHQ, PSQ
 from .dithered import DQSG, NDQSG
-from .sparse import DGC, RandK, TopK
+from .sparsifiers import DGC, RandK, TopK
 from .laq import LAQ
 from .powersgd import PowerSGD
 

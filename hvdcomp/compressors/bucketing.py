@@ -8,7 +8,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..codecs import packed_size
+from ..ops.bitpack import packed_size
 from ..errors import WireFormatError
 from ..wire import Message
 from .base import numel_of

@@ -113,7 +113,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..codecs import packed_size
+from ..ops.bitpack import packed_size
 from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
 from ..ops import laq as ops

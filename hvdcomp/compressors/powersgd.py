@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .. import random as philox
+from .. import philox
 from . import settings
 from .base import Compressor, TensorKey, numel_of, register
 from .protocols import SummedRounds
@@ -102,7 +102,7 @@ class PowerSGD(SummedRounds, Compressor):
     float64 between the rounds), sends and keeps float32.
     Sends per compressed n x m tensor 4 (n + m) r bytes in two float32 allreduces (P, then
     Q), uncompressed ones 4 numel bytes.  The initial Q of a tensor is Philox normals (Box-
-    Muller on :func:`hvdcomp.random.uniform`, key (seed, 0), counter (tensor id, step)), the
+    Muller on :func:`hvdcomp.philox.uniform`, key (seed, 0), counter (tensor id, step)), the
     same on every rank.  State (``state_dict``): ``q`` {name: m x r float32} (the warm
     start, identical on every rank) and ``residual`` {name: flat float32} (per rank).
     Raises ValueError for a rank that is not an int >= 1 and other invalid settings.  Only

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from .. import levels as L
-from ..codecs import packed_size
+from ..ops.bitpack import packed_size
 from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
-from ..ops import quantize, stats
+from ..ops import level_stats, quantize
 from ..wire import Message
 from . import settings
 from .base import Compressor, numel_of, register
@@ -54,7 +54,7 @@ class BucketQuantizer(Compressor):
       bits: bits per coordinate on the wire, sign included (int, 2..8): 2**(bits-1) levels.
       bucket_size: coordinates per bucket (int, 1..2**31; each bucket sends one float32 norm).
       entropy: rANS-code the codes with a model carried in the message (flag ENTROPY;
-        hvdcomp.codecs.rans) instead of packing them at ``bits`` each.
+        hvdcomp.ops.rans) instead of packing them at ``bits`` each.
     Raises ValueError for values out of range, TypeError for bits or bucket_size that are
     not ints (a spec string's values are converted by hvdcomp.get).
 
@@ -214,9 +214,9 @@ class _Adaptive(AdaptiveLevels, BucketQuantizer):
     see hvdcomp.levels.  norm: "l2" (the paper's setting) or "linf" (bucket max, as QSGDinf:
     with few bits it makes the top level usable).
     The statistics are those of the step just before; each rank computes them from its own
-    gradients while encoding (hvdcomp.ops.stats), the optimizer sums them across ranks, rank
-    0 fits, and the new table is broadcast, so every rank holds an identical table with a new
-    version number.
+    gradients while encoding (hvdcomp.ops.level_stats), the optimizer sums them across ranks,
+    rank 0 fits, and the new table is broadcast, so every rank holds an identical table with
+    a new version number.
     """
     keeps_state = True          # the fitted levels and their version
 
@@ -233,14 +233,15 @@ class _Adaptive(AdaptiveLevels, BucketQuantizer):
 
     def empty_stats(self) -> np.ndarray:
         """Zero statistics of the right size (3 for the normal model, 768 binned)."""
-        return np.zeros(3 if self.model == "normal" else 3 * stats.HIST_BINS)
+        return np.zeros(3 if self.model == "normal" else 3 * level_stats.HIST_BINS)
 
     def statistics(self, grad: torch.Tensor) -> np.ndarray:
         """This gradient's contribution to the fit (summable across tensors and ranks):
-        float64 NumPy (3,) for model "normal" (hvdcomp.ops.stats.bucket_stats), (768,) for
-        "hist" (hvdcomp.ops.stats.histogram_stats)."""
+        float64 NumPy (3,) for model "normal" (hvdcomp.ops.level_stats.bucket_stats),
+        (768,) for "hist" (hvdcomp.ops.level_stats.histogram_stats)."""
         x = grad.detach().reshape(-1).float()
-        fn = stats.bucket_stats if self.model == "normal" else stats.histogram_stats
+        fn = (level_stats.bucket_stats if self.model == "normal"
+              else level_stats.histogram_stats)
         return fn(x, self.bucket_size, self.norm).cpu().numpy()
 
     def initial_levels(self):

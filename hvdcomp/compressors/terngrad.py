@@ -20,7 +20,7 @@ the paper's layer-wise scalar):
 
     s     = max_i |c_i|                           float32, sent
     r_i   = float32(|c_i| / s)                    (s = 0: r_i = 0)
-    b_i   = 1 if u_i < r_i else 0                 u_i = hvdcomp.random.uniform(seed, step,
+    b_i   = 1 if u_i < r_i else 0                 u_i = hvdcomp.philox.uniform(seed, step,
                                                   rank, tensor_id, index i)
     Q(c_i) = sign(c_i) * s * b_i                  in {-s, 0, +s}
 

@@ -6,6 +6,9 @@
 * :mod:`.collective`: what the pipeline drives, per bucket (the interface), and
   :class:`Allgather`;
 * :mod:`.scatter`: :class:`ReduceScatter`, cut by :mod:`.shards` (which tensors, where);
+  it holds an :class:`Allgather` for the bucket's other tensors;
+* :mod:`.frames`: what both collectives do around a frame of messages (build it, the
+  adaptive compressors' statistics, the compressors' events);
 * :mod:`.averaging`: gradients in, averages out (predivide, op=Sum, the NaN policy);
 * :mod:`.core`: :class:`Exchange`, all of it assembled, with the training-loop protocols;
 * :mod:`.shutdown`: at interpreter exit, a failing rank's error marks and the threads'
@@ -18,7 +21,7 @@ from .collective import Allgather, Collective
 from .core import Exchange, refit
 from .plan import Entry, Plan
 from .scatter import ReduceScatter
-from .stats import StepStats
+from .step_stats import StepStats
 
 __all__ = ["Exchange", "StepStats", "Plan", "Entry", "Collective", "Allgather",
            "ReduceScatter", "refit"]

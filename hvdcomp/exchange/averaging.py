@@ -33,7 +33,7 @@ from ..compressors import ABSENT_LAST, ABSENT_ZEROS, Compressor, TensorKey, get
 from ..compressors.state import finite as all_finite
 from ..wire import Message
 from .plan import Entry
-from .stats import StepStats
+from .step_stats import StepStats
 
 __all__ = ["Averaging"]
 

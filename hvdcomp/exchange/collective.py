@@ -23,8 +23,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..compressors.protocols import AdaptiveLevels, ReportsEvents
-from ..compressors.state import finite as all_finite
 from ..errors import RankFailure, WireFormatError
 from ..log import warn_limited
 from ..transport import Allreduce, Incoming, Outgoing, Stamp, Transport
@@ -32,9 +30,10 @@ from ..transport.framing import STOP_MARK
 from ..wire import Message
 from . import coo
 from .averaging import Averaging
+from .frames import drain_events, frame, observe
 from .plan import Entry, wire_dtype
 from .rounds import Rounds, RoundsJob
-from .stats import StepStats
+from .step_stats import StepStats
 from .sums import Sum, Sums
 
 __all__ = ["Collective", "Allgather"]
@@ -56,10 +55,9 @@ class Collective:
     into ``out[name]`` where ``out`` (None, or {name: tensor}) has a contiguous float32
     tensor of the parameter's numel there (the DDP hook's views into its bucket; a
     collective may ignore ``out``: the caller copies what is not already there).  ``stats``
-    is the step's :class:`~hvdcomp.exchange.stats.StepStats`: a collective adds what it sends
-    (``bytes_sent``, ``traffic_bytes``), ``events``, ``nonfinite`` and ``joined``; the
-    pipeline records
-    the compressors, ``fp32_bytes`` and the stage timings.
+    is the step's :class:`~hvdcomp.exchange.step_stats.StepStats`: a collective adds what
+    it sends (``bytes_sent``, ``traffic_bytes``), ``events``, ``nonfinite`` and ``joined``;
+    the pipeline records the compressors, ``fp32_bytes`` and the stage timings.
 
     The rules that keep every rank in step:
 
@@ -282,13 +280,9 @@ class Allgather(Collective):
     # --- frames ---------------------------------------------------------------------------
     def _frame(self, entries: Sequence[Entry], job: _Job) -> Outgoing:
         """This rank's frame for ``entries``: a message per tensor it has a gradient for."""
-        msgs, present = [], []
-        for e in entries:
-            g = self.averaging.gradient(e, job.grads)
-            present.append(g is not None)
-            msgs.append(None if g is None else self._encode(e, g, job.step))
-        return Outgoing(msgs, present, joined=self.averaging.joined,
-                        stamp=Stamp(job.step, self.ident, job.sync))
+        return frame(entries, lambda e: self.averaging.gradient(e, job.grads),
+                     lambda e, g: self._encode(e, g, job.step), self.averaging.joined,
+                     Stamp(job.step, self.ident, job.sync))
 
     def _encode(self, e: Entry, g: torch.Tensor, step: int) -> Optional[Message]:
         """This rank's message for ``e`` (None: a skipped upload): sparse gradients as
@@ -300,11 +294,8 @@ class Allgather(Collective):
         fallback = self.averaging.cast_fallback(e, g, key)
         if fallback is not None:
             return fallback
-        comp = e.compressor
-        if (isinstance(comp, AdaptiveLevels) and comp.wants_stats(step)
-                and g.is_floating_point() and all_finite(g)):
-            comp.observe(g)
-        return comp.encode(g, key)
+        observe(e.compressor, g, step)
+        return e.compressor.encode(g, key)
 
     def _decode_frames(self, entries: Sequence[Entry], incoming: Incoming, step: int,
                        stats: StepStats, dest: Optional[Dict[str, torch.Tensor]] = None
@@ -323,12 +314,11 @@ class Allgather(Collective):
                 continue
             acc = self.averaging.accumulator(e, dest.get(e.name) if dest else None)
             finite, prescaled = self.averaging.combine(e, msgs, keys, present, acc, joined)
-            if isinstance(e.compressor, ReportsEvents):
-                events = [f"{e.name}: {ev}" for ev in e.compressor.drain_events()]
-                stats.events.extend(events)
-                if self.rank == 0:     # every rank decodes the same messages: same events
-                    for ev in events:
-                        warn_limited(ev)
+            events = drain_events(e.compressor, e.name)
+            stats.events.extend(events)
+            if self.rank == 0:         # every rank decodes the same messages: same events
+                for ev in events:
+                    warn_limited(ev)
             out[e.name] = self.averaging.finish(e, acc, finite, keys[self.rank], stats, joined,
                                                 prescaled)
         return out

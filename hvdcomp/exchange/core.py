@@ -31,7 +31,7 @@ from .collective import Allgather
 from .pipeline import Done, Pipeline
 from .plan import Entry, Plan
 from .scatter import ReduceScatter
-from .stats import StepStats
+from .step_stats import StepStats
 
 __all__ = ["Exchange", "refit", "report_plan"]
 

@@ -31,7 +31,7 @@ from ..transport import Allreduce, Transport
 from . import momentum
 from .buckets import agree_settings
 from .core import Exchange
-from .stats import StepStats
+from .step_stats import StepStats
 
 __all__ = ["Settings", "Driver", "Reports", "resolve", "FORMAT"]
 

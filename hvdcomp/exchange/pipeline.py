@@ -27,7 +27,7 @@ from ..errors import OutOfStep, RankFailure, WireFormatError
 from ..log import logger
 from .collective import Collective
 from .plan import Entry
-from .stats import StepStats
+from .step_stats import StepStats
 
 __all__ = ["Calls", "Pipeline", "Done"]
 

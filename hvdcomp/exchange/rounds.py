@@ -34,7 +34,7 @@ from ..errors import WireFormatError
 from ..transport import Allreduce, Transport
 from .averaging import Averaging
 from .plan import Entry
-from .stats import StepStats
+from .step_stats import StepStats
 from .sums import Sum, Sums, slot_code
 
 __all__ = ["Rounds", "RoundsJob", "simulate"]

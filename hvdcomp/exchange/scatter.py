@@ -56,8 +56,9 @@ owner, and so do the error marks of a rank that is stopping after an error (``fa
 allgather with an error frame.  An owner that cannot decode a shard (a malformed message)
 sends an error frame in place of its averaged pieces, so every rank raises in step 2's
 allgather (the owner its own exception, the others a RankFailure naming the owner).
-Summable tensors and the tensors over the allgather travel as in
-:class:`~hvdcomp.exchange.collective.Allgather`, in the same bucket.
+Summable tensors and the tensors over the allgather travel through an
+:class:`~hvdcomp.exchange.collective.Allgather` that the reduce-scatter holds, in the same
+bucket; both build and read their frames with :mod:`.frames`.
 """
 from __future__ import annotations
 
@@ -69,7 +70,6 @@ import numpy as np
 import torch
 
 from ..compressors import Compressor, get
-from ..compressors.protocols import AdaptiveLevels, ReportsEvents
 from ..compressors.state import finite as all_finite
 from ..errors import RankFailure, WireFormatError
 from ..log import warn_limited
@@ -77,7 +77,8 @@ from ..transport import Allreduce, Incoming, Outgoing, Stamp, Transport
 from ..transport.base import raise_failed
 from ..transport.framing import STOP_MARK, check_stamps
 from .averaging import Averaging
-from .collective import Allgather, _Job
+from .collective import Allgather, Collective, _Job
+from .frames import drain_events, frame, observe
 from .plan import Entry
 from .shards import Piece, layout, second_stage
 
@@ -97,9 +98,12 @@ class _ScatterJob:
     events: List[str] = field(default_factory=list)
 
 
-class ReduceScatter(Allgather):
+class ReduceScatter(Collective):
     """The reduce-scatter collective (module docstring) for the entries marked ``scatter``;
-    the others as :class:`~hvdcomp.exchange.collective.Allgather`.
+    the others go through :attr:`allgather`, an
+    :class:`~hvdcomp.exchange.collective.Allgather` of the same transport, carriers and
+    exchange id, which also holds the exchange's failure state (``failing``,
+    ``failure_seen``: one for both parts).
 
     transport, allreduce, averaging, seed, ident: as Allgather's; buckets: the fusion
     buckets (names); entries: name -> :class:`~hvdcomp.exchange.plan.Entry`; first_id: the
@@ -110,7 +114,10 @@ class ReduceScatter(Allgather):
     def __init__(self, transport: Transport, allreduce: Optional[Allreduce],
                  averaging: Averaging, seed: int, buckets: List[List[str]],
                  entries: Dict[str, Entry], first_id: int, ident: int = 0):
-        super().__init__(transport, allreduce, averaging, seed, ident)
+        self.allgather = Allgather(transport, allreduce, averaging, seed, ident)
+        self.transport, self.averaging, self.seed = transport, averaging, seed
+        self.rank, self.size = transport.rank, transport.size
+        self.ident = self.allgather.ident
         if self.size < 2:
             raise ValueError("the reduce-scatter collective needs 2 or more ranks")
         self.entries = entries
@@ -121,6 +128,13 @@ class ReduceScatter(Allgather):
                 self.stage2.setdefault(id(e.compressor), second_stage(e.compressor))
         self._piece_accs = _PieceAccumulators()
         self._none = get("none")
+
+    # One failure state for both parts (Collective.failing, Collective.failure_seen): the
+    # allgather's, set by the pipeline and by either part, read by both.
+    failing = property(lambda self: self.allgather.failing,
+                       lambda self, text: setattr(self.allgather, "failing", text))
+    failure_seen = property(lambda self: self.allgather.failure_seen,
+                            lambda self, seen: setattr(self.allgather, "failure_seen", seen))
 
     def pieces(self) -> List[Piece]:
         """Every piece of every bucket, in bucket and owner order."""
@@ -143,8 +157,8 @@ class ReduceScatter(Allgather):
         if grads is not None and any(e.scatter for e in entries):
             raise ValueError("the reduce-scatter collective serves the exchange's own fusion "
                              "buckets (begin/ready/finish), not per-call gradients")
-        job = _ScatterJob(super().encode(k, [e for e in entries if not e.scatter], step,
-                                         stats, sync, grads, failure),
+        job = _ScatterJob(self.allgather.encode(k, [e for e in entries if not e.scatter],
+                                                step, stats, sync, grads, failure),
                           [e for e in entries if e.scatter],
                           stamp=Stamp(step, self.ident, bool(sync)))
         if not any(self.layout[k]):
@@ -161,17 +175,11 @@ class ReduceScatter(Allgather):
             return job
         try:
             flat = {e.name: self._gradient(e, step) for e in job.scattered}
-            parts = []
-            for mine in self.layout[k]:
-                msgs, present = [], []
-                for p in mine:
-                    g = flat[p.name]
-                    present.append(g is not None)
-                    msgs.append(None if g is None else self._encode_piece(
-                        p, g[p.lo:p.hi].reshape(p.shape), step))
-                parts.append(Outgoing(msgs, present, joined=self.averaging.joined,
-                                      stamp=job.stamp).data)
-            job.parts = parts
+            job.parts = [frame(mine, lambda p: flat[p.name],
+                               lambda p, g: self._encode_piece(
+                                   p, g[p.lo:p.hi].reshape(p.shape), step),
+                               self.averaging.joined, job.stamp).data
+                         for mine in self.layout[k]]
         except Exception as exc:                    # noqa: BLE001 - re-raised on all ranks
             job.failure = exc
             job.parts = [Outgoing.failed(exc).data] * self.size
@@ -187,7 +195,7 @@ class ReduceScatter(Allgather):
                 self._scatter(job, stats)
             except BaseException as e:              # noqa: BLE001 - after the allgather part
                 err = e
-        super().communicate(job.gather, stats)
+        self.allgather.communicate(job.gather, stats)
         if err is not None:
             raise err
 
@@ -196,7 +204,7 @@ class ReduceScatter(Allgather):
         tensor whose pieces are all absent (no rank had its gradient) has no average.
         ``out``: as the allgather's, for the tensors that take it (the scattered ones go to
         the accumulators)."""
-        out = super().decode(job.gather, stats, out)
+        out = self.allgather.decode(job.gather, stats, out)
         if job.parts is None:
             return out
         stats.joined = max(stats.joined, job.joined)
@@ -228,13 +236,13 @@ class ReduceScatter(Allgather):
                 raise WireFormatError(f"the owners disagree on whether any rank had a "
                                       f"gradient of {e.name}")
             if e.name in accs:
-                out[e.name] = self.averaging.finish(e, accs[e.name], finite[e.name],
-                                                    self._key(e, job.gather.step), stats,
-                                                    job.joined, averaged=True)
+                key = e.key(job.gather.step, self.rank, self.size, self.seed)
+                out[e.name] = self.averaging.finish(e, accs[e.name], finite[e.name], key,
+                                                    stats, job.joined, averaged=True)
         return out
 
     def close(self):
-        super().close()
+        self.allgather.close()
         self._piece_accs.clear()
 
     # --- helpers ------------------------------------------------------------------------
@@ -249,10 +257,7 @@ class ReduceScatter(Allgather):
             raise ValueError(f"the gradient of {e.name} is sparse, and the reduce-scatter "
                              f"cuts dense shards: pass sparse_as_dense=True, or "
                              f"collective='allgather' (indices and values to every rank)")
-        comp = e.compressor
-        if (isinstance(comp, AdaptiveLevels) and comp.wants_stats(step)
-                and g.is_floating_point() and all_finite(g)):
-            comp.observe(g)
+        observe(e.compressor, g, step)
         return g.reshape(-1)
 
     def _encode_piece(self, p: Piece, x: torch.Tensor, step: int):
@@ -324,8 +329,7 @@ class ReduceScatter(Allgather):
             keys = [p.key(step, r, self.size, self.seed) for r in range(self.size)]
             fin, prescaled = self.averaging.combine(e, incoming.messages(i), keys, present,
                                                     acc, joined)
-            if isinstance(e.compressor, ReportsEvents):
-                job.events.extend(f"{p.label}: {ev}" for ev in e.compressor.drain_events())
+            job.events.extend(drain_events(e.compressor, p.label))
             if fin:
                 self.averaging.mean(e, acc, keys[self.rank], joined, prescaled)
                 x = acc.view(p.shape)

@@ -20,7 +20,7 @@ from ..errors import OutOfStep, RankFailure
 from ..transport import Allreduce
 from .averaging import Averaging
 from .plan import Entry
-from .stats import StepStats
+from .step_stats import StepStats
 
 __all__ = ["Sums", "Sum", "slot_code"]
 

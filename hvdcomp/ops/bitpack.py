@@ -10,7 +10,7 @@ Implementation: 8 codes hold exactly B bytes, so each group of 8 codes is assemb
 
 Packed codes are the currency between the layers (the kernels read and write them in this
 order; hvdcomp.ops.rans codes them without unpacking), so this module sits in the ops layer,
-below the codecs (which re-export it as ``hvdcomp.codecs.pack_bits`` ...).
+below the codecs, with the other coders that have kernels (rans, rice).
 """
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ messages; this module is the arithmetic.  Everything is float32 unless stated.
   Delta (M + 1/2) in magnitude) is finite.  The cap acts only on buckets whose maximum lies
   within a factor (M + 1/2) / M of the float32 maximum (there the largest values are
   clamped to q = +-M: biased by at most Delta/2 more); receivers reject larger steps.
-* Dither (Philox, hvdcomp.random, keyed by the tensor's key: seed, step, rank, tensor id and
+* Dither (Philox, hvdcomp.philox, keyed by the tensor's key: seed, step, rank, tensor id and
   the coordinate index i, so a receiver regenerates it bit-exactly from the header):
-      s_i = hvdcomp.random.uniform(n, seed, step, rank, tensor_id)[i] - 1/2   in [-1/2, 1/2)
+      s_i = hvdcomp.philox.uniform(n, seed, step, rank, tensor_id)[i] - 1/2   in [-1/2, 1/2)
       u_i = float32(s_i * Delta_b)
   (``s_i`` is exact in float32: the uniform numbers are multiples of 2**-24.)
 * Quantization (``q = round((x + u) / Delta)`` computed as ``x / Delta + s``, so nothing
@@ -60,7 +60,7 @@ import torch
 from ..backends._common import (BLOCK, MAX_GRID, check_int, check_tensor, grid_for, packed_size,
                                 reduce_block, u32)
 from .bitpack import pack_bits, unpack_bits
-from ..random import random_words, uniform
+from ..philox import random_words, uniform
 from . import op, padded_buckets
 
 __all__ = ["CHECK_OFFSET", "max_step", "dither", "check_weights", "dqsg_quantize",
@@ -77,7 +77,7 @@ _MASK = 0xFFFFFFFF
 
 def dither(n: int, key, device=None) -> torch.Tensor:
     """The normalized dither s = U - 1/2 of ``key``'s tensor: float32 (n,) in [-1/2, 1/2);
-    U = hvdcomp.random.uniform(n, seed, step, rank, tensor_id).  The dither proper is
+    U = hvdcomp.philox.uniform(n, seed, step, rank, tensor_id).  The dither proper is
     u = s * Delta of the coordinate's bucket."""
     return uniform(n, seed=key.seed, step=key.step, rank=key.rank, tensor_id=key.tensor_id,
                    device=device) - 0.5

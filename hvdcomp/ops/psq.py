@@ -12,7 +12,7 @@ PSQ: stochastic rounding of one row
 For row ``x`` (float32) with ``lo = min x``, ``hi = max x`` (float32, sent), in float64:
     span = hi - lo;  r = (x - lo) / span * L   (r = 0 where span == 0), clamped to [0, L]
     f = floor(r);  index = f + (u < r - f)
-where ``u`` is the float32 uniform :func:`hvdcomp.random.uniform` of the coordinate's flat
+where ``u`` is the float32 uniform :func:`hvdcomp.philox.uniform` of the coordinate's flat
 index (row-major) keyed by (seed, rank, tensor_id, step).
 Decoded value (float64, rounded once to float32): ``lo + index * step``, step = span / L.
     E[decoded] = x;   Var = (g_{f+1} - x)(x - g_f) = step^2 (r - f)(1 - (r - f))
@@ -81,7 +81,7 @@ import torch
 
 from ..backends._common import BLOCK, check_int, check_tensor, grid_for, packed_size, u32
 from .bitpack import pack_bits, unpack_bits
-from ..random import uniform
+from ..philox import uniform
 from . import op
 
 __all__ = ["lohi_of", "steps_of", "round_rows", "dequantize_rows", "householder_blocks",

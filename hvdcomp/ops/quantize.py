@@ -10,7 +10,7 @@ short; it is padded with zeros):
     norm  = ||v||_2 ("l2") or ||v||_inf ("linf"), float32
     r_i   = min(|v_i| / norm, 1)  (norm 0: r_i = 0)
     p_i   = (r_i - l_j) / (l_{j+1} - l_j) for r_i in [l_j, l_{j+1}]
-    index = j + (u_i < p_i), u_i the Philox uniform of element i (hvdcomp.random.uniform
+    index = j + (u_i < p_i), u_i the Philox uniform of element i (hvdcomp.philox.uniform
             with the message's seed, step, rank and tensor id)
     code  = sign << (bits - 1) | index,  sign = 1 for v_i < 0
     decoded value = sign * norm * l_index;  E = v_i, Var = norm^2 (l_{j+1} - r_i)(r_i - l_j)
@@ -48,7 +48,7 @@ import torch
 from ..backends._common import (BLOCK, MAX_GRID, check_int, check_tensor, grid_for,
                                 packed_size, reduce_block, u32)
 from .bitpack import pack_bits, unpack_bits
-from ..random import uniform
+from ..philox import uniform
 from . import op, padded_buckets
 
 __all__ = ["bucket_norms", "quantize_pack", "quantize", "dequantize_add",
@@ -124,7 +124,7 @@ def quantize_pack(x: torch.Tensor, norms: torch.Tensor, levels: torch.Tensor, bi
                   step: int) -> torch.Tensor:
     """Stochastic quantization of flat float32 ``x`` (n,) against the given bucket ``norms``
     (float32 (nb,)), packed: uint8 (ceil(n * bits / 8),).  The uniforms are
-    ``hvdcomp.random.uniform(n, seed=seed, step=step, rank=rank, tensor_id=tensor_id)``.
+    ``hvdcomp.philox.uniform(n, seed=seed, step=step, rank=rank, tensor_id=tensor_id)``.
     """
     u = uniform(x.numel(), seed=seed, step=step, rank=rank, tensor_id=tensor_id,
                 device=x.device)

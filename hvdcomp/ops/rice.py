@@ -3,14 +3,14 @@
 Golomb, "Run-length encodings", IEEE Trans. Inf. Theory 12(3), 1966; Rice's special case of
 a power-of-two divisor; the parameter rule is Kiely's, "Selecting the Golomb parameter in
 Rice coding", IPN Progress Report 42-159, 2004.  The section's byte layout, and why the gaps
-are coded rather than the indices, is the wire format's: hvdcomp/codecs/sparse.py.  In short,
-the indices ``i_0 < ... < i_{m-1}`` become gaps ``d_0 = i_0``, ``d_j = i_j - i_{j-1} - 1``,
-each ``d = q * 2**k + r``: the section is ``k`` (u8), ``m`` (u32 below 2**32 elements, else
-u64), the unary quotients (q one-bits and a zero-bit each, one LSB-first stream, zero
-padded) and the k-bit remainders (packed LSB-first).
+are coded rather than the indices, is the wire format's: hvdcomp/codecs/sparse_vectors.py.
+In short, the indices ``i_0 < ... < i_{m-1}`` become gaps ``d_0 = i_0``,
+``d_j = i_j - i_{j-1} - 1``, each ``d = q * 2**k + r``: the section is ``k`` (u8), ``m``
+(u32 below 2**32 elements, else u64), the unary quotients (q one-bits and a zero-bit each,
+one LSB-first stream, zero padded) and the k-bit remainders (packed LSB-first).
 
 Operations (an :class:`~hvdcomp.ops.Op` each: a NumPy reference, the specification, and
-kernels/sparse.cu):
+kernels/rice.cu):
 
     encode(indices, numel, k=-1) -> uint8 tensor    the index section
     decode(section, numel, device=None) -> int64    its indices; WireFormatError if malformed

@@ -46,7 +46,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from ..backends._common import BLOCK, MAX_GRID, check_int, check_tensor, grid_for, u32
-from ..random import random_words
+from ..philox import random_words
 from . import finite, op
 
 __all__ = ["sumsq", "update", "select", "mask", "scatter_add", "Selection", "topk_indices",

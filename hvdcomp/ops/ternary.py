@@ -41,7 +41,7 @@ import torch
 from ..backends._common import (BLOCK, MAX_GRID, check_int, check_tensor, grid_for,
                                 reduce_block, u32)
 from .bitpack import pack_bits, unpack_bits
-from ..random import uniform
+from ..philox import uniform
 from . import op, padded_buckets
 
 __all__ = ["clip_threshold", "clip_gradient", "terngrad_scales", "terngrad_pack",
@@ -116,7 +116,7 @@ def terngrad_pack(x: torch.Tensor, scales: torch.Tensor, bucket_size: int, thres
     """Clip, ternarize and pack: uint8 (ceil(n / 4),), the 2-bit codes ``sign << 1 | b`` of
     ``c = clamp(x, -T, T)`` (no clamp for T = inf): sign = 1 iff c_i < 0, b = 1 iff
     ``u_i < float32(|c_i| / s)`` (s = 0: b = 0), ``s`` the coordinate's bucket scale and
-    ``u = hvdcomp.random.uniform(n, seed=seed, step=step, rank=rank, tensor_id=tensor_id)``.
+    ``u = hvdcomp.philox.uniform(n, seed=seed, step=step, rank=rank, tensor_id=tensor_id)``.
 
     x: float32 (n,), finite; scales: float32 (ceil(n / bucket_size),), the bucket maxima of
     |c| (:func:`terngrad_scales`); threshold: a float32 value > 0, or inf.

@@ -1,4 +1,4 @@
-"""hvdcomp.ops.bitpack (re-exported by hvdcomp.codecs): dense LSB-first packing of B-bit codes.
+"""hvdcomp.ops.bitpack: dense LSB-first packing of B-bit codes.
 
 Golden bytes are worked by hand from the bit order in the module docstring: code i occupies
 bits [i*B, (i+1)*B) of a little-endian bit stream, least significant bit first.  Random
@@ -7,7 +7,7 @@ cases are compared with a reference built on one Python integer (the whole bit s
 import pytest
 import torch
 
-from hvdcomp.codecs import pack_bits, packed_size, unpack_bits
+from hvdcomp.ops.bitpack import pack_bits, packed_size, unpack_bits
 
 
 def ref_pack(codes, bits):

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import hvdcomp
-from hvdcomp.codecs.rans import decode_symbols, encode_symbols
 from hvdcomp.ops import rans as rans_ops
-from hvdcomp.ops.rans import PRECISION, quantize_frequencies
+from hvdcomp.ops.rans import PRECISION, decode_symbols, encode_symbols, quantize_frequencies
 from hvdcomp.errors import WireFormatError
 
 
@@ -73,11 +72,11 @@ def test_size_within_two_percent_of_entropy_on_real_gradient():
     torch.nn.functional.cross_entropy(m(x[:64]), y[:64]).backward()
     g = m[0].weight.grad
     c = hvdcomp.get("alq:bits=3")
-    from hvdcomp.ops.stats import bucket_stats
+    from hvdcomp.ops.level_stats import bucket_stats
     c.adopt(hvdcomp.levels.fit_alq(bucket_stats.reference(g, 8192).numpy(), 3))
     key = hvdcomp.TensorKey("w", 0, 0, 0, 4, 0)
     from hvdcomp.ops.quantize import quantize_reference
-    from hvdcomp.random import uniform
+    from hvdcomp.philox import uniform
     u = uniform(g.numel(), seed=0, step=0, rank=0, tensor_id=0)
     _, codes = quantize_reference(g.reshape(-1), c.levels, 8192, "l2", u)
     sym = codes.numpy()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvdcomp.codecs import pack_bits, packed_size
+from hvdcomp.ops.bitpack import pack_bits, packed_size
 from hvdcomp.codecs.sections import read_codes, write_codes
 from hvdcomp.errors import WireFormatError
 from hvdcomp.wire import FLAG_ENTROPY, Message

@@ -73,8 +73,8 @@ def real_grad():
 @pytest.fixture(scope="session")
 def real_stats(real_grad):
     """ALQ sufficient statistics of the real gradient at bucket size 8192."""
-    from hvdcomp.ops import stats
-    return stats.bucket_stats.reference(real_grad.reshape(-1), 8192, "l2").numpy()
+    from hvdcomp.ops import level_stats
+    return level_stats.bucket_stats.reference(real_grad.reshape(-1), 8192, "l2").numpy()
 
 
 @pytest.fixture(scope="session")

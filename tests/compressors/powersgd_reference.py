@@ -11,7 +11,7 @@ the rest) and the rank r = min(rank, n, m):
 before ``start_iter``, for 1-D or empty tensors and where (n + m) r * min_compression_rate
 >= n m, the average is the plain mean (no residual).  orth is classical Gram-Schmidt in
 float64.  The initial Q is the one hvdcomp documents: Box-Muller on Philox uniforms
-(hvdcomp.random.uniform with key (seed, 0), counter (tensor id, step)), drawn here by the
+(hvdcomp.philox.uniform with key (seed, 0), counter (tensor id, step)), drawn here by the
 reference itself.
 """
 import math
@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from hvdcomp import random as philox
+from hvdcomp import philox
 
 
 def gram_schmidt(a: torch.Tensor) -> torch.Tensor:

@@ -628,7 +628,7 @@ def test_entropy_coding_same_values_fewer_bytes(real_grad):
     """entropy=True: flag ENTROPY, the rANS section decodes to the same codes (NumPy
     reference), combine gives bit-identical results to the packed messages, and the real
     gradient's peaked codes take fewer bytes; a damaged section raises WireFormatError."""
-    from hvdcomp.codecs import decode_symbols
+    from hvdcomp.ops.rans import decode_symbols
     from hvdcomp.wire import FLAG_ENTROPY
     bits, nbits, bs, N = 4, 2, 512, 2
     grads = _side_correlated(real_grad, N, bs, bits, scale=0.1, seed=4)

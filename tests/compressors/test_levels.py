@@ -1,6 +1,6 @@
 """hvdcomp.levels: level tables, ALQ / AMQ fitting, the folded-normal model, the statistics
-(hvdcomp.ops.stats: bucket_stats, histogram_stats), and the adaptive compressors' table life
-cycle (state_dict, adopt, level_version).
+(hvdcomp.ops.level_stats: bucket_stats, histogram_stats), and the adaptive compressors' table
+life cycle (state_dict, adopt, level_version).
 
 The variance claims are checked on the real MNIST gradient of conftest.real_grad with an exact
 empirical variance computed here in NumPy; the model's closed forms are checked against
@@ -16,7 +16,7 @@ import torch
 import hvdcomp
 from hvdcomp import WireFormatError
 from hvdcomp import levels as L
-from hvdcomp.ops import stats as S
+from hvdcomp.ops import level_stats as S
 from hvdcomp.wire import Message
 
 from . import npref as R

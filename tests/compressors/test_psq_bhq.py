@@ -6,7 +6,7 @@ docstrings of hvdcomp/compressors/psq.py (row view, wire format) and hvdcomp/ops
 arithmetic: the specification) or by hand:
 
 * ``ref_psq`` / ``ref_bhq``: NumPy re-implementations of the row view, the per-row grid, the
-  stochastic rounding (fed with the same Philox uniforms, hvdcomp.random.uniform), the BHQ
+  stochastic rounding (fed with the same Philox uniforms, hvdcomp.philox.uniform), the BHQ
   grouping, scales and Householder arithmetic; the packed bytes are packed bit by bit here;
 * variances: per coordinate (g_{f+1} - x)(x - g_f) with the grid built from the row's range,
   and for BHQ the explicit matrix M = P^T diag(1/s) H, Var[x_hat_i] = sum_p M_ip^2 v_p;
@@ -26,7 +26,7 @@ import hvdcomp
 from hvdcomp import ConfigError, Message, WireFormatError
 from hvdcomp.compressors.psq import BHQ, PSQ
 from hvdcomp.ops.psq import decode_bounds, householder_blocks
-from hvdcomp.random import uniform
+from hvdcomp.philox import uniform
 from hvdcomp.wire import CODECS, DTYPES, FLAG_NONFINITE
 
 F32, F64 = np.float32, np.float64

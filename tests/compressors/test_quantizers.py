@@ -22,7 +22,7 @@ import torch
 import hvdcomp
 from hvdcomp import WireFormatError
 from hvdcomp.ops.quantize import quantize_reference
-from hvdcomp.random import uniform
+from hvdcomp.philox import uniform
 from hvdcomp.wire import CODECS, DTYPES, FLAG_ENTROPY, FLAG_NONFINITE, Message
 
 from . import npref as R

@@ -1,4 +1,4 @@
-"""Top-k, random-k and DGC (hvdcomp.compressors.sparse) against hand-worked cases and an
+"""Top-k, random-k and DGC (hvdcomp.compressors.sparsifiers) against hand-worked cases and an
 independent NumPy reference written here from Lin et al., ICLR 2018 (arXiv 1712.01887):
 
     clip (Sec. 3.2):     g <- g * f32(T / ||g||)  if ||g|| > T = clip_norm / sqrt(N)
@@ -20,8 +20,8 @@ import torch
 import hvdcomp
 from hvdcomp import ConfigError, WireFormatError
 from hvdcomp.compressors.protocols import MomentumCorrection
-from hvdcomp.compressors.sparse import DGC, RandK, TopK
-from hvdcomp.random import random_words
+from hvdcomp.compressors.sparsifiers import DGC, RandK, TopK
+from hvdcomp.philox import random_words
 from hvdcomp.wire import FLAG_NONFINITE, Message
 
 F32 = np.float32

@@ -11,9 +11,10 @@ Every expected value is computed here, independently of hvdcomp, from the specif
     E[Q(c_i)] = c_i, Var[Q(c_i)] = |c_i| (s - |c_i|).
 
 The NumPy reference below (np_clip, np_ternarize) is written from that text; the uniforms come
-from hvdcomp.random.uniform (the one shared source of randomness, pinned by its own known-answer
-tests).  Monte-Carlo checks use Bernstein bounds at a failure probability of 1e-9 per check, on
-fixed inputs and a fixed Philox stream, so a pass or fail is reproducible, not luck.
+from hvdcomp.philox.uniform (the one shared source of randomness, pinned by its own
+known-answer tests).  Monte-Carlo checks use Bernstein bounds at a failure probability of
+1e-9 per check, on fixed inputs and a fixed Philox stream, so a pass or fail is
+reproducible, not luck.
 """
 import io
 import math
@@ -27,7 +28,7 @@ import hvdcomp
 from hvdcomp import ConfigError, WireFormatError
 from hvdcomp.compressors.terngrad import TernGrad
 from hvdcomp.ops.ternary import clip_threshold
-from hvdcomp.random import uniform
+from hvdcomp.philox import uniform
 from hvdcomp.wire import FLAG_NONFINITE, Message
 
 F32 = np.float32

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from hvdcomp import levels as L
-from hvdcomp.codecs import pack_bits
+from hvdcomp.ops.bitpack import pack_bits
 from hvdcomp.ops import quantize as Q
-from hvdcomp.random import uniform
+from hvdcomp.philox import uniform
 
 SIZES = (1, 7, 8, 9, 1000, 8193)          # odd, < 8, == 8, not multiples of 8 or of buckets
 BUCKETS = (1, 3, 8, 100, 512, 8192)

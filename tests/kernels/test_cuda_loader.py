@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hvdcomp.backends import _common
-from hvdcomp.ops import quantize, random
+from hvdcomp.ops import philox_draws, quantize
 
 
 def test_import_without_cupy(monkeypatch):
@@ -118,7 +118,7 @@ def test_loader_and_launch_with_stand_in_cupy(monkeypatch, api):
                                    step=2**32 + 4)
     quantize.dequantize_add.kernels(be, torch.zeros(375, dtype=torch.uint8), 1000, norms, lv,
                                     3, 100, torch.zeros(1000))
-    random.uniform.kernels(be, 10, seed=1, step=2, rank=3, tensor_id=4)
+    philox_draws.uniform.kernels(be, 10, seed=1, step=2, rank=3, tensor_id=4)
 
     # one module per source file, each built once, with the options that keep it exact
     # (the modules of the two files these launches need, each with all its kernels)

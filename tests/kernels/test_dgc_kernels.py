@@ -20,7 +20,7 @@ import torch
 import hvdcomp
 from hvdcomp import backends
 from hvdcomp.compressors import TensorKey
-from hvdcomp.compressors.sparse import num_selected
+from hvdcomp.compressors.sparsifiers import num_selected
 from hvdcomp.ops import sparsify
 from hvdcomp.ops.sparsify import sample_positions, topk_indices
 from hvdcomp.wire import Message

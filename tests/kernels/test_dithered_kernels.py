@@ -12,7 +12,7 @@ import torch
 
 import hvdcomp
 import hvdcomp.backends as B
-from hvdcomp.codecs import pack_bits
+from hvdcomp.ops.bitpack import pack_bits
 from hvdcomp.compressors.base import TensorKey
 from hvdcomp.ops import dithered
 from hvdcomp.ops.dithered import (bucket_checksums, check_weights, dither, dqsg_quantize,

@@ -13,10 +13,10 @@ current stream; 64-bit indexing past 2**31 elements.
 import pytest
 import torch
 
-from hvdcomp.codecs import unpack_bits
+from hvdcomp.ops.bitpack import unpack_bits
 from hvdcomp.ops import quantize as Q
-from hvdcomp.ops import random as R
-from hvdcomp.random import random_words, uniform
+from hvdcomp.ops import philox_draws as R
+from hvdcomp.philox import random_words, uniform
 
 from kernel_cases import (BITS, BUCKETS, KEY, NORMS, SIZES, gradient, on_levels, ref_decode_add,
                           ref_norms, reference, same_bits, tables, ulp_distance)
@@ -167,7 +167,7 @@ def test_past_2_31_elements(cuda_backend):
 def test_decode_many_matches_reference_on_gpu():
     from hvdcomp.backends import cuda
     from kernel_cases import gradient, ref_decode_add, same_bits, tables, KEY
-    from hvdcomp.codecs import unpack_bits
+    from hvdcomp.ops.bitpack import unpack_bits
     bits, bs, n = 3, 512, 100_003
     lv = tables(bits)["fitted"]
     acc = torch.zeros(n)

@@ -1,7 +1,7 @@
 """The host build of kernels/*.cu (g++, hvdcomp.backends.host) against the PyTorch specification.
 
 What is bit-exact, and what is not:
-* Philox words and uniforms: bit-identical to hvdcomp.random.
+* Philox words and uniforms: bit-identical to hvdcomp.philox.
 * Packed codes: byte-identical to pack_bits(quantize_reference(...) codes) GIVEN THE SAME
   NORMS (the kernel is run with the reference's norms).
 * Decode: out + dequantize_reference(...), bit for bit, accumulated in place
@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from hvdcomp import levels as L
-from hvdcomp.codecs import pack_bits, unpack_bits
+from hvdcomp.ops.bitpack import pack_bits, unpack_bits
 from hvdcomp.ops import quantize as Q
-from hvdcomp.ops import random as R
-from hvdcomp.ops.stats import bucket_stats
-from hvdcomp.random import random_words, uniform
+from hvdcomp.ops import philox_draws as R
+from hvdcomp.ops.level_stats import bucket_stats
+from hvdcomp.philox import random_words, uniform
 
 from kernel_cases import (BITS, BUCKETS, KEY, NORMS, SIZES, gradient, on_levels, ref_decode_add,
                           ref_norms, reference, same_bits, tables, ulp_distance)

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from hvdcomp.codecs import pack_bits
+from hvdcomp.ops.bitpack import pack_bits
 from hvdcomp.compressors.base import TensorKey
 from hvdcomp.ops import dithered as Dith
 from hvdcomp.ops import psq as P
 from hvdcomp.ops import quantize as Q
-from hvdcomp.ops import random as R
+from hvdcomp.ops import philox_draws as R
 from hvdcomp.ops import ternary as T
-from hvdcomp.random import random_words, uniform
+from hvdcomp.philox import random_words, uniform
 
 from kernel_cases import KEY, gradient, ref_decode_add, same_bits, tables
 

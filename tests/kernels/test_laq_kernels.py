@@ -15,7 +15,7 @@ import torch
 
 import hvdcomp
 from hvdcomp import backends
-from hvdcomp.codecs import pack_bits, unpack_bits
+from hvdcomp.ops.bitpack import pack_bits, unpack_bits
 from hvdcomp.ops import laq
 from hvdcomp.ops.laq import dequantize_innovation, fixed_sum, quantize_innovation
 

@@ -9,7 +9,7 @@ import torch
 from hvdcomp.ops import bucket_width, padded_buckets
 from hvdcomp.ops import dithered as D
 from hvdcomp.ops import quantize as Q
-from hvdcomp.ops import stats as S
+from hvdcomp.ops import level_stats as S
 from hvdcomp.ops import ternary as T
 
 HUGE = 2**31

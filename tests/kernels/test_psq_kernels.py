@@ -9,11 +9,11 @@ import torch
 
 import hvdcomp
 import hvdcomp.backends as B
-from hvdcomp.codecs import pack_bits, unpack_bits
+from hvdcomp.ops.bitpack import pack_bits, unpack_bits
 from hvdcomp.compressors.base import TensorKey
 from hvdcomp.ops import psq
 from hvdcomp.ops.psq import bhq_plan, dequantize_rows, householder_blocks, lohi_of, round_rows
-from hvdcomp.random import uniform
+from hvdcomp.philox import uniform
 from hvdcomp.wire import Message
 
 from kernel_cases import KEY, same_bits

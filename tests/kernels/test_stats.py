@@ -1,5 +1,5 @@
 """ALQ / AMQ statistics on the kernels (kernels/stats.cu) against the PyTorch specification: the
-ops of hvdcomp.ops.stats (histogram_stats, bucket_stats, bucket_norms64, hist_bins), each
+ops of hvdcomp.ops.level_stats (histogram_stats, bucket_stats, bucket_norms64, hist_bins), each
 kernel implementation against its reference.
 
 What is exact and what is asserted to a tolerance, and why:
@@ -30,7 +30,7 @@ import torch
 
 import hvdcomp
 from hvdcomp import backends
-from hvdcomp.ops import stats as S
+from hvdcomp.ops import level_stats as S
 
 from kernel_cases import BUCKETS, NORMS, gradient
 

@@ -21,7 +21,7 @@ import torch
 
 import hvdcomp
 from hvdcomp import backends
-from hvdcomp.codecs import pack_bits, unpack_bits
+from hvdcomp.ops.bitpack import pack_bits, unpack_bits
 from hvdcomp.compressors.base import TensorKey
 from hvdcomp.ops import ternary as T
 from hvdcomp.ops.ternary import clip_threshold

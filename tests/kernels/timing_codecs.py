@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from hvdcomp import levels as L  # noqa: E402
 from hvdcomp.backends import for_device  # noqa: E402
-from hvdcomp.codecs import pack_bits, unpack_bits  # noqa: E402
+from hvdcomp.ops.bitpack import pack_bits, unpack_bits  # noqa: E402
 from hvdcomp.ops import rans, rice  # noqa: E402
 
 

@@ -7,9 +7,9 @@ line also says whether the results are identical (LAQ) or how close (statistics)
 import sys, time, torch, numpy as np
 sys.path.insert(0, __import__('os').path.dirname(__import__('os').path.dirname(__import__('os').path.dirname(__import__('os').path.abspath(__file__)))))
 from hvdcomp.backends import host
-from hvdcomp.ops import laq, stats
+from hvdcomp.ops import laq, level_stats
 from hvdcomp.ops.laq import quantize_innovation, dequantize_innovation, fixed_sum
-from hvdcomp.codecs import pack_bits, unpack_bits
+from hvdcomp.ops.bitpack import pack_bits, unpack_bits
 torch.set_num_threads(1); host.set_num_threads(1); host.load()
 n = 25_000_000
 g = torch.Generator().manual_seed(0)
@@ -21,11 +21,11 @@ def t(fn, reps=3):
         a=time.process_time(); r=fn(); ts.append(time.process_time()-a)
     return min(ts), r
 for norm in ("l2",):
-    tr, r = t(lambda: stats.histogram_stats.reference(x, 8192, norm).numpy(), 1)
-    tk, k = t(lambda: stats.histogram_stats.kernels(host.backend, x, 8192, norm).numpy())
+    tr, r = t(lambda: level_stats.histogram_stats.reference(x, 8192, norm).numpy(), 1)
+    tk, k = t(lambda: level_stats.histogram_stats.kernels(host.backend, x, 8192, norm).numpy())
     print(f"hist {norm}: ref {tr*1e3:.0f} ms kernel {tk*1e3:.0f} ms speedup {tr/tk:.1f}x maxrel {np.max(np.abs(k-r)/np.maximum(np.abs(r),1e-300)):.2e}")
-    tr, r = t(lambda: stats.bucket_stats.reference(x, 8192, norm).numpy(), 1)
-    tk, k = t(lambda: stats.bucket_stats.kernels(host.backend, x, 8192, norm).numpy())
+    tr, r = t(lambda: level_stats.bucket_stats.reference(x, 8192, norm).numpy(), 1)
+    tk, k = t(lambda: level_stats.bucket_stats.kernels(host.backend, x, 8192, norm).numpy())
     print(f"normal {norm}: ref {tr*1e3:.0f} ms kernel {tk*1e3:.0f} ms speedup {tr/tk:.1f}x rel {np.abs(k-r)/np.abs(r)}")
 bits = 4
 def ref_enc():

@@ -25,7 +25,7 @@ from cases import case, run
 import hvdcomp
 from hvdcomp.compressors.protocols import MomentumCorrection
 import hvdcomp.torch as hvd
-from hvdcomp.codecs.sparse import decode_indices
+from hvdcomp.codecs.sparse_vectors import decode_indices
 
 MOM = 0.9
 EXCHANGE_SPECS = ["topk:density=0.01", "randk:density=0.02,values=fp16,unbiased=true",

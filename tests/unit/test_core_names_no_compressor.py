@@ -89,8 +89,8 @@ def test_the_walk_finds_each_way_of_naming_a_class():
         "from hvdcomp.compressors.quantizers import Finer"]
     assert violations(m, "from hvdcomp.compressors.psq import rows_of") == [
         "from hvdcomp.compressors.psq import rows_of"]
-    assert violations(m, "import hvdcomp.compressors.sparse") == [
-        "import hvdcomp.compressors.sparse"]
+    assert violations(m, "import hvdcomp.compressors.sparsifiers") == [
+        "import hvdcomp.compressors.sparsifiers"]
     assert violations(m, "from .. import compressors\nx = compressors.LAQ") == [
         "compressors.LAQ (hvdcomp.compressors)"]
     assert violations(m, "import hvdcomp.compressors as c\nc.get('none'); c.DGC") == [

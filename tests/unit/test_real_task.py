@@ -5,7 +5,7 @@ stages as hvdcomp's DGC computes them), the steps to target, and the claims' ver
 import pytest
 
 from benchmod import import_bench
-from hvdcomp.compressors.sparse import warmup_density
+from hvdcomp.compressors.sparsifiers import warmup_density
 
 real_task = import_bench("real_task")
 

@@ -1,4 +1,4 @@
-"""hvdcomp.codecs.sparse: Golomb-Rice coded index gaps and fp32/fp16 values.
+"""hvdcomp.codecs.sparse_vectors: Golomb-Rice coded index gaps and fp32/fp16 values.
 
 Expected bytes are worked by hand, or built by a pure-Python reference written here from the
 layout in the module docstring (one Python integer per bit stream), not taken from hvdcomp:
@@ -22,7 +22,8 @@ import torch
 
 import hvdcomp
 from hvdcomp import WireFormatError
-from hvdcomp.codecs.sparse import decode_indices, decode_values, encode_indices, encode_values
+from hvdcomp.codecs.sparse_vectors import (decode_indices, decode_values, encode_indices,
+                                           encode_values)
 from hvdcomp.ops.rice import count_width, kiely_parameter, pack_uint, rice_parameter, unpack_uint
 from hvdcomp.wire import Message
 

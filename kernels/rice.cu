@@ -1,6 +1,6 @@
-// sparse.cu: the Golomb-Rice index section of the sparsifiers' messages (hvdcomp/ops/rice.py:
+// rice.cu: the Golomb-Rice index section of the sparsifiers' messages (hvdcomp/ops/rice.py:
 // the ops encode / decode, whose references are the specification; the layout is described
-// in hvdcomp/codecs/sparse.py, whose encode_indices / decode_indices call them).
+// in hvdcomp/codecs/sparse_vectors.py, whose encode_indices / decode_indices call them).
 //
 // Indices i_0 < ... < i_{m-1} are sent as gaps d_0 = i_0, d_j = i_j - i_{j-1} - 1, each as a
 // unary quotient q_j = d_j >> k (q_j one-bits, then a zero-bit, one LSB-first stream) and a

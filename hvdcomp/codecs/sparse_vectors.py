@@ -1,10 +1,11 @@
 """Sparse vectors on the wire: Golomb-Rice coded index gaps and fp32/fp16 values.
 
-The sparsifying compressors (hvdcomp.compressors.sparse: ``topk``, ``randk``, ``dgc``) send
-``m`` selected coordinates of a tensor of ``numel`` elements.  DGC's paper (Lin et al., ICLR
-2018, arXiv 1712.01887) sends 32-bit values plus 16-bit run lengths of zeros, i.e.
-48 bits per selected coordinate.  Here the indices cost about ``log2(numel / m) + 1.5`` bits
-each (about 11.5 bits at density 0.1 %) and the values 32 or 16 bits.
+The sparsifying compressors (hvdcomp.compressors.sparsifiers: ``topk``, ``randk``,
+``dgc``) send ``m`` selected coordinates of a tensor of ``numel`` elements.  DGC's paper
+(Lin et al., ICLR 2018, arXiv 1712.01887) sends 32-bit values plus 16-bit run lengths of
+zeros, i.e. 48 bits per selected coordinate.  Here the indices cost about
+``log2(numel / m) + 1.5`` bits each (about 11.5 bits at density 0.1 %) and the values 32 or
+16 bits.
 
 Index section (``encode_indices`` / ``decode_indices``; all integers little-endian)
 ---------------------------------------------------------------------------------------
@@ -39,7 +40,7 @@ k0 capped at 62); then, as gaps are not exactly geometric, the one of
 ``k0 - 1, k0, k0 + 1`` (within 0..62) that gives the fewest bits ``m (k + 1) + sum(d >> k)``,
 the smaller on a tie.  The decoder reads k from the section; any k in 0..62 is valid.
 
-The coding itself (NumPy specification and kernels/sparse.cu, the parameter choice, the
+The coding itself (NumPy specification and kernels/rice.cu, the parameter choice, the
 checks) is hvdcomp.ops.rice; this module gives its sections as host bytes.
 
 Values section (``encode_values`` / ``decode_values``)

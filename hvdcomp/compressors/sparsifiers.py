@@ -44,9 +44,9 @@ the float32 factor T / ||g|| is the same except in the rare case of a float64 su
 straddling a float32 rounding boundary.
 
 Wire (hvdcomp.wire.Message; header ``bits`` = value width 32 or 16, bucket size 0, level
-version 0; the index and value encodings are hvdcomp.codecs.sparse's):
+version 0; the index and value encodings are hvdcomp.codecs.sparse_vectors's):
 
-    topk, dgc:  section 0  indices: Golomb-Rice coded gaps (hvdcomp.codecs.sparse)
+    topk, dgc:  section 0  indices: Golomb-Rice coded gaps (hvdcomp.codecs.sparse_vectors)
                 section 1  values: m float32/float16, little-endian, in index order
                 payload  ~ m * (bits + log2(n / m) + 1.5) / 8 bytes, plus 5 (or 9) bytes
     randk:      section 0  values only: k float32/float16 in the order of the indices
@@ -59,7 +59,7 @@ version 0; the index and value encodings are hvdcomp.codecs.sparse's):
 Whole-message cost: 52 + 8 * (ndim + nsections) header bytes (84 for a matrix with two
 sections) plus the payload; e.g. the real gradient of the 300 x 784 first layer of
 FC-300-100 at density 0.1 % (236 values, 11.9 bits per index): 1,383 bytes with fp32 values
-(680x), 911 with fp16 (1,033x), as measured in tests/codecs/test_sparse_codec.py.
+(680x), 911 with fp16 (1,033x), as measured in tests/codecs/test_sparse_vectors.py.
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ..codecs.sparse import decode_indices, decode_values, encode_indices, encode_values
+from ..codecs.sparse_vectors import (decode_indices, decode_values, encode_indices,
+                                     encode_values)
 from ..errors import WireFormatError
 from ..ops import sparsify
 from ..wire import FLAG_NONFINITE, Message

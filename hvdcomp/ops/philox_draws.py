@@ -1,6 +1,6 @@
 """Philox4x32-10 draws as ops: :func:`random_words` and :func:`uniform`.
 
-Their references are the specification in hvdcomp/random.py (PyTorch int64 arithmetic, CPU
+Their references are the specification in hvdcomp/philox.py (PyTorch int64 arithmetic, CPU
 or CUDA; the stream layout, key = (seed, rank), counter = (index // 4, tensor_id, step), is
 described there and pinned by Random123's known-answer vectors); their kernels are
 ``hvd_philox_words`` and ``hvd_uniform`` of kernels/random.cu, bit-identical to them.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import random as philox
+from .. import philox
 from ..backends._common import BLOCK, check_int, grid_for, u32
 from . import op
 

@@ -1,4 +1,4 @@
-"""kernels/sparse.cu (hvdcomp/ops/rice.py's kernel implementations) against the NumPy
+"""kernels/rice.cu (hvdcomp/ops/rice.py's kernel implementations) against the NumPy
 specification hvdcomp.ops.rice.encode.reference / decode.reference: sections identical
 byte for byte, indices identical, invalid inputs and malformed sections rejected with the
 same errors; the public encode_indices / decode_indices against HVDCOMP_BACKEND=reference.
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvdcomp.codecs import sparse as S
+from hvdcomp.codecs import sparse_vectors as S
 from hvdcomp.ops import rice
 from hvdcomp.errors import WireFormatError
 

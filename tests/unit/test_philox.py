@@ -1,4 +1,4 @@
-"""hvdcomp.random: Philox4x32-10 and the (seed, rank | block, tensor_id, step) stream layout.
+"""hvdcomp.philox: Philox4x32-10 and the (seed, rank | block, tensor_id, step) stream layout.
 
 Golden values are the Random123 known-answer vectors (kat_vectors, philox4x32 with 10
 rounds).  The stream layout is checked against a small pure-Python Philox written here from
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from hvdcomp.random import philox4x32, random_words, uniform
+from hvdcomp.philox import philox4x32, random_words, uniform
 
 M32 = 0xFFFFFFFF
 

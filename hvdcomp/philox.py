@@ -14,9 +14,9 @@ so element ``index`` of tensor ``tensor_id`` at ``step`` on ``rank`` always draw
 ``step`` is taken modulo 2**32.
 
 This module is the reference implementation (PyTorch int64 arithmetic, CPU or CUDA); the
-known-answer vectors of Random123 pin it in tests/unit/test_random.py.  The ops
-hvdcomp.ops.random.random_words / uniform run it, or the kernels of kernels/random.cu where a
-kernel backend serves the device (the same bits).
+known-answer vectors of Random123 pin it in tests/unit/test_philox.py.  The ops
+hvdcomp.ops.philox_draws.random_words / uniform run it, or the kernels of kernels/random.cu
+where a kernel backend serves the device (the same bits).
 """
 from __future__ import annotations
 
