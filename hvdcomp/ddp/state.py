@@ -15,7 +15,7 @@ from ..compressors import Compressor
 from ..errors import ConfigError
 from ..exchange import Exchange, StepStats
 from ..exchange.driver import FORMAT, Driver, Reports, Settings, resolve
-from ..log import logger
+from ..exchange.owners import Door, Owner, record, replaced, take_over
 from ..transport.torch_dist import TorchDistAllreduce, TorchDistTransport, private_group
 from .bucket import begin_step
 
@@ -63,7 +63,7 @@ def check_backend(devices: Set[str], backend: str) -> None:
                          f"group uses {backend!r}")
 
 
-class HookState(Reports):
+class HookState(Reports, Owner):
     """The state of :func:`hook`: the exchange (compressors with their statistics, level
     tables, residuals, momentum), the step counter and the last step's statistics.
 
@@ -98,6 +98,20 @@ class HookState(Reports):
     ``last_stats``, ``step``, ``plan``, ``paths``, ``compression``: as their docstrings say.
     """
 
+    DOOR = Door(
+        label="HookState", prefix="hvdcomp.ddp: ",
+        use_new="run backward through the DDP wrapper that one is registered on (a DDP "
+                "wrapper takes one communication hook: to use a new HookState, wrap the "
+                "module in a new DDP)",
+        rebuild="build the new HookState on the whole model",
+        closed="(threads stopped, process groups destroyed); its state (step, residuals, "
+               "levels) is not carried over (new.load_state_dict(old.state_dict()) before "
+               "closing carries it)",
+        copy="an hvdcomp.ddp.HookState cannot be pickled, copied or deep-copied once set up: "
+             "it holds a live exchange (threads, process groups).  Save state.state_dict() "
+             "(one file per rank: torch.save(state.state_dict(), f'hook.{rank}.pt')) and "
+             "load it with HookState(model, ...).load_state_dict(...)")
+
     def __init__(self, model, compression=None, *, process_group=None, optimizer=None,
                  seed: int = 0, min_compress_numel: int = 1024, compress_1d: bool = False,
                  allreduce_summable: bool = True, check_replicas: bool = True):
@@ -131,8 +145,6 @@ class HookState(Reports):
         self._step_names: Set[str] = set()  # parameters handed to this step's calls
         self._step_task = -1                # the backward pass (graph task) of this step
         self._last_task = -1                # ... of the step before
-        self._closed = False
-        self._replaced_by: Optional[int] = None
         self._lock = threading.Lock()
         if dist.is_available() and dist.is_initialized():
             self.setup()
@@ -143,12 +155,7 @@ class HookState(Reports):
         checkpoint loaded: e.g. a state handed to Lightning's strategy, which spawns its
         processes first); TypeError once the exchange is live (threads, process groups)."""
         if self._driver is not None or self._closed:
-            raise TypeError(
-                "an hvdcomp.ddp.HookState cannot be pickled, copied or deep-copied once set "
-                "up: it holds a live exchange (threads, process groups).  Save "
-                "state.state_dict() (one file per rank: torch.save(state.state_dict(), "
-                "f'hook.{rank}.pt')) and load it with HookState(model, ...)"
-                ".load_state_dict(...)")
+            raise self._copy_refused()
         d = dict(self.__dict__)
         del d["_lock"]
         return d
@@ -178,7 +185,7 @@ class HookState(Reports):
         backend = dist.get_backend(group)
         # An open HookState that exchanges some of these parameters (built again for a new
         # DDP wrapper of the same module) is replaced, once the ranks agree on it.
-        old = _replaced(self._named, self._ident)
+        old = replaced((o for _, o in sorted(_open.items())), self._named, self._ident)
         # Every setting, agreed over one fixed channel (DDP's group) before anything that
         # depends on them: making the private groups is itself collective, so ranks that
         # differ in any setting are reported instead of hanging.
@@ -186,18 +193,9 @@ class HookState(Reports):
             TorchDistTransport(group), "the DDP hook settings",
             launcher="hvdcomp.ddp.HookState", backend=backend, devices=sorted(devices),
             parameters=[[n, list(p.shape), str(p.dtype)] for n, p in self._named],
-            replaces={str(o._ident): left for o, left in old.items()},
+            replaces=record(old),
             **{"HookState number": self._ident, "sparse gradients": self._sparse})
-        partial = {o._ident: left for o, left in old.items() if left}
-        if partial:                           # (every rank alike: agreed above)
-            k, left = next(iter(partial.items()))
-            raise ValueError(
-                f"hvdcomp.ddp: HookState number {k} (still open) exchanges some of these "
-                f"parameters and also {left[:5]}{'...' if len(left) > 5 else ''}, which this "
-                f"one does not: replacing it would leave those unexchanged.  Call its "
-                f"close() first, or build the new HookState on the whole model")
-        for o in old:
-            o._replace(self._ident)
+        take_over(old, self._ident, dist.get_rank())     # (every rank alike: agreed above)
         if self._sparse:                      # (every rank alike: agreed above)
             raise TypeError(
                 f"hvdcomp.ddp: {self._sparse} get sparse gradients (nn.Embedding or "
@@ -336,42 +334,6 @@ class HookState(Reports):
             dist.destroy_process_group(self.exchange.transport.group)
             dist.destroy_process_group(self._sums_group)
             self._driver = None
-
-    def _replace(self, by: int) -> None:
-        """Closed because HookState number ``by`` replaces it (every rank alike)."""
-        self.close()
-        self._replaced_by = by
-        if dist.get_rank() == 0:
-            logger.info("hvdcomp.ddp: HookState number %d replaces number %d on the same "
-                        "parameters: the old one is closed (threads stopped, process groups "
-                        "destroyed); its state (step, residuals, levels) is not carried over "
-                        "(new.load_state_dict(old.state_dict()) before closing carries it)",
-                        by, self._ident)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            why = (f"it was replaced by HookState number {self._replaced_by}, built on the "
-                   f"same parameters: run backward through the DDP wrapper that one is "
-                   f"registered on (a DDP wrapper takes one communication hook: to use a "
-                   f"new HookState, wrap the module in a new DDP)"
-                   if self._replaced_by is not None else "close() was called")
-            raise RuntimeError(f"hvdcomp.ddp: this HookState (number {self._ident}) is "
-                               f"closed: {why}")
-
-
-def _replaced(named, ident: int) -> Dict["HookState", List[str]]:
-    """The open HookStates that exchange any of ``named``'s parameters (the new HookState
-    number ``ident`` replaces them), each with the names of its other parameters (those
-    the new one would leave unexchanged)."""
-    mine = {id(p) for _, p in named}
-    out = {}
-    for k, other in sorted(_open.items()):
-        if k == ident or other._closed:
-            continue
-        held = [(n, id(p)) for n, p in other._named]
-        if any(i in mine for _, i in held):
-            out[other] = [n for n, i in held if i not in mine]
-    return out
 
 
 def _stop_at_exit(ref) -> None:

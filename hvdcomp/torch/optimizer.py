@@ -25,7 +25,7 @@ from torch.autograd import Variable
 
 from ..exchange import StepStats
 from ..exchange.driver import Driver, Reports, Settings, plain
-from ..log import logger
+from ..exchange.owners import Door, Owner, record, replaced, take_over
 from ..transport import HorovodAllreduce, HorovodTransport
 from ..transport import select as select_transport
 from .join import live, register
@@ -83,38 +83,30 @@ def _check_wrappable(optimizer) -> None:
             "the gradients itself); wrap the torch optimizer itself")
 
 
-def _replaced(named, ident: int):
-    """The open hvdcomp DistributedOptimizers that hook any of ``named``'s parameters
-    (the new optimizer number ``ident`` replaces them), and for each one whose other
-    parameters the new one would leave unexchanged, their names: {optimizer: [names]}."""
-    mine = {id(p) for _, p in named}
-    out = {}
-    for other in live():
-        if other._ident == ident or other._closed:
-            continue
-        held = [(n, id(p)) for n, p in other._named]
-        if any(i in mine for _, i in held):
-            out[other] = [n for n, i in held if i not in mine]
-    return out
-
-
 class _DistributedOptimizer(torch.optim.Optimizer):
     # Methods of this class are copied into a subclass of the user's optimizer class, so
     # they use super(self.__class__, self) rather than zero-argument super().
 
     _hvdcomp_optimizer = True
+    DOOR = Door(
+        label="hvdcomp DistributedOptimizer", prefix="", use_new="step that one",
+        rebuild="build the new optimizer on all of its parameters",
+        closed="(hooks removed, threads stopped); its hvdcomp state (step, residuals, levels) "
+               "is not carried over (new.load_state_dict(old.state_dict()) carries it)",
+        copy="an hvdcomp DistributedOptimizer cannot be pickled, copied or deep-copied: it "
+             "holds a live exchange (threads, communicators) and hooks on the model's "
+             "parameters.  Save optimizer.state_dict() (it includes hvdcomp's state) and "
+             "load it into a DistributedOptimizer built on the model's parameters")
 
     def __init__(self, params, named_parameters, settings: Settings, backward_passes_per_step,
                  op, transport, hvd, refused=None):
         super(self.__class__, self).__init__(params)
         self._ident = next(_created)
-        self._closed = False
-        self._replaced_by = None
         named = _named_floats(self.param_groups, named_parameters)
         # An open hvdcomp optimizer that already hooks these parameters (the optimizer
-        # built again, e.g. to change the learning rate) is replaced: closed once the
-        # ranks agree (recorded below), so that each backward pass exchanges once.
-        old = _replaced(named, self._ident)
+        # built again, e.g. to change the learning rate) is replaced once the ranks agree
+        # (hvdcomp.exchange.owners), so that each backward pass exchanges once.
+        old = replaced(live(), named, self._ident)
         # Every setting, agreed over one fixed channel (Horovod's allgather under a fixed
         # name) before anything that depends on them: building the transport is itself
         # collective, so ranks that differ in any setting are reported instead of hanging.
@@ -127,7 +119,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             backward_passes_per_step=plain(backward_passes_per_step),
             op={hvd.Average: "Average", hvd.Sum: "Sum"}.get(op, repr(op)),
             parameters=[[n, list(p.shape), str(p.dtype)] for n, p in named],
-            replaces={str(o._ident): left for o, left in old.items()},
+            replaces=record(old),
             refused=refused)
         # (after the handshake: every rank raises the same error)
         if refused:
@@ -138,16 +130,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvdcomp.torch.DistributedOptimizer supports op=Average and "
                              "op=Sum (Adasum cannot combine decoded messages)")
-        partial = {o._ident: left for o, left in old.items() if left}
-        if partial:
-            k, left = next(iter(partial.items()))
-            raise ValueError(
-                f"hvdcomp DistributedOptimizer number {k} (still open) hooks some of these "
-                f"parameters and also {left[:5]}{'...' if len(left) > 5 else ''}, which this "
-                f"one does not hold: replacing it would leave those unexchanged.  Call its "
-                f"close() first, or build the new optimizer on all of its parameters")
-        for o in old:
-            o._replace(self._ident)
+        take_over(old, self._ident, hvd.rank())
         # a carrier built here (not handed in) is freed by close()
         self._owns_transport = transport is None or isinstance(transport, str)
         self._driver = Driver(named, settings, select_transport(transport, hvd),
@@ -225,32 +208,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._fresh = True
         self._hook_trainable()        # parameters unfrozen since: hooked from now on
 
-    def _replace(self, by: int) -> None:
-        """Closed because optimizer number ``by`` replaces it (on every rank alike)."""
+    def _replace(self, by: int, rank: int) -> None:
         if self._exchange.in_step:
             self._exchange.finish()           # (every rank: the ranks agreed on the swap)
-        self.close()
-        self._replaced_by = by
-        if self._exchange.rank == 0:
-            logger.info("hvdcomp DistributedOptimizer number %d replaces number %d on the same "
-                        "parameters: the old one is closed (hooks removed, threads stopped); "
-                        "its hvdcomp state (step, residuals, levels) is not carried over "
-                        "(new.load_state_dict(old.state_dict()) carries it)", by, self._ident)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            why = (f"it was replaced by hvdcomp DistributedOptimizer number "
-                   f"{self._replaced_by}, built on the same parameters: step that one"
-                   if self._replaced_by is not None else "close() was called")
-            raise RuntimeError(f"this hvdcomp DistributedOptimizer (number {self._ident}) is "
-                               f"closed: {why}")
+        Owner._replace(self, by, rank)
 
     def __reduce_ex__(self, protocol):
-        raise TypeError(
-            "an hvdcomp DistributedOptimizer cannot be pickled, copied or deep-copied: it "
-            "holds a live exchange (threads, communicators) and hooks on the model's "
-            "parameters.  Save optimizer.state_dict() (it includes hvdcomp's state) and "
-            "load it into a DistributedOptimizer built on the model's parameters")
+        raise self._copy_refused()
 
     # --- public ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -390,7 +354,7 @@ def make(optimizer, named_parameters, settings: Settings, backward_passes_per_st
     # wrapped optimizer's own step (no exchange, which the other ranks would not join)
     # instead of calling step() (docs/semantics.md, "Horovod's helpers").
     body["__module__"] = _HOROVOD_OPTIMIZER_MODULE
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__, Reports), body)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, Reports, Owner), body)
     return cls(optimizer.param_groups, named_parameters, settings, backward_passes_per_step,
                op, transport, hvd, refused)
 
