@@ -62,6 +62,7 @@ def report(request, tmp_path_factory):
     if (worker, n) not in _reports:
         wanted = [i.callspec.params["case"] for i in request.session.items
                   if getattr(i, "originalname", None) == "test_case"
+                  and i.module is request.module       # (other files have a test_case too)
                   and (i.callspec.params["worker"], i.callspec.params["n"]) == (worker, n)]
         every = [c for w, k, c in CASES if (w, k) == (worker, n)]
         outdir = str(tmp_path_factory.mktemp(f"{worker}_np{n}"))
