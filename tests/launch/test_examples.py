@@ -5,6 +5,7 @@ Each rank trains on its own synthetic batches (the first losses differ), so para
 that end identical, bit for bit, on both ranks were updated with the same averages; the
 loss falls; and the bytes each rank reports match a count made here: the ratio is the
 model's fp32 gradient bytes over the bytes sent, and ALQ's 3 bits send less than a fifth."""
+import glob
 import importlib.util
 import os
 import re
@@ -21,8 +22,9 @@ HAVE_MPI = shutil.which("mpirun") is not None and importlib.util.find_spec("horo
 FP32_BYTES = 4 * (64 * 128 + 128 + 128 * 10 + 10)
 
 
-def _run(cmd, timeout=600) -> str:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def _run(cmd, timeout=600, **extra_env) -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               **extra_env)
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=timeout)
@@ -49,9 +51,17 @@ def _check(out: str):
 
 
 @pytest.mark.skipif(not HAVE_MPI, reason="mpirun or Horovod missing (launch/setup installs them)")
-def test_minimal_horovod_example():
-    _check(_run([os.path.join(ROOT, "launch", "run"), "-np", "2", sys.executable,
-                 os.path.join(ROOT, "examples", "minimal_horovod.py")]))
+def test_minimal_horovod_example(tmp_path):
+    # launch/run starts the ranks unbuffered, so their lines can interleave mid-line on
+    # mpirun's stdout (as torchrun's did below): each rank's output goes to its own file
+    # (Open MPI's --output-filename DIR writes DIR/1/rank.R/stdout).
+    _run([os.path.join(ROOT, "launch", "run"), "-np", "2", sys.executable,
+          os.path.join(ROOT, "examples", "minimal_horovod.py")],
+         HVDCOMP_MPIRUN_ARGS=f"--output-filename {tmp_path}")
+    files = sorted(glob.glob(os.path.join(str(tmp_path), "**", "rank.*", "stdout"),
+                             recursive=True))
+    assert len(files) == 2, files
+    _check("".join(open(f).read() for f in files))
 
 
 def test_minimal_ddp_example():
