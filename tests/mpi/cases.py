@@ -40,7 +40,7 @@ import time
 import traceback
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["case", "run", "registered", "discover", "Report"]
+__all__ = ["case", "run", "registered", "discover", "launch", "Report"]
 
 _REGISTRY: List[Tuple[str, Callable, tuple]] = []
 
@@ -264,3 +264,24 @@ class Report:
         if self.rc != 0 and not failed:
             return "every case passed, yet " + self._how_it_ended()
         return None
+
+
+def launch(script: str, n: int, cases: Sequence[str], outdir: str, timeout: int,
+           **extra_env: str) -> "Report":
+    """The pytest side: run ``script`` under launch/run on ``n`` ranks (only ``cases`` if
+    given; a timeout ends it as a hang) and read what its ranks left in ``outdir``."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, root]), HVDCOMP_TEST_OUT=outdir,
+               **extra_env)
+    cmd = [os.path.join(root, "launch", "run"), "-np", str(n), sys.executable, script, *cases]
+    try:
+        p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
+                           timeout=timeout)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                for x in (e.stdout, e.stderr)]
+        rc, out = None, "".join(text)
+    return Report(os.path.basename(script), n, outdir, rc, out, timeout)

@@ -3,15 +3,12 @@
 hang into a failure (and cases.py's barrier, which aborts a job whose ranks stop meeting)."""
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from cases import Report, discover
+from cases import discover, launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 SCRIPT = os.path.join(HERE, "worker_objects.py")
 TIMEOUT = 600
 N = 2
@@ -31,19 +28,8 @@ def report(request, tmp_path_factory):
                   if getattr(i, "originalname", None) == "test_case"
                   and i.module is request.module]
         outdir = str(tmp_path_factory.mktemp("objects"))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT]),
-                   HVDCOMP_TEST_OUT=outdir, HVDCOMP_CASE_WAIT="120")
-        cmd = [os.path.join(ROOT, "launch", "run"), "-np", str(N), sys.executable, SCRIPT,
-               *([] if wanted == CASES else wanted)]
-        try:
-            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                               timeout=TIMEOUT)
-            rc, out = p.returncode, p.stdout + p.stderr
-        except subprocess.TimeoutExpired as e:
-            text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                    for x in (e.stdout, e.stderr)]
-            rc, out = None, "".join(text)
-        _report["r"] = Report(os.path.basename(SCRIPT), N, outdir, rc, out, TIMEOUT)
+        _report["r"] = launch(SCRIPT, N, [] if wanted == CASES else wanted, outdir, TIMEOUT,
+                              HVDCOMP_CASE_WAIT="120")
     return _report["r"]
 
 

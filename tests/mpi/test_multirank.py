@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from cases import Report, discover
+from cases import Report, discover, launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -41,17 +41,7 @@ _reports = {}
 
 def run_worker(worker: str, n: int, cases, outdir: str) -> Report:
     """Run ``worker`` on ``n`` ranks (only ``cases`` if given), and read what it left."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT]), HVDCOMP_TEST_OUT=outdir)
-    cmd = [RUN, "-np", str(n), sys.executable, script_of(worker), *cases]
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=TIMEOUT)
-        rc, out = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                for x in (e.stdout, e.stderr)]
-        rc, out = None, "".join(text)
-    return Report(os.path.basename(script_of(worker)), n, outdir, rc, out, TIMEOUT)
+    return launch(script_of(worker), n, cases, outdir, TIMEOUT)
 
 
 @pytest.fixture
