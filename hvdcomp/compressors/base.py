@@ -286,6 +286,14 @@ class Compressor:
         return None
 
     # --- state ------------------------------------------------------------------------
+    # The keys of ``state_dict()`` that hold the same values on every rank and keep their
+    # meaning at another world size (fitted level tables, PowerSGD's Q).  A checkpoint
+    # loaded into a world of another size keeps them and resets the rest: the state that is
+    # this rank's own (error-feedback residuals, DGC's momentum and accumulation, LAQ's
+    # last uploads and aggregates), which no rank of the new world owns
+    # (:meth:`hvdcomp.exchange.driver.Driver.load_state_dict`).
+    shared_state: ClassVar[Tuple[str, ...]] = ()
+
     def state_dict(self) -> Dict[str, Any]:
         return {}
 

@@ -219,6 +219,7 @@ class _Adaptive(AdaptiveLevels, BucketQuantizer):
     a new version number.
     """
     keeps_state = True          # the fitted levels and their version
+    shared_state = ("levels", "level_version")   # one table, broadcast by rank 0
 
     def __init__(self, bits: int = 3, bucket_size: int = 8192, entropy: bool = False,
                  refit_steps: tuple = (100, 2000), refit_every: int = 10000,

@@ -303,25 +303,22 @@ class HookState(Reports, Owner):
         self.setup()
         if self._in_step:
             raise RuntimeError("HookState.state_dict() during a step: call it after backward")
-        ex = self.exchange
-        return {"rank": ex.rank, "world_size": ex.size, **self._driver.state_dict()}
+        return self._driver.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s result (before the first step; kept until setup if
-        torch.distributed is not initialized yet).  ValueError for another rank's or
-        world size's checkpoint, or another compressor's."""
+        torch.distributed is not initialized yet).  ValueError for another rank's checkpoint
+        of a world of this size, or another compressor's.  A checkpoint of another world
+        size (an elastic restart that resized the job; any rank's) keeps the step and the
+        shared state and resets the per-rank state, with a warning
+        (:meth:`hvdcomp.exchange.driver.Driver.load_state_dict`)."""
         if self._driver is None and not (dist.is_available() and dist.is_initialized()):
             self._loaded = dict(state)
             return
         self.setup()
-        ex = self.exchange
         if state.get("format") != FORMAT:
             raise ValueError(f"not a HookState checkpoint (format {state.get('format')!r})")
-        if (state["rank"], state["world_size"]) != (ex.rank, ex.size):
-            raise ValueError(f"checkpoint of rank {state['rank']} of {state['world_size']}, "
-                             f"this is rank {ex.rank} of {ex.size}: save and load one "
-                             f"checkpoint per rank (residuals are per rank)")
-        self._driver.load_state_dict(state)
+        self._driver.load_state_dict(state, own_rank=True)
 
     def close(self) -> None:
         """Stop the exchange's threads and free its buffers and process groups (between

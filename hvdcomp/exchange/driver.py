@@ -27,6 +27,7 @@ import torch
 
 from ..auto import Auto, from_spec, merge_collective, spec_collective
 from ..compressors import Compressor
+from ..log import warn_limited
 from ..transport import Allreduce, Transport
 from . import momentum
 from .buckets import agree_settings
@@ -204,13 +205,14 @@ class Driver:
 
     # --- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """Everything to resume bit-exactly: ``format``, ``step``, ``compression`` (the
-        spec), ``compressor_state``, ``second_stage_state`` (the reduce-scatter's) and
-        ``params_before`` (LAQ's parameters of the last step, between before_step and
-        after_step; else None)."""
+        """Everything to resume bit-exactly: ``format``, ``rank`` and ``world_size`` (of
+        the rank that saved it), ``step``, ``compression`` (the spec), ``compressor_state``,
+        ``second_stage_state`` (the reduce-scatter's) and ``params_before`` (LAQ's
+        parameters of the last step, between before_step and after_step; else None)."""
         ex, comp = self.exchange, self.compression
         before = ex.params_before
-        return {"format": FORMAT, "step": self.step, "compression": comp.spec(),
+        return {"format": FORMAT, "rank": ex.rank, "world_size": ex.size,
+                "step": self.step, "compression": comp.spec(),
                 "compressor_state": comp.state_dict(),
                 "second_stage_state": [c.state_dict() for c in ex.second_stages()],
                 "params_before": None if before is None else [b.clone() for b in before]}
@@ -236,12 +238,40 @@ class Driver:
                              f"exchange's collective has {len(stages)} (was it saved with "
                              f"another collective?)")
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s result (:meth:`check_state` first)."""
+    def load_state_dict(self, state: Dict[str, Any], own_rank: bool = False) -> None:
+        """Restore :meth:`state_dict`'s result (:meth:`check_state` first), bit-exactly when
+        it was saved at this world size.
+
+        Saved at another world size (an elastic job that restarted larger or smaller; any
+        rank's checkpoint will do): the step, the parameters of the last step and the state
+        every rank shares (``Compressor.shared_state``: fitted levels, PowerSGD's Q) carry
+        over; the state each rank owns (error-feedback residuals, DGC's momentum and
+        accumulation, LAQ's records, the reduce-scatter's second stage) is reset, as at the
+        first step, and a warning names it.  The effect on convergence is that of a fresh
+        start of that state: the gradient mass a residual still held is dropped (at most one
+        step's worth for error feedback; DGC's momentum restarts from zero), and LAQ's next
+        step uploads every tensor.  ``own_rank``: ValueError for a checkpoint another rank
+        of a world of this size saved (the DDP hook: residuals are per rank)."""
         self.check_state(state)
         ex = self.exchange
-        self.compression.load_state_dict(state["compressor_state"])
-        for c, st in zip(ex.second_stages(), state.get("second_stage_state", [])):
+        size = state.get("world_size", ex.size)    # (older checkpoints say none: this one)
+        if own_rank and size == ex.size and state.get("rank", ex.rank) != ex.rank:
+            raise ValueError(f"checkpoint of rank {state['rank']} of {size}, this is rank "
+                             f"{ex.rank} of {ex.size}: save and load one checkpoint per rank "
+                             f"(residuals are per rank)")
+        comp_state, stage_states = state["compressor_state"], state.get("second_stage_state", [])
+        if size != ex.size:
+            comp_state, dropped = _shared(self.compression, comp_state)
+            stages = [_shared(c, st) for c, st in zip(ex.second_stages(), stage_states)]
+            stage_states = [st for st, _ in stages]
+            dropped += ["the second stage's " + k for _, ks in stages for k in ks]
+            if dropped:
+                warn_limited(f"hvdcomp rank {ex.rank}: checkpoint of world size {size} loaded "
+                             f"into a world of {ex.size}: per-rank state reset "
+                             f"({self.compression.name}: {', '.join(dropped)}); shared state "
+                             f"kept ({', '.join(self.compression.shared_state) or 'none'})")
+        self.compression.load_state_dict(comp_state)
+        for c, st in zip(ex.second_stages(), stage_states):
             c.load_state_dict(st)
         self.step = int(state["step"])
         before = state.get("params_before")
@@ -390,3 +420,10 @@ class Reports:
     def collective(self) -> str:
         """The collective setting in effect: "allgather", "reduce_scatter" or "auto"."""
         return self._driver.exchange.collective_setting
+
+
+def _shared(comp: Compressor, state: Dict[str, Any]) -> Tuple[Dict[str, Any], list]:
+    """(the part of a compressor's ``state`` that every rank shares, the keys left out)."""
+    keep = set(comp.shared_state)
+    return ({k: v for k, v in state.items() if k in keep},
+            sorted(k for k, v in state.items() if k not in keep and v))

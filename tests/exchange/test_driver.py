@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hvdcomp  # noqa: E402
+from hvdcomp.compressors import examples  # noqa: E402
 from hvdcomp.exchange import StepStats  # noqa: E402
 from hvdcomp.exchange.driver import FORMAT, Driver, Settings, resolve  # noqa: E402
 from world import run_ranks  # noqa: E402
@@ -145,8 +146,9 @@ def test_checkpoint_round_trip_resumes_bit_exactly():
         for step in range(2):
             _step(d, rank, step)
         sd = d.state_dict()
-        assert set(sd) == {"format", "step", "compression", "compressor_state",
-                           "second_stage_state", "params_before"}
+        assert set(sd) == {"format", "rank", "world_size", "step", "compression",
+                           "compressor_state", "second_stage_state", "params_before"}
+        assert (sd["rank"], sd["world_size"]) == (rank, 2)
         assert sd["format"] == FORMAT and sd["step"] == 2 and sd["second_stage_state"] == []
         # a fresh exchange restored from it continues exactly as the original
         e = Driver(_params(), settings, tp, ident=1)
@@ -194,6 +196,110 @@ def test_check_state_refuses_what_it_cannot_load():
         assert f"format {FORMAT + 1}" in errors[1]
         assert "'compressor_state'" in errors[2] and "'compressor_state'" in errors[4]
         assert "1 second-stage states" in errors[3]
+
+
+# --- a checkpoint of another world size (an elastic restart that resized the job) -----------
+STATEFUL = [spec for name, spec in examples().items()
+            if hvdcomp.get(spec).keeps_state
+            and type(hvdcomp.get(spec)).__module__.startswith("hvdcomp.")]
+
+
+def _same(a, b) -> bool:
+    """Nested dicts, lists and tensors equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_every_stateful_compressor_declares_its_shared_state():
+    assert {s.split(":")[0] for s in STATEFUL} >= {"alq", "amq", "dgc", "laq", "powersgd",
+                                                   "signef", "topk"}
+    assert hvdcomp.get("alq").shared_state == ("levels", "level_version")
+    assert hvdcomp.get("powersgd").shared_state == ("q",)
+    assert hvdcomp.get("dgc").shared_state == hvdcomp.get("signef").shared_state == ()
+
+
+@pytest.mark.parametrize("spec", STATEFUL)
+def test_another_world_size_keeps_the_shared_state_and_resets_the_rest(spec, caplog):
+    """Saved by 3 ranks, loaded by 2 (each loads rank 0's checkpoint): what the compressor
+    declares shared is the same on every rank of the old world and carries over; the
+    rest (this rank's own) is reset, with a warning naming it; the step carries over and
+    the new world's ranks go on with identical averages."""
+    settings = Settings(compression=spec, min_compress_numel=16, seed=5)
+    shared = hvdcomp.get(spec).shared_state
+
+    def driver(tp, ident):
+        d = Driver(_params(), settings, tp, ident=ident)
+        if spec.startswith("dgc"):                  # DGC applies the optimizer's momentum
+            d.momentum.attach(torch.optim.SGD([e.param for e in d.exchange.entries.values()],
+                                              lr=0.1, momentum=0.9))
+        return d
+
+    def first(rank, tp):
+        d = driver(tp, 0)
+        for step in range(4):
+            _step(d, rank, step)
+        sd = d.state_dict()
+        d.exchange.close()
+        return sd
+
+    old = run_ranks(3, first)
+    for r in old:
+        if isinstance(r, BaseException):
+            raise r
+    assert [sd["world_size"] for sd in old] == [3, 3, 3]
+    states = [sd["compressor_state"] for sd in old]
+    for k in shared:                       # the declaration is true: equal on every rank
+        assert all(_same(states[0][k], st[k]) for st in states), k
+    own = sorted(k for k, v in states[0].items() if k not in shared and v)
+    assert set(states[0]) - set(shared) == set(own) or not own, states[0].keys()
+
+    def second(rank, tp):
+        e = driver(tp, 1)
+        e.load_state_dict(torch.load(_saved(old[0], rank), weights_only=False))
+        loaded, step = e.compression.state_dict(), e.step
+        out = _step(e, rank, 4)
+        e.exchange.close()
+        return loaded, step, out
+
+    with caplog.at_level("WARNING", logger="hvdcomp"):
+        res = run_ranks(2, second)
+    for r in res:
+        if isinstance(r, BaseException):
+            raise r
+    for loaded, step, out in res:
+        assert step == 4
+        for k in shared:
+            assert _same(loaded[k], states[0][k]), k
+        for k in set(loaded) - set(shared):
+            assert not loaded[k], (k, loaded[k])             # reset, as at the first step
+        assert all(torch.isfinite(t).all() for t in out.values())
+        assert all(torch.equal(out[n], res[0][2][n]) for n in out)   # identical averages
+    warned = [r.getMessage() for r in caplog.records if "world size 3" in r.getMessage()]
+    if own:
+        assert warned and all(k in warned[0] for k in own), (own, warned)
+
+
+def test_own_rank_refuses_another_ranks_checkpoint_of_this_world_size():
+    settings = Settings(compression="signef", min_compress_numel=16)
+
+    def body(rank, tp):
+        d = Driver(_params(), settings, tp)
+        sd = dict(d.state_dict(), rank=1 - rank)
+        d.load_state_dict(sd)                      # the drop-in optimizer's rule: loads
+        try:
+            d.load_state_dict(sd, own_rank=True)   # the DDP hook's: one file per rank
+        except ValueError as e:
+            return str(e)
+        finally:
+            d.exchange.close()
+
+    for rank, text in enumerate(run_ranks(2, body)):
+        assert f"checkpoint of rank {1 - rank} of 2, this is rank {rank} of 2" in text
 
 
 # --- DGC's momentum guard --------------------------------------------------------------------
