@@ -1,5 +1,6 @@
 """An elastic DDP job with hvdcomp's hook: it survives a worker's death and a resize.
 
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1       # see below
     .venv/bin/torchrun --nproc_per_node 2 --max-restarts 3 examples/elastic_ddp.py --dir /tmp/ck
     # several hosts, 1 to 4 of them (a resize restarts every worker with the new world):
     .venv/bin/torchrun --nnodes 1:4 --nproc_per_node 2 --max-restarts 3 --rdzv-backend c10d \\
@@ -14,7 +15,12 @@ rank loads rank 0's hook state: hvdcomp keeps the step and the state all ranks s
 fitted levels, PowerSGD's Q), resets the per-rank state and logs a warning
 (docs/semantics.md, "Elastic restarts").  --fail-at STEP: rank 1 dies (SIGKILL) just before
 that step's backward on the first attempt, to try it.  --out DIR: each rank writes its
-final parameters and hook state there."""
+final parameters and hook state there.
+
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch 2.13, a restarted group shares the
+rendezvous store of the attempt before it and init_process_group("gloo") can read a dead
+worker's address and fail (Gloo connectFullMesh, "Connection refused"; 2 restarts in 4 here,
+plain DDP without hvdcomp alike; PyTorch issue 135712); a store per attempt avoids it."""
 import argparse
 import os
 import signal

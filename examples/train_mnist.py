@@ -18,6 +18,17 @@ controller, or --gloo):
 
 --log-dir DIR: rank 0 writes the per-epoch metrics to DIR/metrics.csv and, when the
 tensorboard package is installed, to TensorBoard event files in DIR.
+
+--checkpoint-dir DIR: a checkpoint after every epoch, and a (re)started job resumes from the
+newest one; with torchrun's --max-restarts the job survives a worker's death (torchrun
+restarts every worker) and a resize (another world size: hvdcomp keeps its shared state,
+resets the per-rank state and warns).  --fail-at STEP kills rank 1 at that step on the first
+attempt, to try it:
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 .venv/bin/torchrun --nproc_per_node 2 \\
+        --max-restarts 1 examples/train_mnist.py --checkpoint-dir /tmp/ck --fail-at 300
+
+(the variable: see examples/elastic_ddp.py)
 """
 from __future__ import annotations
 
@@ -26,6 +37,7 @@ import csv
 import logging
 import math
 import os
+import signal
 import sys
 import time
 
@@ -86,6 +98,9 @@ class HorovodJob:
     def gather(self, x: float, tag: str) -> torch.Tensor:
         return self.hvd.allgather(torch.tensor([x], dtype=torch.float64), name=tag)
 
+    def checkpointed(self):
+        return {}                  # hvdcomp's state is in the optimizer's state_dict
+
     def close(self):
         self.opt.close()
 
@@ -141,9 +156,56 @@ class TorchrunJob:
         self.dist.all_gather(out, torch.tensor([x], dtype=torch.float64))
         return torch.cat(out)
 
+    def checkpointed(self):
+        return {"hook": self.state}
+
     def close(self):
         self.state.close()
         self.dist.destroy_process_group()
+
+
+class Checkpoints:
+    """--checkpoint-dir: after each epoch every rank saves what it needs to resume
+    (DIR/epoch-E/rank-R.pt: the model, the optimizer with hvdcomp's part, the LR schedule,
+    the hook's state under torchrun, the step and the history); rank 0 then marks the epoch
+    complete (DIR/latest, replaced atomically) once every rank has saved.  A (re)started job
+    resumes from the newest complete epoch, each rank from its own file (hvdcomp's residuals
+    are per rank); a world of another size from rank 0's."""
+
+    def __init__(self, path: str, job):
+        self.path, self.job = path, job
+
+    def _file(self, epoch: int, rank: int) -> str:
+        return os.path.join(self.path, f"epoch-{epoch}", f"rank-{rank}.pt")
+
+    def save(self, epoch: int, objects: dict, steps: int, history: list) -> None:
+        os.makedirs(os.path.dirname(self._file(epoch, 0)), exist_ok=True)
+        torch.save({"epoch": epoch, "steps": steps, "history": history, "size": self.job.size,
+                    **{k: o.state_dict() for k, o in objects.items()}},
+                   self._file(epoch, self.job.rank))
+        self.job.barrier()
+        if self.job.rank == 0:
+            with open(os.path.join(self.path, "latest.tmp"), "w") as f:
+                f.write(str(epoch))
+            os.replace(os.path.join(self.path, "latest.tmp"), os.path.join(self.path, "latest"))
+
+    def load(self, objects: dict):
+        """(first epoch to run, steps so far, history) after loading the newest checkpoint
+        into ``objects``; (1, 0, []) when there is none."""
+        latest = os.path.join(self.path, "latest")
+        if not os.path.exists(latest):
+            return 1, 0, []
+        with open(latest) as f:
+            epoch = int(f.read())
+        saved = torch.load(self._file(epoch, 0), weights_only=False)
+        if saved["size"] == self.job.size:
+            saved = torch.load(self._file(epoch, self.job.rank), weights_only=False)
+        for k, o in objects.items():
+            o.load_state_dict(saved[k])
+        if self.job.rank == 0:
+            print(f"resumed after epoch {epoch} (saved by {saved['size']} ranks, now "
+                  f"{self.job.size})", flush=True)
+        return epoch + 1, saved["steps"], saved["history"]
 
 
 def main(argv=None):
@@ -180,6 +242,12 @@ def main(argv=None):
                     help="rank 0 writes per-epoch metrics here: metrics.csv, and TensorBoard "
                          "events when the tensorboard package is installed")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--checkpoint-dir", default="",
+                    help="save a checkpoint here after every epoch and resume from the newest "
+                         "one (torchrun --max-restarts: survive a worker's death or a resize)")
+    ap.add_argument("--fail-at", type=int, default=-1,
+                    help="rank 1 kills itself (SIGKILL) at this step on the first attempt "
+                         "(TORCHELASTIC_RESTART_COUNT 0), to try --checkpoint-dir")
     ap.add_argument("--json", default="", help="write the per-epoch results here (rank 0)")
     args = ap.parse_args(argv)
     try:
@@ -213,21 +281,22 @@ def main(argv=None):
         print(f"hvdcomp main job: FC-300-100, {len(x_tr)} train / {len(x_te)} test MNIST "
               f"digits, {size} ranks, {job.name}, compression {job.compression.spec()}, "
               f"collective {job.collective}", flush=True)
-    metrics = Metrics(args.log_dir) if rank == 0 and args.log_dir else None
     show = rank == 0 and not args.no_progress
     try:
         from tqdm import tqdm
     except ImportError:
         show = False
-    history = []
     steps_per_epoch = (len(x_tr) // size + args.batch_size - 1) // args.batch_size
     total = args.epochs * steps_per_epoch
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, total) / total)))
+    checkpoints = Checkpoints(args.checkpoint_dir, job) if args.checkpoint_dir else None
+    saved = {"model": model, "opt": opt, "sched": sched, **job.checkpointed()}
+    first, steps, history = checkpoints.load(saved) if checkpoints else (1, 0, [])
+    metrics = Metrics(args.log_dir, append=first > 1) if rank == 0 and args.log_dir else None
     job.barrier()                                         # every rank starts the clock together
     t_train = time.time()
-    steps = 0
-    for epoch in range(1, args.epochs + 1):
+    for epoch in range(first, args.epochs + 1):
         if args.max_steps and steps >= args.max_steps:
             break
         model.train()
@@ -240,6 +309,9 @@ def main(argv=None):
         for idx in it:
             opt.zero_grad()
             loss = F.cross_entropy(net(x_tr[idx]), y_tr[idx])
+            if (steps == args.fail_at and rank == 1
+                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+                os.kill(os.getpid(), signal.SIGKILL)     # a preempted worker
             loss.backward()
             opt.step()
             sched.step()
@@ -268,6 +340,8 @@ def main(argv=None):
             print(f"epoch {epoch:2d}  test acc {acc:5.2f} %  sent/rank {hi / 1e6:7.3f} MB"
                   f" (min {lo / 1e6:.3f})  fp32 {fp32 / 1e6:7.3f} MB  ratio {fp32 / hi:6.2f}x"
                   f"  [{time.time() - t_start:5.1f} s]", flush=True)
+        if checkpoints is not None:
+            checkpoints.save(epoch, saved, steps, history)
     if metrics is not None:
         metrics.close()
     if rank == 0:
@@ -288,10 +362,11 @@ class Metrics:
     when ``torch.utils.tensorboard`` can be imported (the tensorboard package), TensorBoard
     scalars under DIR (tag = column, step = epoch)."""
 
-    def __init__(self, log_dir: str):
+    def __init__(self, log_dir: str, append: bool = False):
         os.makedirs(log_dir, exist_ok=True)
         self.path = os.path.join(log_dir, "metrics.csv")
-        self._file = open(self.path, "w", newline="")
+        self._append = append and os.path.exists(self.path)   # a resumed job: no new header
+        self._file = open(self.path, "a" if self._append else "w", newline="")
         self._csv = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -302,7 +377,8 @@ class Metrics:
     def write(self, row: dict) -> None:
         if self._csv is None:
             self._csv = csv.DictWriter(self._file, fieldnames=list(row))
-            self._csv.writeheader()
+            if not self._append:
+                self._csv.writeheader()
         self._csv.writerow(row)
         self._file.flush()
         if self.tb is not None:
