@@ -59,15 +59,22 @@ class Classifier(pl.LightningModule):
         self.net, self.state = net, state
         self.lr, self.momentum, self.total = lr, momentum, total_steps
         self.sent = self.fp32 = 0
+        self.losses = []                        # [this process's loss, the synced one]
 
     def forward(self, x):
         return self.net(x)
 
     def training_step(self, batch, _):
         x, y = batch
-        return F.cross_entropy(self(x), y)
+        loss = F.cross_entropy(self(x), y)
+        # the loss averaged over the processes (an all-reduce on the default group, in
+        # every step next to hvdcomp's exchange)
+        self.log("train_loss", loss, sync_dist=True)
+        self.losses.append([loss.item(), None])
+        return loss
 
     def on_train_batch_end(self, *_):
+        self.losses[-1][1] = self.trainer.callback_metrics["train_loss"].item()
         st = self.state.last_stats              # this step's exchange, over by now
         if st is not None:                      # (None: the hook never ran; refused below)
             self.sent += st.bytes_sent
@@ -110,12 +117,20 @@ def main(argv=None):
     trainer.fit(model, loader)
 
     # every rank's bytes and exchanges (the process group is still up after fit)
-    mine = [state.step, model.sent, model.fp32]
+    mine = [state.step, model.sent, model.fp32, model.losses]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if any(e[0] != trainer.global_step for e in every):
         raise RuntimeError(f"hvdcomp's hook ran {[e[0] for e in every]} times per rank for "
                            f"{trainer.global_step} optimizer steps: was it registered?")
+    # Lightning's sync_dist gave every step the mean of the processes' losses
+    synced = 0
+    for k, (_, got) in enumerate(model.losses):
+        want = sum(e[3][k][0] for e in every) / len(every)
+        if abs(got - want) > 1e-6 * (1 + abs(want)):
+            raise RuntimeError(f"step {k}: sync_dist gave {got}, the processes' mean loss "
+                               f"is {want}")
+        synced += 1
     if trainer.global_rank == 0:
         with torch.no_grad():
             acc = (net(x_te).argmax(1) == y_te).float().mean().item() * 100
@@ -123,7 +138,7 @@ def main(argv=None):
         res = {"compression": state.compression.spec(), "world_size": len(every),
                "steps": trainer.global_step, "hook_steps": [e[0] for e in every],
                "test_acc": acc, "bytes_per_rank": sent, "fp32_bytes": model.fp32,
-               "ratio": model.fp32 / sent}
+               "ratio": model.fp32 / sent, "sync_dist_steps": synced}
         print(f"lightning + hvdcomp.ddp: {len(every)} processes, {trainer.global_step} "
               f"steps, test acc {acc:.2f} %, sent/rank {sent / 1e6:.3f} MB, fp32 "
               f"{model.fp32 / 1e6:.3f} MB, ratio {res['ratio']:.2f}x, compression "

@@ -27,6 +27,7 @@ from ..exchange import StepStats
 from ..exchange.driver import Driver, Reports, Settings, plain
 from ..exchange.owners import Door, Owner, record, replaced, take_over
 from ..transport import HorovodAllreduce, HorovodTransport
+from ..transport.horovod import name_unnamed_collectives
 from ..transport import select as select_transport
 from .join import live, register
 
@@ -131,6 +132,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("hvdcomp.torch.DistributedOptimizer supports op=Average and "
                              "op=Sum (Adasum cannot combine decoded messages)")
         take_over(old, self._ident, hvd.rank())
+        # the application's unnamed Horovod collectives get names that hvdcomp's threads
+        # cannot shift (every rank here, before the exchange's first thread)
+        name_unnamed_collectives()
         # a carrier built here (not handed in) is freed by close()
         self._owns_transport = transport is None or isinstance(transport, str)
         self._driver = Driver(named, settings, select_transport(transport, hvd),

@@ -7,10 +7,15 @@ Horovod matches collectives by name.  Every carrier built in a process takes the
 number of one process-wide count into the prefix of its names ("hvdcomp.3."), the same on
 every rank since every rank builds the same optimizers in the same order (the exchange's
 handshake checks it): two optimizers' collectives never share a name, even when their
-exchanges run at the same time."""
+exchanges run at the same time.
+
+The application's unnamed collectives next to the exchange: :func:`name_unnamed_collectives`."""
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
+import threading
 from typing import List, Sequence
 
 import numpy as np
@@ -18,7 +23,7 @@ import torch
 
 from .base import Allreduce, Transport
 
-__all__ = ["HorovodTransport", "HorovodAllreduce"]
+__all__ = ["HorovodTransport", "HorovodAllreduce", "name_unnamed_collectives"]
 
 
 _instances = itertools.count()
@@ -106,3 +111,56 @@ class HorovodAllreduce(Allreduce):
 
     def wait(self, handle):
         self.hvd.synchronize(handle)
+
+
+# horovod.torch.mpi_ops' functions that start a collective, each with a ``name`` argument
+_STARTERS = ("_allreduce_async", "_grouped_allreduce_async", "_allgather_async",
+             "_grouped_allgather_async", "_broadcast_async", "_alltoall_async",
+             "_reducescatter_async", "_grouped_reducescatter_async")
+_unnamed = itertools.count()
+_naming = threading.Lock()
+_named_ops = None                   # the horovod.torch.mpi_ops module once patched
+
+
+def name_unnamed_collectives() -> None:
+    """Name the application's unnamed Horovod collectives by a count of their own.
+
+    Horovod 0.28.1 names a collective started without a name by its handle
+    ("allreduce.noname.<handle>"), a per-process count of every operation started,
+    hvdcomp's included.  hvdcomp's threads start theirs (the sums of summable buckets,
+    the horovod transport's allgathers) as each rank's backward pass completes a bucket,
+    at moments that differ from rank to rank; an unnamed collective that the application
+    starts meanwhile (during backward: the gradient of a differentiable hvd.allreduce or
+    hvd.allgather, an unnamed synchronized batch norm) would then get different names on
+    different ranks, and Horovod would wait for ever.  After this call an unnamed
+    collective is named "hvdcomp.unnamed.<k>", k counting the unnamed collectives alone
+    (every hvdcomp collective has a name): the same on every rank whenever every rank
+    starts its unnamed collectives in the same order, which is Horovod's own rule.
+    Collectives given a name keep it.
+
+    Every rank calls it at the same point of its program (the drop-in optimizer's
+    constructor, after its handshake, before its first exchange thread); idempotent.
+    Wraps the start functions of ``horovod.torch.mpi_ops`` (``_STARTERS``), which
+    Horovod's public functions and autograd functions call."""
+    global _named_ops
+    with _naming:
+        if _named_ops is not None:
+            return
+        import horovod.torch.mpi_ops as ops
+        for fn_name in _STARTERS:
+            fn = getattr(ops, fn_name, None)
+            if fn is not None:
+                setattr(ops, fn_name, _with_a_name(fn))
+        _named_ops = ops
+
+
+def _with_a_name(fn):
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def start(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        if bound.arguments.get("name") is None:
+            bound.arguments["name"] = f"hvdcomp.unnamed.{next(_unnamed)}"
+        return fn(*bound.args, **bound.kwargs)
+    return start

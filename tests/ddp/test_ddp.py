@@ -167,7 +167,8 @@ def test_main_job_under_torchrun_matches_mpirun(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None,
                     reason="PyTorch Lightning missing (launch/setup installs it)")
 def test_lightning_example(tmp_path):
-    """examples/lightning_mnist.py: DDPStrategy with hvdcomp's hook on 2 CPU processes."""
+    """examples/lightning_mnist.py: DDPStrategy with hvdcomp's hook on 2 CPU processes,
+    logging the loss with sync_dist=True in every step (#24 item 5)."""
     out = launch([sys.executable, os.path.join(ROOT, "examples", "lightning_mnist.py"),
                   "--epochs", "2", "--json", str(tmp_path / "res.json")], tmp_path)
     import json
@@ -177,6 +178,9 @@ def test_lightning_example(tmp_path):
     assert res["compression"].startswith("alq") and res["ratio"] > 5, res
     # every rank's exchange ran once per optimizer step
     assert res["hook_steps"] == [res["steps"]] * 2, res
+    # Lightning's sync_dist all-reduce of the loss next to the exchange, every step: the
+    # processes' mean (checked in the example against every process's own loss)
+    assert res["sync_dist_steps"] == res["steps"], res
 
 
 def test_backend_rules():

@@ -1,8 +1,8 @@
 """Horovod's own DistributedOptimizer with hvdcomp's summable cast: compression=
 hvdcomp.get("fp16") gives the average of every rank's gradient (Horovod's contract:
 compress, allreduce, decompress), also for a bfloat16 model whose gradients go beyond
-fp16's 65504 (they travel as float32: the average comes back finite, within bf16's
-rounding, #24 item 6); compression=hvdcomp.get("bf16") raises hvdcomp's TypeError on every
+fp16's 65504 (they travel as float32: the average comes back finite, equal to Horovod's
+own optimizer's with Compression.none on the same gradients, #24 item 6); compression=hvdcomp.get("bf16") raises hvdcomp's TypeError on every
 rank at the first backward pass (Horovod 0.28.1 rejects bfloat16), and no rank hangs."""
 import copy
 
@@ -63,8 +63,46 @@ def bf16_beyond_fp16(model, rank, size):
         assert bool((err <= tol).all()), (n, float((err - tol).max()))
         largest = max(largest, float(mean.abs().max()))
     assert largest > 65504 * size, largest      # the case fp16 alone would turn into Inf
+    ref = horovod_none_average(m, rank)
+    for n, p in m.named_parameters():
+        if size == 2:
+            # float32 sums of g/2 and of g, both scaled by powers of two, then one rounding
+            # to bf16: bit for bit (the sum of two floats is the same in either order)
+            assert torch.equal(p.grad, ref[n]), (n, float((p.grad.float() - ref[n].float())
+                                                          .abs().max()))
+        else:
+            tol = ref[n].float().abs() * 2.0 ** -7 + 2.0 ** -60
+            assert bool(((p.grad.float() - ref[n].float()).abs() <= tol).all()), n
+    # plain torch SGD on a bf16 copy with Horovod's average: the same parameters
+    plain = copy.deepcopy(m)
+    for n, p in plain.named_parameters():
+        p.grad = ref[n].clone()
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
     with opt.skip_synchronize():
         opt.step()
+    for (n, p), q in zip(m.named_parameters(), plain.parameters()):
+        if size == 2:
+            assert torch.equal(p.detach(), q.detach()), n
+
+
+def horovod_none_average(m, rank):
+    """The reference for :func:`bf16_beyond_fp16`: Horovod's own DistributedOptimizer with
+    Compression.none over float32 leaves whose gradients are this rank's bf16 gradients of
+    ``m`` (Horovod 0.28.1's CPU allreduce rejects bfloat16 tensors, so the bf16 values go
+    as float32, exactly), its average cast to bf16."""
+    mc = copy.deepcopy(m)
+    for p in mc.parameters():
+        p.grad = None
+    big_bf16_backward(mc, rank)
+    leaves = [(f"ref.{n}", torch.zeros(p.shape, requires_grad=True))
+              for n, p in mc.named_parameters()]
+    ropt = hvd.DistributedOptimizer(torch.optim.SGD([q for _, q in leaves], lr=0.1),
+                                    named_parameters=leaves,
+                                    compression=hvd.Compression.none)
+    sum((q * p.grad.float()).sum() for (_, q), p in zip(leaves, mc.parameters())).backward()
+    ropt.synchronize()
+    return {n: q.grad.to(torch.bfloat16)
+            for (_, q), (n, _) in zip(leaves, mc.named_parameters())}
 
 
 def main():
