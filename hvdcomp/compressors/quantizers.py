@@ -170,29 +170,41 @@ class BucketQuantizer(Compressor):
         if (type(self)._decode is not BucketQuantizer._decode or self.entropy
                 or out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous()):
             return super().decode_pieces(msgs, keys, spans, out)
+        all_finite, kept, norms, codes = self._read_many(msgs, keys,
+                                                         [hi - lo for lo, hi in spans])
+        if kept:
+            dev = out.device
+            quantize.dequantize_add_pieces(codes.to(dev), norms.to(dev), self.levels.to(dev),
+                                           self.bits, self.bucket_size,
+                                           [spans[j] for j in kept], out)
+        return all_finite
+
+    def _read_many(self, msgs, keys, numels):
+        """(all finite, kept, norms, codes) of several fixed-length messages (``numels[j]``
+        coordinates each), every header and section size checked (``_expect_header``, as
+        ``decode`` does): ``kept`` the indices of the messages that are not NONFINITE,
+        ``norms`` (float32) and ``codes`` (uint8) their sections end to end on the CPU, the
+        norms checked once for all (finite, >= 0).  Raises WireFormatError."""
         bs, bits = self.bucket_size, self.bits
         all_finite, norms, codes, kept = True, [], [], []
-        for msg, key, (lo, hi) in zip(msgs, keys, spans):
-            self._expect_header(msg, key, hi - lo)
+        for j, (msg, key, n) in enumerate(zip(msgs, keys, numels)):
+            self._require_message(msg, key)
+            self._expect_header(msg, key, n)
             if msg.flags & FLAG_NONFINITE:
                 all_finite = False
                 continue
-            n = hi - lo
             msg.expect(nsections=2)
             msg.section_size_check(0, 4 * ((n + bs - 1) // bs), "norms")
             msg.section_size_check(1, packed_size(n, bits), "codes")
             norms.append(msg.sections[0])
             codes.append(msg.sections[1])
-            kept.append((lo, hi))
+            kept.append(j)
         if not kept:
-            return all_finite
+            return all_finite, kept, None, None
         nm = torch.from_numpy(np.concatenate(norms).view(np.float32))
         if not finite(nm) or bool((nm < 0).any()):
             raise WireFormatError(f"{self.name}: bucket norms must be finite and >= 0")
-        pk = torch.from_numpy(np.concatenate(codes))
-        quantize.dequantize_add_pieces(pk.to(out.device), nm.to(out.device),
-                                       self.levels.to(out.device), bits, bs, kept, out)
-        return all_finite
+        return all_finite, kept, nm, torch.from_numpy(np.concatenate(codes))
 
     def _message(self, grad, key, norms: torch.Tensor, packed: torch.Tensor) -> Message:
         """The message of the float32 bucket ``norms`` and the codes ``packed`` at ``bits``
@@ -223,17 +235,26 @@ class BucketQuantizer(Compressor):
         message-by-message combine."""
         if type(self)._decode is not BucketQuantizer._decode:
             return super().combine(msgs, keys, out)
-        all_finite, norms, packed = True, [], []
-        for msg, key in zip(msgs, keys):
-            self._require_message(msg, key)
-            if self._check_header(msg, key, out):
-                nm, pk = self._read(msg, out.device)
-                norms.append(nm)
-                packed.append(pk)
-            else:
-                all_finite = False
-        quantize.dequantize_add_many(packed, out.numel(), norms, self.levels.to(out.device),
-                                     self.bits, self.bucket_size, out)
+        n, dev = out.numel(), out.device
+        if self.entropy:                        # codes rANS-decoded message by message
+            all_finite, norms, packed = True, [], []
+            for msg, key in zip(msgs, keys):
+                self._require_message(msg, key)
+                if self._check_header(msg, key, out):
+                    nm, pk = self._read(msg, dev)
+                    norms.append(nm)
+                    packed.append(pk)
+                else:
+                    all_finite = False
+        else:                                   # the sections of all, checked at once
+            all_finite, kept, nm, pk = self._read_many(msgs, keys, [n] * len(msgs))
+            nb, m = (n + self.bucket_size - 1) // self.bucket_size, packed_size(n, self.bits)
+            nm = None if nm is None else nm.to(dev)
+            pk = None if pk is None else pk.to(dev)
+            norms = [nm[j * nb:(j + 1) * nb] for j in range(len(kept))]
+            packed = [pk[j * m:(j + 1) * m] for j in range(len(kept))]
+        quantize.dequantize_add_many(packed, n, norms, self.levels.to(dev), self.bits,
+                                     self.bucket_size, out)
         return all_finite
 
     def variance(self, grad: torch.Tensor) -> float:
