@@ -28,18 +28,19 @@ library and compressors, no --old):
 
 One tensor of N x --piece float32 coordinates (ALQ 3 bits, bucket 8192: the reduce-scatter
 cuts at bucket boundaries; a piece of one bucket is a shard of ResNet-50's 25M coordinates
-among 3,000 ranks, or of a 64 MiB fusion bucket among 2,000) is encoded and decoded as the
+among about 3,000 ranks, or of a 64 MiB fusion bucket among 2,000) is encoded and decoded as the
 reduce-scatter does it for N destination ranks: *before*, one
 ``encode`` / ``decode`` call per piece (its earlier code); *after*, one
 ``Compressor.encode_pieces`` / ``decode_pieces`` call for all N (one kernel launch); and,
 as the baseline, the whole tensor as 1 message.  The per-piece cost is (time for the N
 pieces - time for 1 message) / (N - 1), as bench/scaling_model.py's ``piece_costs``
-defines it.  Rows: the stage-1 encode (3 bits), the owner's combine of N ranks'
-contributions is not here (one call already), the final decode of the N owners'
-stage-2 messages (5 bits: :class:`~hvdcomp.compressors.quantizers.Finer`).  The three
-versions are timed in turn (before, after, one message, before, ...), medians of --reps
-after a warm-up; the messages of before and after are compared byte for byte and the
-decoded sums bit for bit.
+defines it.  Rows: the stage-1 encode (3 bits) and the final decode of the N owners'
+stage-2 messages (5 bits: :class:`~hvdcomp.compressors.quantizers.Finer`); the owner's
+combine of the N ranks' contributions to its own piece was one launch already and is not
+here.  The three versions are timed in turn (before, after, one message), medians of
+--reps after a warm-up, taken round-robin over every case and version (one call each per round,
+so that a busy spell of a shared machine falls on all alike); the messages of before and
+after are compared byte for byte and the decoded sums bit for bit.
 """
 from __future__ import annotations
 
@@ -287,32 +288,39 @@ def run_pieces(args) -> int:
           f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, SIMD level {host.simd_level()}")
     print("\n| operation | pieces N | N calls ms | one call ms | 1 message ms "
-          "| per-piece cost before us | after us | before / after | identical |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| per-piece cost before us | after us | before / after "
+          "| per piece, best of reps: before / after us | before / after, best | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     host.set_num_threads(1)
-    for name, N, fns in pieces_cases(args.piece, counts):
+    cases_ = pieces_cases(args.piece, counts)
+    same, times = [], []
+    for name, N, fns in cases_:
         res = {v: f() for v, f in fns.items()}          # warm-up
-        if "encode" in name:
-            same = [m.to_bytes() for m in res["before"]] == [m.to_bytes() for m in res["after"]]
-        else:
-            same = None                                 # the sums, after equal reps below
-        times = {v: [] for v in fns}
-        for _ in range(args.reps):
+        same.append([m.to_bytes() for m in res["before"]] == [m.to_bytes() for m in res["after"]]
+                    if "encode" in name else None)      # decodes: their sums, at the end
+        times.append({v: [] for v in fns})
+    # round-robin over every case and version, one call each per round: a busy spell of
+    # the shared machine then falls on all of them alike
+    for _ in range(args.reps):
+        for (name, N, fns), t in zip(cases_, times):
             for v, f in fns.items():
                 t0 = time.perf_counter()
                 f()
-                times[v].append(time.perf_counter() - t0)
-        if same is None:                                # both accumulated reps + 1 decodes
-            same = torch.equal(fns["before"](), fns["after"]())
-        med = {v: statistics.median(t) for v, t in times.items()}
+                t[v].append(time.perf_counter() - t0)
+    for (name, N, fns), t, ok in zip(cases_, times, same):
+        if ok is None:                                  # both accumulated reps + 1 decodes
+            ok = torch.equal(fns["before"](), fns["after"]())
+        med = {v: statistics.median(x) for v, x in t.items()}
+        best = {v: min(x) for v, x in t.items()}
         per_b = (med["before"] - med["one"]) / (N - 1)
         per_a = (med["after"] - med["one"]) / (N - 1)
-        print(f"| {name} | {N} | {med['before'] * 1e3:.1f} | {med['after'] * 1e3:.1f} | "
-              f"{med['one'] * 1e3:.1f} | {per_b * 1e6:.1f} | {per_a * 1e6:.1f} | "
-              f"{per_b / per_a:.1f}x | {same} |" if per_a > 0 else
-              f"| {name} | {N} | {med['before'] * 1e3:.1f} | {med['after'] * 1e3:.1f} | "
-              f"{med['one'] * 1e3:.1f} | {per_b * 1e6:.1f} | {per_a * 1e6:.1f} | - | {same} |",
-              flush=True)
+        bb = (best["before"] - best["one"]) / (N - 1)
+        ba = (best["after"] - best["one"]) / (N - 1)
+        ratio = f"{per_b / per_a:.1f}x" if per_a > 0 else "-"
+        ratio_b = f"{bb / ba:.1f}x" if ba > 0 else "-"
+        print(f"| {name} | {N} | {med['before'] * 1e3:.2f} | {med['after'] * 1e3:.2f} | "
+              f"{med['one'] * 1e3:.2f} | {per_b * 1e6:.1f} | {per_a * 1e6:.1f} | {ratio} | "
+              f"{bb * 1e6:.1f} / {ba * 1e6:.1f} | {ratio_b} | {ok} |", flush=True)
     return 0
 
 

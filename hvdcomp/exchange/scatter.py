@@ -6,7 +6,10 @@ Per fusion bucket, with N ranks and the bucket's scattered tensors cut into N sh
 (:mod:`hvdcomp.exchange.shards`: along quantization-bucket boundaries), on every rank:
 
 1. encode: each piece of every shard with the tensor's compressor and a key of its own
-   (``Piece.key``: this rank, the piece's tensor id); one frame per owner;
+   (``Piece.key``: this rank, the piece's tensor id), a tensor's N pieces (one per owner)
+   in one ``Compressor.encode_pieces`` call (the bucketed quantizers: one kernel launch
+   with the pieces' boundaries, so the cost of a piece is its coordinates', not a call's;
+   bench/host_kernels.py --pieces); one frame per owner;
 2. communicate: frame r to rank r (``Transport.alltoall``); decode the N contributions to
    this rank's own pieces in rank order (``Compressor.combine``, float32), average them
    (``finalize``), re-encode each average with the second-stage compressor and key
@@ -16,7 +19,8 @@ Per fusion bucket, with N ranks and the bucket's scattered tensors cut into N sh
    keep a residual for it by piece name, as DeepSpeed's compressed allreduce does for
    1-bit Adam, Tang et al. 2021);
    allgather the averaged pieces (``Transport.exchange``);
-3. decode: every owner's averaged pieces into the tensors' accumulators.
+3. decode: every owner's averaged pieces into the tensors' accumulators, a tensor's pieces
+   in one ``Compressor.decode_pieces`` call (in owner order: the same bits).
 
 Every rank decodes the same averaged messages, each coordinate from one message, so every
 rank holds the same result bit for bit.  With an unbiased compressor Q the result is
