@@ -20,6 +20,30 @@ OpenMP threads per launch.
 
 Only the two libraries are loaded (not hvdcomp's own, host.load()): each takes a slot of
 glibc's static TLS surplus (host_shim.h's initial-exec TLS), which holds about two.
+
+The reduce-scatter's cost per piece (``--pieces 8,64,1024``: this alone, with hvdcomp's own
+library and compressors, no --old):
+
+    .venv/bin/python bench/host_kernels.py --pieces 8,64,1024 --piece 8192 --reps 15
+
+One tensor of N x --piece float32 coordinates (ALQ 3 bits, bucket 8192: the reduce-scatter
+cuts at bucket boundaries; a piece of one bucket is a shard of ResNet-50's 25M coordinates
+among about 3,000 ranks, or of a 64 MiB fusion bucket among 2,000) is encoded and decoded as the
+reduce-scatter does it for N destination ranks: *before*, one
+``encode`` / ``decode`` call per piece (its earlier code); *after*, one
+``Compressor.encode_pieces`` / ``decode_pieces`` call for all N (one kernel launch); and,
+as the baseline, the whole tensor as 1 message.  The per-piece cost is (time for the N
+pieces - time for 1 message) / (N - 1), as bench/scaling_model.py's ``piece_costs``
+defines it.  Rows: the stage-1 encode (3 bits) and the final decode of the N owners'
+stage-2 messages (5 bits: :class:`~hvdcomp.compressors.quantizers.Finer`); the owner's
+combine of the N ranks' contributions to its own piece was one launch already and is not
+here.  The three versions are timed in turn (before, after, one message), medians of
+--reps after a warm-up, taken round-robin over every case and version (one call each per round,
+so that a busy spell of a shared machine falls on all alike).  Times are the calling
+thread's CPU time (``time.thread_time``: the kernels run in it, one thread), so that the
+time a loaded machine keeps the process waiting is not counted; the wall-clock per-piece
+costs follow in the last columns.  The messages of before and after are compared byte for
+byte and the decoded sums bit for bit.
 """
 from __future__ import annotations
 
@@ -210,6 +234,101 @@ def cases(n: int, ref: "Lib"):
     ]
 
 
+def pieces_cases(m: int, counts, bucket: int = 8192):
+    """(name, N, {version: fn() -> result}) for the --pieces comparison (module docstring):
+    pieces of ``m`` coordinates."""
+    from hvdcomp.compressors import get
+    if m % bucket:
+        raise SystemExit(f"--piece {m} is not a multiple of the bucket size {bucket}")
+    gen = torch.Generator().manual_seed(7)
+    x_all = torch.randn(max(counts) * m, generator=gen) * 1e-3
+    alq = get(f"alq:bits=3,bucket_size={bucket}")
+    fine = alq.second_stage()
+
+    def case(N):
+        n = N * m
+        x = x_all[:n]
+        spans = [(k * m, (k + 1) * m) for k in range(N)]
+        # the keys the reduce-scatter gives a tensor's pieces (Piece.key, Piece.key2)
+        keys = [TensorKey(f"w[{lo}:{hi}]", 100 + 2 * k, 5, 1, N, 1234, shape=(hi - lo,),
+                          dtype=torch.float32) for k, (lo, hi) in enumerate(spans)]
+        keys2 = [TensorKey(k.name + "/avg", k.tensor_id + 1, 5, j, 1, 1234, shape=k.shape,
+                           dtype=torch.float32) for j, k in enumerate(keys)]
+        whole = TensorKey("w", 3, 5, 1, N, 1234, shape=(n,), dtype=torch.float32)
+        whole2 = TensorKey("w/avg", 4, 5, 1, 1, 1234, shape=(n,), dtype=torch.float32)
+        msgs2 = [fine.encode(x[lo:hi], k) for (lo, hi), k in zip(spans, keys2)]
+        one2 = fine.encode(x, whole2)
+        acc = {v: torch.zeros(n) for v in ("before", "after", "one")}
+
+        def dec_before():
+            a = acc["before"]
+            for msg, k, (lo, hi) in zip(msgs2, keys2, spans):
+                fine.decode(msg, k, a[lo:hi])
+            return a
+
+        def dec_after():
+            fine.decode_pieces(msgs2, keys2, spans, acc["after"])
+            return acc["after"]
+
+        return [("encode, ALQ 3 bits (stage 1)", N, {
+                    "before": lambda: [alq.encode(x[lo:hi], k)
+                                       for (lo, hi), k in zip(spans, keys)],
+                    "after": lambda: alq.encode_pieces(x, spans, keys),
+                    "one": lambda: [alq.encode(x, whole)]}),
+                ("decode, 5 bits (stage 2 of ALQ 3 bits)", N, {
+                    "before": dec_before,
+                    "after": dec_after,
+                    "one": lambda: fine.decode(one2, whole2, acc["one"])})]
+
+    return [c for N in counts for c in case(N)]
+
+
+def run_pieces(args) -> int:
+    """The --pieces comparison (module docstring)."""
+    counts = [int(c) for c in args.pieces.split(",")]
+    print(f"# reduce-scatter pieces of {args.piece:,} coordinates (ALQ 3 bits, bucket 8192), "
+          f"1 thread, median of {args.reps}, "
+          f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}, SIMD level {host.simd_level()}")
+    print("\n| operation | pieces N | N calls ms | one call ms | 1 message ms "
+          "| per-piece cost before us | after us | before / after "
+          "| wall clock, per piece: before / after us | before / after, wall | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    host.set_num_threads(1)
+    cases_ = pieces_cases(args.piece, counts)
+    same, times = [], []
+    for name, N, fns in cases_:
+        res = {v: f() for v, f in fns.items()}          # warm-up
+        same.append([m.to_bytes() for m in res["before"]] == [m.to_bytes() for m in res["after"]]
+                    if "encode" in name else None)      # decodes: their sums, at the end
+        times.append({v: [] for v in fns})
+    # round-robin over every case and version, one call each per round: a busy spell of
+    # the shared machine then falls on all of them alike
+    walls = [{v: [] for v in t} for t in times]
+    for _ in range(args.reps):
+        for (name, N, fns), t, w in zip(cases_, times, walls):
+            for v, f in fns.items():
+                c0, t0 = time.thread_time(), time.perf_counter()
+                f()
+                w[v].append(time.perf_counter() - t0)
+                t[v].append(time.thread_time() - c0)
+    for (name, N, fns), t, w, ok in zip(cases_, times, walls, same):
+        if ok is None:                                  # both accumulated reps + 1 decodes
+            ok = torch.equal(fns["before"](), fns["after"]())
+        med = {v: statistics.median(x) for v, x in t.items()}
+        wm = {v: statistics.median(x) for v, x in w.items()}
+        per_b = (med["before"] - med["one"]) / (N - 1)
+        per_a = (med["after"] - med["one"]) / (N - 1)
+        wb = (wm["before"] - wm["one"]) / (N - 1)
+        wa = (wm["after"] - wm["one"]) / (N - 1)
+        ratio = f"{per_b / per_a:.1f}x" if per_a > 0 else "-"
+        ratio_w = f"{wb / wa:.1f}x" if wa > 0 else "-"
+        print(f"| {name} | {N} | {med['before'] * 1e3:.2f} | {med['after'] * 1e3:.2f} | "
+              f"{med['one'] * 1e3:.2f} | {per_b * 1e6:.1f} | {per_a * 1e6:.1f} | {ratio} | "
+              f"{wb * 1e6:.1f} / {wa * 1e6:.1f} | {ratio_w} | {ok} |", flush=True)
+    return 0
+
+
 def per(name: str) -> int:
     return 4 if "4 messages" in name else 1
 
@@ -222,8 +341,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated substrings of case names")
+    ap.add_argument("--pieces", default="", help="comma-separated piece counts: the "
+                    "reduce-scatter's per-piece cost, before and after (module docstring)")
+    ap.add_argument("--piece", type=int, default=8192, help="coordinates per piece (--pieces)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.pieces:
+        return run_pieces(args)
     tmp = tempfile.mkdtemp(prefix="hvd-host-bench-")
     try:
         versions = []

@@ -547,6 +547,38 @@ __device__ __forceinline__ i64 global_thread() {
 }
 __device__ __forceinline__ i64 grid_threads() { return (i64)gridDim.x * (i64)blockDim.x; }
 
+// ---------------------------------------------------------------------------------------------
+// 4b. Pieces: several streams of one tensor (the reduce-scatter's pieces, one per destination
+//     rank) in one launch.  A piece table holds PIECE_FIELDS long longs per piece k:
+//       PIECE_LO     its first coordinate in the launch's flat float32 vector (x or out);
+//       PIECE_N      its number of coordinates;
+//       PIECE_BYTE   the offset of its packed stream in the launch's byte buffer;
+//       PIECE_BUCKET the index of its first bucket norm in the launch's norms;
+//       PIECE_ID     its tensor id (the Philox counter word; encoders only);
+//       PIECE_GROUP  its first group (of 8 coordinates) in the launch's numbering: the sum of
+//                    ceil(n / 8) over the pieces before it.
+//     Each piece is computed exactly as a launch of its own would compute it (its groups are
+//     numbered from 0 within it); the launchers (hvdcomp/ops) check the table.
+// ---------------------------------------------------------------------------------------------
+constexpr int PIECE_FIELDS = 6;
+constexpr int PIECE_LO = 0, PIECE_N = 1, PIECE_BYTE = 2, PIECE_BUCKET = 3, PIECE_ID = 4,
+              PIECE_GROUP = 5;
+
+// The piece of launch group g (0 <= g < the total): the last k with PIECE_GROUP <= g (an empty
+// piece starts where the next one does, so the last such piece holds g).
+__device__ __forceinline__ const i64* piece_of(const i64* __restrict__ table, int count, i64 g) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (table[(i64)mid * PIECE_FIELDS + PIECE_GROUP] <= g) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return table + (i64)lo * PIECE_FIELDS;
+}
+
 #if defined(HVD_HOST_BUILD)
 // ---------------------------------------------------------------------------------------------
 // 5. Host only: bulk paths.
@@ -617,6 +649,20 @@ inline bool host_bulk_groups(i64 groups, F&& f) {
   }
   host_block_done();
   return true;
+}
+
+// host_bulk_groups over the groups of a piece table (section 4b): f(SimdLevel<L>(), piece,
+// lg0, lg1) for the runs [lg0, lg1) of one piece's own groups.
+template <class F>
+inline bool host_bulk_pieces(const i64* __restrict__ table, int count, i64 groups, F&& f) {
+  return host_bulk_groups(groups, [&](auto L, i64 g0, i64 g1) HVD_INLINE {
+    for (const i64* p = piece_of(table, count, g0); g0 < g1; p += PIECE_FIELDS) {
+      const i64 first = p[PIECE_GROUP];
+      const i64 end = min64(first + (p[PIECE_N] + 7) / 8, g1);
+      if (end > g0) f(L, p, g0 - first, end - first);
+      g0 = end > g0 ? end : g0;
+    }
+  });
 }
 
 // The words of groups g .. g + cg - 1 from their codes (codes[8k + c]: code c of group g + k),

@@ -11,6 +11,10 @@
 //   hvd_bucket_norms_linf  same geometry
 //   hvd_quantize_pack      one thread per group of 8 coordinates (grid-stride), any geometry
 //   hvd_dequantize_add     one thread per group of 8 coordinates (grid-stride), any geometry
+//   hvd_dequantize_add_many  several messages of one tensor, same geometry
+//   hvd_quantize_pack_pieces, hvd_dequantize_add_pieces  several pieces (streams of their own)
+//                          of one tensor in one launch (hvdcomp.cuh, section 4b): one thread
+//                          per group of 8 coordinates of all the pieces, any geometry
 //
 // Sizes: n coordinates, nb = ceil(n / bucket_size) buckets (the last one may be partial;
 // the reference pads it with zeros, which change neither norm), packed stream of
@@ -161,6 +165,25 @@ __device__ __forceinline__ u64 quantize_group(const float* __restrict__ x, i64 n
   return word;
 }
 
+#if defined(HVD_HOST_BUILD)
+// Host bulk path of quantize_pack: groups [g0, g1) of one stream of n codes.
+template <int BITS, int SIMD>
+__forceinline__ void quantize_pack_bulk(const float* __restrict__ x, i64 n,
+                                        const float* __restrict__ norms, i64 bucket_size,
+                                        const float* __restrict__ levels, u32 seed, u32 rank,
+                                        u32 tensor_id, u32 step, unsigned char* __restrict__ out,
+                                        i64 g0, i64 g1) {
+  bulk_encode<BITS, SIMD, true>(
+      n, bucket_size, seed, rank, tensor_id, step, out, g0, g1,
+      [&](i64 s, int len, i64 b, const u32* __restrict__ ws, u32* __restrict__ cs) HVD_INLINE {
+        const float* __restrict__ xs = x + s;
+        const float* __restrict__ lv = levels;
+        const float norm = norms[b];
+        for (int i = 0; i < len; ++i) cs[i] = quantize_one<BITS>(xs[i], norm, lv, uniform01(ws[i]));
+      });
+}
+#endif
+
 template <int BITS>
 __device__ inline void quantize_pack_loop(const float* __restrict__ x, i64 n,
                                           const float* __restrict__ norms, i64 bucket_size,
@@ -172,16 +195,8 @@ __device__ inline void quantize_pack_loop(const float* __restrict__ x, i64 n,
 #if defined(HVD_HOST_BUILD)
   // host bulk path (hvdcomp.cuh, section 5): quantize_one over runs of one bucket
   if (host_bulk_groups(groups, [&](auto L, i64 g0, i64 g1) HVD_INLINE {
-        bulk_encode<BITS, decltype(L)::value, true>(
-            n, bucket_size, seed, rank, tensor_id, step, out, g0, g1,
-            [&](i64 s, int len, i64 b, const u32* __restrict__ ws, u32* __restrict__ cs)
-                HVD_INLINE {
-                  const float* __restrict__ xs = x + s;
-                  const float* __restrict__ lv = levels;
-                  const float norm = norms[b];
-                  for (int i = 0; i < len; ++i)
-                    cs[i] = quantize_one<BITS>(xs[i], norm, lv, uniform01(ws[i]));
-                });
+        quantize_pack_bulk<BITS, decltype(L)::value>(x, n, norms, bucket_size, levels, seed,
+                                                     rank, tensor_id, step, out, g0, g1);
       }))
     return;
 #endif
@@ -316,6 +331,65 @@ __device__ inline void dequantize_add_many_loop(const unsigned long long* __rest
   }
 }
 
+// quantize_pack_loop of every piece of a piece table (hvdcomp.cuh, section 4b): piece k's
+// coordinates x[lo, lo + n) against norms[bucket ...], Philox with its own tensor id, packed
+// into out[byte ...] as its own stream.
+template <int BITS>
+__device__ inline void quantize_pack_pieces_loop(const float* __restrict__ x,
+                                                 const float* __restrict__ norms,
+                                                 i64 bucket_size,
+                                                 const float* __restrict__ levels, u32 seed,
+                                                 u32 rank, u32 step,
+                                                 const i64* __restrict__ table, int count,
+                                                 i64 groups, unsigned char* __restrict__ out) {
+#if defined(HVD_HOST_BUILD)
+  if (host_bulk_pieces(table, count, groups, [&](auto L, const i64* p, i64 g0, i64 g1) HVD_INLINE {
+        quantize_pack_bulk<BITS, decltype(L)::value>(
+            x + p[PIECE_LO], p[PIECE_N], norms + p[PIECE_BUCKET], bucket_size, levels, seed,
+            rank, (u32)p[PIECE_ID], step, out + p[PIECE_BYTE], g0, g1);
+      }))
+    return;
+#endif
+  for (i64 g = global_thread(); g < groups; g += grid_threads()) {
+    const i64* p = piece_of(table, count, g);
+    const i64 n = p[PIECE_N];
+    const i64 lg = g - p[PIECE_GROUP];
+    const u64 word = quantize_group<BITS>(x + p[PIECE_LO], n, norms + p[PIECE_BUCKET],
+                                          bucket_size, levels, seed, rank, (u32)p[PIECE_ID],
+                                          step, lg);
+    store_group<BITS>(out + p[PIECE_BYTE], lg, (n * BITS + 7) / 8, word);
+  }
+}
+
+// dequantize_add_loop of every piece of a piece table: piece k's stream at packed[byte ...]
+// with norms[bucket ...] added into out[lo, lo + n).  The pieces' ranges of out must not
+// overlap (the launcher checks).
+template <int BITS>
+__device__ inline void dequantize_add_pieces_loop(const unsigned char* __restrict__ packed,
+                                                  const float* __restrict__ norms,
+                                                  i64 bucket_size,
+                                                  const float* __restrict__ levels,
+                                                  const i64* __restrict__ table, int count,
+                                                  i64 groups, float* __restrict__ out) {
+#if defined(HVD_HOST_BUILD)
+  if (host_bulk_pieces(table, count, groups, [&](auto L, const i64* p, i64 g0, i64 g1) HVD_INLINE {
+        const unsigned char* pk[1] = {packed + p[PIECE_BYTE]};
+        const float* nm[1] = {norms + p[PIECE_BUCKET]};
+        dequantize_add_bulk<BITS, decltype(L)::value>(pk, nm, 1, p[PIECE_N], bucket_size,
+                                                      levels, out + p[PIECE_LO], g0, g1);
+      }))
+    return;
+#endif
+  for (i64 g = global_thread(); g < groups; g += grid_threads()) {
+    const i64* p = piece_of(table, count, g);
+    const i64 n = p[PIECE_N];
+    const i64 lg = g - p[PIECE_GROUP];
+    const u64 word = load_group<BITS>(packed + p[PIECE_BYTE], lg, (n * BITS + 7) / 8);
+    dequantize_add_group<BITS>(word, n, norms + p[PIECE_BUCKET], bucket_size, levels,
+                               out + p[PIECE_LO], lg);
+  }
+}
+
 }  // namespace hvd
 
 // ---- kernels ------------------------------------------------------------------------------
@@ -420,6 +494,56 @@ extern "C" __global__ void hvd_dequantize_add_many(const unsigned long long* __r
     HVD_CASE(2) HVD_CASE(3) HVD_CASE(4) HVD_CASE(5) HVD_CASE(6) HVD_CASE(7) HVD_CASE(8)
     default:
       hvd::bad_launch("hvd_dequantize_add_many: bits must be in 2..8");
+  }
+#undef HVD_CASE
+}
+
+// hvd_quantize_pack of `count` pieces in one launch (the reduce-scatter's pieces of one
+// tensor, one per destination rank): piece k (table row k, hvdcomp.cuh section 4b) is
+// quantized and packed exactly as hvd_quantize_pack(x + lo, n, norms + bucket, ...,
+// tensor_id = its id, ..., out + byte) would.  groups: the table's total number of groups.
+extern "C" __global__ void hvd_quantize_pack_pieces(const float* __restrict__ x,
+                                                    const float* __restrict__ norms,
+                                                    long long bucket_size,
+                                                    const float* __restrict__ levels, int bits,
+                                                    unsigned int seed, unsigned int rank,
+                                                    unsigned int step,
+                                                    const long long* __restrict__ table,
+                                                    int count, long long groups,
+                                                    unsigned char* __restrict__ out) {
+#define HVD_CASE(B)                                                                        \
+  case B:                                                                                  \
+    hvd::quantize_pack_pieces_loop<B>(x, norms, bucket_size, levels, seed, rank, step,    \
+                                      table, count, groups, out);                          \
+    break;
+  switch (bits) {
+    HVD_CASE(2) HVD_CASE(3) HVD_CASE(4) HVD_CASE(5) HVD_CASE(6) HVD_CASE(7) HVD_CASE(8)
+    default:
+      hvd::bad_launch("hvd_quantize_pack_pieces: bits must be in 2..8");
+  }
+#undef HVD_CASE
+}
+
+// hvd_dequantize_add of `count` pieces in one launch (every owner's averaged piece of one
+// tensor): piece k's stream at packed + byte with norms + bucket added into out + lo, as
+// hvd_dequantize_add would.
+extern "C" __global__ void hvd_dequantize_add_pieces(const unsigned char* __restrict__ packed,
+                                                     const float* __restrict__ norms,
+                                                     long long bucket_size,
+                                                     const float* __restrict__ levels,
+                                                     int bits,
+                                                     const long long* __restrict__ table,
+                                                     int count, long long groups,
+                                                     float* __restrict__ out) {
+#define HVD_CASE(B)                                                                         \
+  case B:                                                                                   \
+    hvd::dequantize_add_pieces_loop<B>(packed, norms, bucket_size, levels, table, count,   \
+                                       groups, out);                                        \
+    break;
+  switch (bits) {
+    HVD_CASE(2) HVD_CASE(3) HVD_CASE(4) HVD_CASE(5) HVD_CASE(6) HVD_CASE(7) HVD_CASE(8)
+    default:
+      hvd::bad_launch("hvd_dequantize_add_pieces: bits must be in 2..8");
   }
 #undef HVD_CASE
 }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -178,6 +178,36 @@ class Compressor:
         if grad.is_floating_point() and grad.numel() and not _all_finite(grad):
             return self._nonfinite(grad, key)
         return self._encode(grad, key)
+
+    def encode_pieces(self, grad: torch.Tensor, spans: Sequence[Tuple[int, int]],
+                      keys: Sequence[TensorKey]) -> List[Message]:
+        """The messages of several pieces of one gradient in one call (the reduce-scatter's
+        pieces of a tensor, one per destination rank: hvdcomp.exchange.shards): message k
+        is ``encode(grad.reshape(-1)[lo:hi].reshape(keys[k].shape), keys[k])`` for
+        ``(lo, hi) = spans[k]`` (flat elements; ``keys[k].shape`` None: flat), the same
+        bytes.  Default: one ``encode`` per piece, in order; the bucketed quantizers do all
+        pieces in one kernel launch.  Raises as ``encode``, and ValueError for
+        ``len(spans) != len(keys)``."""
+        if len(spans) != len(keys):
+            raise ValueError(f"{len(spans)} pieces but {len(keys)} keys")
+        flat = grad.reshape(-1)
+        return [self.encode(flat[lo:hi] if k.shape is None else flat[lo:hi].reshape(k.shape),
+                            k) for (lo, hi), k in zip(spans, keys)]
+
+    def decode_pieces(self, msgs: Sequence[Message], keys: Sequence[TensorKey],
+                      spans: Sequence[Tuple[int, int]], out: torch.Tensor) -> bool:
+        """Add several pieces' messages into their parts of one accumulator in one call:
+        ``decode(msgs[k], keys[k], out[lo:hi])`` for ``(lo, hi) = spans[k]``, in order (the
+        spans disjoint), the same bits.  out: flat float32.  Returns False if any message
+        was NONFINITE.  Default: one ``decode`` per piece; the bucketed quantizers add all
+        pieces in one kernel launch.  Raises as ``decode``, and ValueError for lists of
+        different lengths."""
+        if not len(msgs) == len(keys) == len(spans):
+            raise ValueError(f"{len(msgs)} messages, {len(keys)} keys, {len(spans)} spans")
+        finite_all = True
+        for msg, key, (lo, hi) in zip(msgs, keys, spans):
+            finite_all &= self.decode(msg, key, out[lo:hi])
+        return finite_all
 
     def _nonfinite(self, grad: torch.Tensor, key: TensorKey) -> Message:
         """The payload-free NONFINITE message (NaN policy, docs/design.md)."""

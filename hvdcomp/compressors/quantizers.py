@@ -31,7 +31,7 @@ from ..ops.bitpack import packed_size
 from ..codecs.sections import read_codes, write_codes
 from ..errors import WireFormatError
 from ..ops import level_stats, quantize
-from ..wire import Message
+from ..wire import FLAG_NONFINITE, Message, dtype_code
 from . import settings
 from .base import Compressor, numel_of, register
 from .protocols import AdaptiveLevels
@@ -109,6 +109,103 @@ class BucketQuantizer(Compressor):
             return self._nonfinite(grad, key)
         return self._message(grad, key, norms, packed)
 
+    def encode_pieces(self, grad, spans, keys):
+        """All pieces in one call (``Compressor.encode_pieces``, the same bytes as one
+        ``encode`` each): the bucket norms of the whole gradient and one
+        ``quantize_pack_pieces`` launch (each piece starts on a bucket boundary, as the
+        reduce-scatter cuts them, so its norms are the whole tensor's).  Falls back to one
+        ``encode`` per piece for a subclass that encodes its own way (TernGrad), where a
+        piece starts off a bucket boundary, where the keys differ in seed, rank or step,
+        and where the gradient is not finite or a norm overflows (the NaN policy is per
+        piece)."""
+        if len(spans) != len(keys):
+            raise ValueError(f"{len(spans)} pieces but {len(keys)} keys")
+        if (type(self)._encode is not BucketQuantizer._encode
+                or type(self).encode is not Compressor.encode):  # a subclass's own encoding
+            return super().encode_pieces(grad, spans, keys)
+        _check_float(grad, self.name)
+        bs = self.bucket_size
+        spans = [(int(lo), int(hi)) for lo, hi in spans]
+        if (not keys or any(hi > lo and lo % bs for lo, hi in spans)
+                or any((k.seed, k.rank, k.step) != (keys[0].seed, keys[0].rank, keys[0].step)
+                       for k in keys)):
+            return super().encode_pieces(grad, spans, keys)
+        x = grad.detach().reshape(-1).to(torch.float32)
+        if not finite(x):
+            return super().encode_pieces(grad, spans, keys)
+        norms = quantize.bucket_norms(x, bs, self.norm)
+        if not finite(norms):
+            return super().encode_pieces(grad, spans, keys)
+        k0 = keys[0]
+        packed = quantize.quantize_pack_pieces(
+            x, norms, self.levels.to(x.device), self.bits, bs, spans,
+            [k.tensor_id for k in keys], seed=k0.seed, rank=k0.rank, step=k0.step)
+        offsets, _ = quantize.piece_offsets(spans, self.bits, bs)
+        norm_bytes = norms.cpu().numpy().view(np.uint8)
+        codes_np = None if self.entropy else packed.cpu().numpy()
+        dtype, fields = dtype_code(grad.dtype), self._header_fields()
+        msgs = []
+        for j, ((lo, hi), k) in enumerate(zip(spans, keys)):
+            if codes_np is None:
+                codes, flags = write_codes(packed[offsets[j]:offsets[j + 1]], hi - lo,
+                                           self.bits, True)
+            else:
+                codes, flags = codes_np[offsets[j]:offsets[j + 1]], 0
+            first = lo // bs                    # lo is on a bucket boundary (or hi == lo)
+            nm = norm_bytes[4 * first:4 * (first + (hi - lo + bs - 1) // bs)]
+            shape = (hi - lo,) if k.shape is None else tuple(k.shape)
+            msgs.append(Message(codec=self.codec, dtype=dtype, shape=shape,
+                                sections=(nm, codes), flags=flags, tensor_id=k.tensor_id,
+                                rank=k.rank, seed=k.seed, step=k.step, **fields))
+        return msgs
+
+    def decode_pieces(self, msgs, keys, spans, out):
+        """All pieces in one call (``Compressor.decode_pieces``, the same bits as one
+        ``decode`` each): every header checked, the norms of all pieces checked at once,
+        one ``dequantize_add_pieces`` launch.  Falls back to one ``decode`` per piece for
+        a subclass that decodes its own way, entropy-coded messages, and an accumulator
+        that is not a contiguous 1-D float32 tensor."""
+        if not len(msgs) == len(keys) == len(spans):
+            raise ValueError(f"{len(msgs)} messages, {len(keys)} keys, {len(spans)} spans")
+        if (type(self)._decode is not BucketQuantizer._decode or self.entropy
+                or out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous()):
+            return super().decode_pieces(msgs, keys, spans, out)
+        all_finite, kept, norms, codes = self._read_many(msgs, keys,
+                                                         [hi - lo for lo, hi in spans])
+        if kept:
+            dev = out.device
+            quantize.dequantize_add_pieces(codes.to(dev), norms.to(dev), self.levels.to(dev),
+                                           self.bits, self.bucket_size,
+                                           [spans[j] for j in kept], out)
+        return all_finite
+
+    def _read_many(self, msgs, keys, numels):
+        """(all finite, kept, norms, codes) of several fixed-length messages (``numels[j]``
+        coordinates each), every header and section size checked (``_expect_header``, as
+        ``decode`` does): ``kept`` the indices of the messages that are not NONFINITE,
+        ``norms`` (float32) and ``codes`` (uint8) their sections end to end on the CPU, the
+        norms checked once for all (finite, >= 0).  Raises WireFormatError."""
+        bs, bits = self.bucket_size, self.bits
+        all_finite, norms, codes, kept = True, [], [], []
+        for j, (msg, key, n) in enumerate(zip(msgs, keys, numels)):
+            self._require_message(msg, key)
+            self._expect_header(msg, key, n)
+            if msg.flags & FLAG_NONFINITE:
+                all_finite = False
+                continue
+            msg.expect(nsections=2)
+            msg.section_size_check(0, 4 * ((n + bs - 1) // bs), "norms")
+            msg.section_size_check(1, packed_size(n, bits), "codes")
+            norms.append(msg.sections[0])
+            codes.append(msg.sections[1])
+            kept.append(j)
+        if not kept:
+            return all_finite, kept, None, None
+        nm = torch.from_numpy(np.concatenate(norms).view(np.float32))
+        if not finite(nm) or bool((nm < 0).any()):
+            raise WireFormatError(f"{self.name}: bucket norms must be finite and >= 0")
+        return all_finite, kept, nm, torch.from_numpy(np.concatenate(codes))
+
     def _message(self, grad, key, norms: torch.Tensor, packed: torch.Tensor) -> Message:
         """The message of the float32 bucket ``norms`` and the codes ``packed`` at ``bits``
         each (uint8), on any device."""
@@ -138,17 +235,26 @@ class BucketQuantizer(Compressor):
         message-by-message combine."""
         if type(self)._decode is not BucketQuantizer._decode:
             return super().combine(msgs, keys, out)
-        all_finite, norms, packed = True, [], []
-        for msg, key in zip(msgs, keys):
-            self._require_message(msg, key)
-            if self._check_header(msg, key, out):
-                nm, pk = self._read(msg, out.device)
-                norms.append(nm)
-                packed.append(pk)
-            else:
-                all_finite = False
-        quantize.dequantize_add_many(packed, out.numel(), norms, self.levels.to(out.device),
-                                     self.bits, self.bucket_size, out)
+        n, dev = out.numel(), out.device
+        if self.entropy:                        # codes rANS-decoded message by message
+            all_finite, norms, packed = True, [], []
+            for msg, key in zip(msgs, keys):
+                self._require_message(msg, key)
+                if self._check_header(msg, key, out):
+                    nm, pk = self._read(msg, dev)
+                    norms.append(nm)
+                    packed.append(pk)
+                else:
+                    all_finite = False
+        else:                                   # the sections of all, checked at once
+            all_finite, kept, nm, pk = self._read_many(msgs, keys, [n] * len(msgs))
+            nb, m = (n + self.bucket_size - 1) // self.bucket_size, packed_size(n, self.bits)
+            nm = None if nm is None else nm.to(dev)
+            pk = None if pk is None else pk.to(dev)
+            norms = [nm[j * nb:(j + 1) * nb] for j in range(len(kept))]
+            packed = [pk[j * m:(j + 1) * m] for j in range(len(kept))]
+        quantize.dequantize_add_many(packed, n, norms, self.levels.to(dev), self.bits,
+                                     self.bucket_size, out)
         return all_finite
 
     def variance(self, grad: torch.Tensor) -> float:
@@ -383,6 +489,12 @@ class Finer(Compressor):
 
     def combine(self, msgs, keys, out):
         return self.follow().combine(msgs, keys, out)
+
+    def encode_pieces(self, grad, spans, keys):
+        return self.follow().encode_pieces(grad, spans, keys)
+
+    def decode_pieces(self, msgs, keys, spans, out):
+        return self.follow().decode_pieces(msgs, keys, spans, out)
 
     def finalize(self, acc, key):
         return self.inner.finalize(acc, key)

@@ -6,7 +6,10 @@ Per fusion bucket, with N ranks and the bucket's scattered tensors cut into N sh
 (:mod:`hvdcomp.exchange.shards`: along quantization-bucket boundaries), on every rank:
 
 1. encode: each piece of every shard with the tensor's compressor and a key of its own
-   (``Piece.key``: this rank, the piece's tensor id); one frame per owner;
+   (``Piece.key``: this rank, the piece's tensor id), a tensor's N pieces (one per owner)
+   in one ``Compressor.encode_pieces`` call (the bucketed quantizers: one kernel launch
+   with the pieces' boundaries, so the cost of a piece is its coordinates', not a call's;
+   bench/host_kernels.py --pieces); one frame per owner;
 2. communicate: frame r to rank r (``Transport.alltoall``); decode the N contributions to
    this rank's own pieces in rank order (``Compressor.combine``, float32), average them
    (``finalize``), re-encode each average with the second-stage compressor and key
@@ -16,7 +19,8 @@ Per fusion bucket, with N ranks and the bucket's scattered tensors cut into N sh
    keep a residual for it by piece name, as DeepSpeed's compressed allreduce does for
    1-bit Adam, Tang et al. 2021);
    allgather the averaged pieces (``Transport.exchange``);
-3. decode: every owner's averaged pieces into the tensors' accumulators.
+3. decode: every owner's averaged pieces into the tensors' accumulators, a tensor's pieces
+   in one ``Compressor.decode_pieces`` call (in owner order: the same bits).
 
 Every rank decodes the same averaged messages, each coordinate from one message, so every
 rank holds the same result bit for bit.  With an unbiased compressor Q the result is
@@ -64,7 +68,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -122,6 +126,15 @@ class ReduceScatter(Collective):
             raise ValueError("the reduce-scatter collective needs 2 or more ranks")
         self.entries = entries
         self.layout = layout(buckets, entries, self.size, first_id)
+        # per bucket: (tensor name, its pieces as (owner, index in the owner's list, piece)),
+        # tensors in bucket order, pieces in owner order (so in increasing flat order)
+        self._by_tensor: List[List[Tuple[str, List[Tuple[int, int, Piece]]]]] = []
+        for b in self.layout:
+            groups: Dict[str, List[Tuple[int, int, Piece]]] = {}
+            for r, mine in enumerate(b):
+                for i, p in enumerate(mine):
+                    groups.setdefault(p.name, []).append((r, i, p))
+            self._by_tensor.append(list(groups.items()))
         self.stage2: Dict[int, Compressor] = {}
         for e in entries.values():
             if e.scatter:
@@ -175,9 +188,8 @@ class ReduceScatter(Collective):
             return job
         try:
             flat = {e.name: self._gradient(e, step) for e in job.scattered}
-            job.parts = [frame(mine, lambda p: flat[p.name],
-                               lambda p, g: self._encode_piece(
-                                   p, g[p.lo:p.hi].reshape(p.shape), step),
+            msgs = self._encode_pieces(k, flat, step)
+            job.parts = [frame(mine, lambda p: flat[p.name], lambda p, g: msgs[p.tensor_id],
                                self.averaging.joined, job.stamp).data
                          for mine in self.layout[k]]
         except Exception as exc:                    # noqa: BLE001 - re-raised on all ranks
@@ -214,9 +226,11 @@ class ReduceScatter(Collective):
         accs: Dict[str, torch.Tensor] = {}
         finite: Dict[str, bool] = {}
         seen: Dict[str, set] = {e.name: set() for e in job.scattered}
-        for r, mine in enumerate(self.layout[job.gather.k]):
-            for i, p in enumerate(mine):
-                seen[p.name].add(job.averaged.present_of(r, i))
+        for name, items in self._by_tensor[job.gather.k]:
+            # every owner's averaged piece of this tensor, in owner order
+            msgs, keys, spans, decs = [], [], [], []
+            for r, i, p in items:
+                seen[name].add(job.averaged.present_of(r, i))
                 if not job.averaged.present_of(r, i):
                     continue
                 key = p.key2(job.gather.step, self.seed)
@@ -224,13 +238,21 @@ class ReduceScatter(Collective):
                 if msg is None:
                     raise WireFormatError(f"rank {r} sent an empty message for the "
                                           f"averaged shard {key.name}")
-                e = self.entries[p.name]
-                if p.name not in accs:
-                    accs[p.name] = self.averaging.accumulator(e)
-                    finite[p.name] = True
-                comp = self.stage2[id(e.compressor)]
-                dec = self.averaging._decoder(comp, msg, key)
-                finite[p.name] &= dec.decode(msg, key, accs[p.name][p.lo:p.hi])
+                msgs.append(msg)
+                keys.append(key)
+                spans.append((p.lo, p.hi))
+            if not msgs:
+                continue
+            e = self.entries[name]
+            accs[name] = acc = self.averaging.accumulator(e)
+            comp = self.stage2[id(e.compressor)]
+            decs = [self.averaging._decoder(comp, m, key) for m, key in zip(msgs, keys)]
+            if all(d is comp for d in decs):            # one call for all the pieces
+                finite[name] = comp.decode_pieces(msgs, keys, spans, acc)
+            else:                                       # a cast's fallback among them
+                finite[name] = True
+                for d, m, key, (lo, hi) in zip(decs, msgs, keys, spans):
+                    finite[name] &= d.decode(m, key, acc[lo:hi])
         for e in job.scattered:
             if len(seen[e.name]) > 1:
                 raise WireFormatError(f"the owners disagree on whether any rank had a "
@@ -259,6 +281,29 @@ class ReduceScatter(Collective):
                              f"collective='allgather' (indices and values to every rank)")
         observe(e.compressor, g, step)
         return g.reshape(-1)
+
+    def _encode_pieces(self, k: int, flat: Dict[str, Optional[torch.Tensor]],
+                       step: int) -> Dict[int, object]:
+        """{piece tensor id: this rank's stage-1 message} of every piece of bucket ``k``
+        whose tensor has a gradient here: each tensor's pieces (one per owner) in one
+        ``Compressor.encode_pieces`` call; a cast's pieces one by one
+        (:meth:`_encode_piece`: each may need its fallback)."""
+        out: Dict[int, object] = {}
+        for name, items in self._by_tensor[k]:
+            g = flat[name]
+            if g is None:
+                continue
+            comp = self.entries[name].compressor
+            if comp.wire_dtype is not None:
+                for _, _, p in items:
+                    out[p.tensor_id] = self._encode_piece(
+                        p, g[p.lo:p.hi].reshape(p.shape), step)
+                continue
+            keys = [p.key(step, self.rank, self.size, self.seed) for _, _, p in items]
+            msgs = comp.encode_pieces(g, [(p.lo, p.hi) for _, _, p in items], keys)
+            for (_, _, p), m in zip(items, msgs):
+                out[p.tensor_id] = m
+        return out
 
     def _encode_piece(self, p: Piece, x: torch.Tensor, step: int):
         """This rank's stage-1 message of piece ``p`` (a cast that would overflow: the

@@ -5,8 +5,9 @@ A fusion bucket's scattered tensors, flattened and laid end to end in bucket ord
 into ``N`` shards of about equal numbers of elements (shard r: rank r's, its *owner*); each
 cut is moved to the nearest *unit* boundary of the tensor it falls in, so a shard never
 splits a unit.  The part of one tensor inside one shard is a :class:`Piece`: the compressor
-encodes it as a tensor of its own (a message per piece), and its stage-1 and stage-2
-messages carry their own tensor ids, so every piece draws its own Philox streams.
+encodes it as a tensor of its own (a message per piece; a tensor's pieces in one
+``Compressor.encode_pieces`` call), and its stage-1 and stage-2 messages carry their own
+tensor ids, so every piece draws its own Philox streams.
 
 Units (:func:`unit`): what each compressor declares (``Compressor.shard_unit``, with the
 shape of its pieces ``Compressor.shard_shape``): a quantization bucket (``bucket_size``:

@@ -27,6 +27,16 @@ The ops and what their kernels guarantee against the references (the specificati
                                                              -> (norms, packed)
     dequantize_add(packed, n, norms, levels, bits, bucket_size, out)         -> out
     dequantize_add_many(packed_list, n, norms_list, levels, bits, bucket_size, out) -> out
+    quantize_pack_pieces(x, norms, levels, bits, bucket_size, spans, tensor_ids, *, seed,
+                         rank, step)                         -> packed uint8 (all pieces)
+    dequantize_add_pieces(packed, norms, levels, bits, bucket_size, spans, out)  -> out
+
+The ``_pieces`` ops do several *pieces* of one tensor in one call (the reduce-scatter's
+pieces, one per destination rank: hvdcomp.exchange.shards), each exactly as a call of its
+own would (its own Philox tensor id, its own packed stream starting on a byte), so that
+the cost of a piece is its coordinates', not a call's.  ``spans``: the pieces' ranges
+``(lo, hi)`` of flat elements, increasing and disjoint (``lo`` at or after the previous
+``hi``); their streams lie end to end in piece order (:func:`piece_offsets`).
 
 * L-inf norms, packed codes given the same norms, and decoded sums: bit-identical.
 * L2 norms: the kernel sums the float64 squares in a fixed order set by ``bucket_size``
@@ -41,7 +51,7 @@ the reference.
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,7 +62,8 @@ from ..philox import uniform
 from . import op, padded_buckets
 
 __all__ = ["bucket_norms", "quantize_pack", "quantize", "dequantize_add",
-           "dequantize_add_many", "quantize_reference", "dequantize_reference"]
+           "dequantize_add_many", "quantize_pack_pieces", "dequantize_add_pieces",
+           "piece_offsets", "quantize_reference", "dequantize_reference"]
 
 NORMS = ("l2", "linf")
 
@@ -167,6 +178,89 @@ def dequantize_add_many(packed: Sequence[torch.Tensor], n: int, norms: Sequence[
     return out
 
 
+def _spans(spans, n: Optional[int] = None) -> List[Tuple[int, int]]:
+    """``spans`` as a list of (lo, hi) ints, checked: 0 <= lo <= hi, each lo at or after the
+    previous hi, and hi <= n where ``n`` is given.  Raises TypeError / ValueError."""
+    out, end = [], 0
+    for k, sp in enumerate(spans):
+        try:
+            lo, hi = sp
+        except (TypeError, ValueError):
+            raise TypeError(f"spans[{k}] must be a pair (lo, hi), got {sp!r}") from None
+        lo = check_int(lo, f"spans[{k}] lo", end, 2**62)
+        hi = check_int(hi, f"spans[{k}] hi", lo, 2**62 if n is None else n)
+        out.append((lo, hi))
+        end = hi
+    return out
+
+
+def piece_offsets(spans: Sequence[Tuple[int, int]], bits: int,
+                  bucket_size: int) -> Tuple[List[int], List[int]]:
+    """(bytes, buckets): the offsets (``len(spans) + 1`` each, from 0) of each piece's packed
+    stream (``packed_size(hi - lo, bits)`` bytes) and of its bucket norms
+    (``ceil((hi - lo) / bucket_size)`` values) when the pieces' streams and norms lie end to
+    end in piece order."""
+    nbytes, nbuckets = [0], [0]
+    for lo, hi in spans:
+        nbytes.append(nbytes[-1] + ((hi - lo) * bits + 7) // 8)
+        nbuckets.append(nbuckets[-1] + (hi - lo + bucket_size - 1) // bucket_size)
+    return nbytes, nbuckets
+
+
+def _aligned(spans, bucket_size: int) -> None:
+    """Raise ValueError unless every non-empty span starts on a bucket boundary of x."""
+    for k, (lo, hi) in enumerate(spans):
+        if hi > lo and lo % bucket_size:
+            raise ValueError(f"piece {k} starts at {lo}, not a multiple of the bucket size "
+                             f"{bucket_size}: its buckets would not be x's")
+
+
+@op
+def quantize_pack_pieces(x: torch.Tensor, norms: torch.Tensor, levels: torch.Tensor,
+                         bits: int, bucket_size: int, spans: Sequence[Tuple[int, int]],
+                         tensor_ids: Sequence[int], *, seed: int, rank: int,
+                         step: int) -> torch.Tensor:
+    """:func:`quantize_pack` of each piece ``x[lo:hi]`` of flat float32 ``x`` (n,), piece k
+    with Philox tensor id ``tensor_ids[k]``, against ``norms``, the bucket norms of the
+    whole ``x`` (float32 (ceil(n / bucket_size),): every non-empty piece starts on a bucket
+    boundary of x, so its buckets are x's).  Returns uint8: the pieces' packed streams end
+    to end (piece k at ``piece_offsets(spans, bits, bucket_size)[0][k]``).  Raises
+    ValueError for spans out of order or out of x, a piece off a bucket boundary, or
+    ``len(tensor_ids) != len(spans)``."""
+    spans = _spans(spans, x.numel())
+    _aligned(spans, bucket_size)
+    if len(tensor_ids) != len(spans):
+        raise ValueError(f"{len(spans)} pieces but {len(tensor_ids)} tensor ids")
+    parts = [quantize_pack.reference(x[lo:hi], norms[lo // bucket_size:
+                                                     (hi + bucket_size - 1) // bucket_size],
+                                     levels, bits, bucket_size, seed=seed, rank=rank,
+                                     tensor_id=t, step=step)
+             for (lo, hi), t in zip(spans, tensor_ids)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=x.device)
+
+
+@op
+def dequantize_add_pieces(packed: torch.Tensor, norms: torch.Tensor, levels: torch.Tensor,
+                          bits: int, bucket_size: int, spans: Sequence[Tuple[int, int]],
+                          out: torch.Tensor) -> torch.Tensor:
+    """:func:`dequantize_add` of each piece into ``out[lo:hi]``: piece k's packed stream and
+    bucket norms are those at ``piece_offsets(spans, bits, bucket_size)`` of ``packed``
+    (uint8, the streams end to end) and ``norms`` (float32, the pieces' norms end to end).
+    out: float32 (m,) with every hi <= m, updated in place and returned.  Raises ValueError
+    for spans out of order or out of ``out`` and for ``packed`` / ``norms`` of the wrong
+    size."""
+    spans = _spans(spans, out.numel())
+    nbytes, nbuckets = piece_offsets(spans, bits, bucket_size)
+    if packed.numel() != nbytes[-1] or norms.numel() != nbuckets[-1]:
+        raise ValueError(f"the pieces need {nbytes[-1]} packed bytes and {nbuckets[-1]} "
+                         f"norms, got {packed.numel()} and {norms.numel()}")
+    for k, (lo, hi) in enumerate(spans):
+        dequantize_add.reference(packed[nbytes[k]:nbytes[k + 1]], hi - lo,
+                                 norms[nbuckets[k]:nbuckets[k + 1]], levels, bits,
+                                 bucket_size, out[lo:hi])
+    return out
+
+
 # ---- kernels (kernels/quantize.cu) -------------------------------------------------------------
 
 def _bits(bits) -> int:
@@ -269,4 +363,65 @@ def _(be, packed, n, norms, levels, bits, bucket_size, out):
         # on a GPU the launch is ordered on the current stream before any later free
         be.launch("hvd_dequantize_add_many", grid_for((n + 7) // 8), BLOCK,
                   (pp, npp, len(packed), n, bs, levels, b, out))
+    return out
+
+
+PIECE_FIELDS = 6    # kernels/hvdcomp.cuh, section 4b: lo, n, byte, bucket, tensor id, group
+
+
+def _piece_table(spans, nbytes, nbuckets, tensor_ids, device) -> Tuple[torch.Tensor, int]:
+    """(table, groups): the kernels' piece table (int64, PIECE_FIELDS per piece) on
+    ``device`` and the total number of groups of 8 coordinates."""
+    rows, groups = [], 0
+    for k, (lo, hi) in enumerate(spans):
+        rows += (lo, hi - lo, nbytes[k], nbuckets[k], tensor_ids[k], groups)
+        groups += (hi - lo + 7) // 8
+    return torch.tensor(rows, dtype=torch.int64).to(device), groups
+
+
+@quantize_pack_pieces.kernel
+def _(be, x, norms, levels, bits, bucket_size, spans, tensor_ids, *, seed, rank, step):
+    b = _bits(bits)
+    x = check_tensor(be, x, "x", torch.float32)
+    bs = _bucket(bucket_size)
+    n = x.numel()
+    norms = check_tensor(be, norms, "norms", torch.float32, (n + bs - 1) // bs, device=x.device)
+    levels = _levels(be, levels, b, x.device)
+    spans = _spans(spans, n)
+    _aligned(spans, bs)
+    if len(tensor_ids) != len(spans):
+        raise ValueError(f"{len(spans)} pieces but {len(tensor_ids)} tensor ids")
+    if len(spans) > 2**31 - 1:
+        raise ValueError("too many pieces")
+    ids = [u32(t, "tensor_id") for t in tensor_ids]
+    nbytes, _ = piece_offsets(spans, b, bs)
+    out = torch.empty(nbytes[-1], dtype=torch.uint8, device=x.device)
+    # piece k's norms start at x's bucket lo / bs (it starts on a bucket boundary of x)
+    table, groups = _piece_table(spans, nbytes, [lo // bs for lo, _ in spans], ids, x.device)
+    if groups:
+        be.launch("hvd_quantize_pack_pieces", grid_for(groups), BLOCK,
+                  (x, norms, bs, levels, b, u32(seed, "seed"), u32(rank, "rank"),
+                   u32(step, "step"), table, len(spans), groups, out))
+    return out
+
+
+@dequantize_add_pieces.kernel
+def _(be, packed, norms, levels, bits, bucket_size, spans, out):
+    if not _served(out):
+        return NotImplemented
+    b = _bits(bits)
+    bs = _bucket(bucket_size)
+    out = check_tensor(be, out, "out", torch.float32, output=True)
+    dev = out.device
+    spans = _spans(spans, out.numel())
+    if len(spans) > 2**31 - 1:
+        raise ValueError("too many pieces")
+    nbytes, nbuckets = piece_offsets(spans, b, bs)
+    packed = check_tensor(be, packed, "packed", torch.uint8, nbytes[-1], device=dev)
+    norms = check_tensor(be, norms, "norms", torch.float32, nbuckets[-1], device=dev)
+    levels = _levels(be, levels, b, dev)
+    table, groups = _piece_table(spans, nbytes, nbuckets, [0] * len(spans), dev)
+    if groups:
+        be.launch("hvd_dequantize_add_pieces", grid_for(groups), BLOCK,
+                  (packed, norms, bs, levels, b, table, len(spans), groups, out))
     return out
