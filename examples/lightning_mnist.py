@@ -80,6 +80,16 @@ class Classifier(pl.LightningModule):
             self.sent += st.bytes_sent
             self.fp32 += st.fp32_bytes
 
+    def validation_step(self, batch, _):
+        self._accuracy("val_acc", batch)
+
+    def test_step(self, batch, _):
+        self._accuracy("test_acc", batch)
+
+    def _accuracy(self, name, batch):
+        x, y = batch             # (equal batches: the mean over batches and processes is the
+        self.log(name, (self(x).argmax(1) == y).float().mean() * 100, sync_dist=True)  # mean)
+
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
         self.state.attach_optimizer(opt)        # DGC: the hook applies its momentum
@@ -115,6 +125,15 @@ def main(argv=None):
         enable_model_summary=False)
     loader = DataLoader(TensorDataset(x_tr, y_tr), batch_size=args.batch_size, shuffle=True)
     trainer.fit(model, loader)
+    # evaluation after fit with the same trainer and state: no gradients, so no exchange
+    # (the hook's step stays), and Lightning's sync_dist all-reduce still works
+    steps_after_fit = state.step
+    tests = DataLoader(TensorDataset(x_te, y_te), batch_size=100)
+    val = trainer.validate(model, tests, verbose=False)[0]["val_acc"]
+    tst = trainer.test(model, tests, verbose=False)[0]["test_acc"]
+    if state.step != steps_after_fit:
+        raise RuntimeError(f"validate/test ran hvdcomp's exchange: step {steps_after_fit} -> "
+                           f"{state.step}")
 
     # every rank's bytes and exchanges (the process group is still up after fit)
     mine = [state.step, model.sent, model.fp32, model.losses]
@@ -138,7 +157,8 @@ def main(argv=None):
         res = {"compression": state.compression.spec(), "world_size": len(every),
                "steps": trainer.global_step, "hook_steps": [e[0] for e in every],
                "test_acc": acc, "bytes_per_rank": sent, "fp32_bytes": model.fp32,
-               "ratio": model.fp32 / sent, "sync_dist_steps": synced}
+               "ratio": model.fp32 / sent, "sync_dist_steps": synced,
+               "validate_acc": val, "test_acc_lightning": tst}
         print(f"lightning + hvdcomp.ddp: {len(every)} processes, {trainer.global_step} "
               f"steps, test acc {acc:.2f} %, sent/rank {sent / 1e6:.3f} MB, fp32 "
               f"{model.fp32 / 1e6:.3f} MB, ratio {res['ratio']:.2f}x, compression "
