@@ -183,6 +183,11 @@ class PowerSGD(SummedRounds, Compressor):
         n, m, r = mat
         return (n * r, m * r)
 
+    def sizes_vary(self, shape) -> bool:
+        """True where the tensor is compressed from ``start_iter`` > 0 on (uncompressed
+        before: one round of numel floats, then two of n r and m r)."""
+        return self.start_iter > 0 and self.matrix(shape) is not None
+
     def first_round(self, grad, key: TensorKey, out):
         shape = key.shape if key.shape is not None else tuple(grad.shape)
         mat = self.matrix(shape, key.step)

@@ -141,6 +141,13 @@ class SummedRounds:
     def round_sizes(self, shape: Tuple[int, ...], step: int) -> Tuple[int, ...]:
         raise NotImplementedError
 
+    def sizes_vary(self, shape: Tuple[int, ...]) -> bool:
+        """Whether ``round_sizes(shape, step)`` can differ between two steps (then, with an
+        allreduce carrier, the core sums the ranks' step codes before the rounds, so that
+        ranks out of step raise OutOfStep instead of handing the carrier buffers of
+        different sizes).  Default True."""
+        return True
+
     def first_round(self, grad: Optional[torch.Tensor], key, out: torch.Tensor) -> None:
         raise NotImplementedError
 

@@ -31,10 +31,11 @@ def ddp_run(request, tmp_path_factory):
 def _overhead(paths, world, compressed):
     """Bytes of the counts and slots that go with the payload in one DDP bucket: the rounds'
     buffers (round 0 with 3 counts per tensor and the joined count; both rounds a slot per
-    rank) and the summed buffer of the 1-D tensors (``none``)."""
+    rank; before them the step codes alone, a slot per rank, since start_iter > 0 changes
+    the rounds' sizes) and the summed buffer of the 1-D tensors (``none``)."""
     rounds = sum(p == "rounds" for p in paths.values())
     summed = sum(p == "allreduce" for p in paths.values())
-    return 4 * ((3 * rounds + 1 + world) + (world if compressed else 0)
+    return 4 * (world + (3 * rounds + 1 + world) + (world if compressed else 0)
                 + (3 * summed + 1 + world))
 
 
