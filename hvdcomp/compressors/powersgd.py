@@ -72,7 +72,8 @@ def orthogonalize(a: torch.Tensor, method: str = "auto") -> torch.Tensor:
 # on the calling thread's number of threads (MKL) or on the device, a float64 one rounded
 # to float32 practically never does, so every rank, and a resumed run, get the same average.
 # P Q^T is computed in row blocks of at most BLOCK float64 elements (a cache-sized scratch,
-# not a gradient-sized temporary).  M = gradient + residual is held in a float32 buffer
+# not a gradient-sized temporary); at rank 1 it is one float32 product per element, the
+# same rounding everywhere.  M = gradient + residual is held in a float32 buffer
 # kept from step to step, which becomes the residual when the step commits (the old
 # residual's buffer then serves the next step's M): no gradient-sized allocation per step.
 ORTH = torch.float64
@@ -232,8 +233,11 @@ class PowerSGD(SummedRounds, Compressor):
             return
         pend.Qsum = summed.reshape(pend.m, pend.r).clone()
         n, m = pend.n, pend.m
-        qt = pend.Qsum.t().to(ORTH)
         out = acc.view(n, m)
+        if pend.r == 1:            # one product per element: exact float32 rounding
+            torch.mul(pend.P.to(torch.float32), pend.Qsum.view(1, m), out=out)
+            return
+        qt = pend.Qsum.t().to(ORTH)
         rows = max(1, BLOCK // m)
         scratch = torch.empty(min(n, rows) * m, dtype=ORTH, device=acc.device)
         for i in range(0, n, rows):
@@ -248,7 +252,7 @@ class PowerSGD(SummedRounds, Compressor):
         residual M - average where finite (a rank without a gradient keeps its residual)."""
         acc.div_(key.world_size)
         pend = self._pending.pop(key.name, None)
-        if pend is None or pend.Qsum is None or not finite(acc):
+        if pend is None or pend.Qsum is None or not self._finite_average(pend, acc):
             return acc
         self._q[key.name] = pend.Qsum.div_(key.world_size)
         if pend.M is not None:
@@ -261,6 +265,16 @@ class PowerSGD(SummedRounds, Compressor):
                 else:
                     self._work.pop(key.name, None)
         return acc
+
+    @staticmethod
+    def _finite_average(pend: _Pending, acc: torch.Tensor) -> bool:
+        """Whether the average P Q^T / W is finite: from P and the sum of Q alone where
+        they bound it (P's columns are orthonormal or zero, so every element is at most
+        r max|Q| in magnitude), else by reading ``acc``."""
+        if finite(pend.P) and finite(pend.Qsum):
+            if pend.Qsum.numel() == 0 or float(pend.Qsum.abs().max()) * pend.r < 2.0 ** 120:
+                return True
+        return finite(acc)
 
     def _work_buffer(self, name: str, numel: int, device) -> torch.Tensor:
         """This rank's float32 buffer for M of tensor ``name`` (kept from step to step;

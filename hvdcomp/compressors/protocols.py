@@ -128,7 +128,8 @@ class SummedRounds:
        ``summed`` is the tensor's part of round i - 1's sum over ranks (the same on every
        rank), ``out`` this rank's zeroed part of round i;
     4. ``last_round(summed, key, acc)``: from the last round's sum, write the sum of the
-       ranks' contributions into ``acc`` (flat float32, the parameter's numel); then the
+       ranks' contributions into ``acc`` (flat float32, the parameter's numel, not zeroed:
+       every element must be written); then the
        core averages it (``finalize``, where the compressor may commit the step's state:
        it is called only for a finite result).
 

@@ -131,8 +131,9 @@ class Rounds:
         for j, e in enumerate(rj.entries):
             if counts[3 * j] == 0:             # no rank had a gradient: no average
                 continue
-            acc = self.averaging.accumulator(e, (dest or {}).get(e.name))
             finite = bool(counts[3 * j + 2] == 0)
+            # last_round writes every element (SummedRounds): no zeroing needed then
+            acc = self.averaging.accumulator(e, (dest or {}).get(e.name), zero=not finite)
             if finite:
                 e.compressor.last_round(rj.views[len(rj.sizes[j]) - 1][j], rj.keys[j], acc)
             out[e.name] = self.averaging.finish(e, acc, finite, rj.keys[j], stats, joined)
