@@ -252,6 +252,8 @@ def ddp_rows(args, hvd, rank, size):
     master = hvd.broadcast_object(_host_address(), root_rank=0, name="ddp.master")
     hvd.shutdown()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master, str(args.ddp_port)
+    if master != "127.0.0.1":       # Gloo between the hosts' links (launch/cluster's eth0)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
     dist.init_process_group("gloo", rank=rank, world_size=size)
     numel = sum(math.prod(s) for _, s in shapes)
     rows = []
