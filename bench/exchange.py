@@ -19,7 +19,12 @@ hooks (``ddp:allreduce``: no hook, DDP's fp32 allreduce; ``ddp:fp16``:
 default_hooks.fp16_compress_hook; ``ddp:powersgd:rank=R``: powerSGD_hook, Vogels et al.
 2019, error feedback and warm start on, compressing from the first timed step), and
 ``ddp:noop`` (a hook that sends nothing: the cost of backward and DDP's bucketing alone).
-DDP's default 25 MB buckets (PowerSGD: one bucket, see ddp_rows).
+DDP's default 25 MB buckets (PyTorch's PowerSGD: one bucket, see ddp_rows).  hvdcomp's
+PowerSGD (Vogels et al. 2019) goes through both doors: ``powersgd:rank=R`` (the Horovod
+rows: its P and Q summed by Horovod's allreduce in rounds) and ``ddp+powersgd:rank=R`` (the
+hook), beside PyTorch's ``ddp:powersgd:rank=R``.  With --rounds N the list of methods runs
+N times in turn (each time built afresh, warmed up, then --reps timed steps), so that on a
+shared machine every row samples the same stretches of load.
 """
 from __future__ import annotations
 
@@ -39,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 METHODS = ["none", "fp16", "alq:bits=3", "auto+alq:bits=3", "qsgd:bits=4", "terngrad",
            "signef", "dgc:density=0.001", "auto+dgc:density=0.001", "dqsg:bits=4",
-           "ndqsg:bits=4", "psq:bits=4", "bhq:bits=4", "laq:bits=4"]
+           "ndqsg:bits=4", "psq:bits=4", "bhq:bits=4", "laq:bits=4", "powersgd:rank=1",
+           "powersgd:rank=2", "powersgd:rank=4"]
 
 
 def worker(args):
@@ -62,28 +68,37 @@ def worker(args):
         p.grad = torch.randn(shape, generator=g) * 1e-3
         params.append((name, p))
     rows = []
-    for spec in _split_methods(args.methods):
-        if spec.split("+")[-1].split(":")[0] not in hvdcomp.available():
-            continue
-        comp, collective = from_spec(spec)
-        ex = Exchange(params, comp, make("mpi"), allreduce=HorovodAllreduce(hvd), seed=1,
-                      collective=collective,
-                      **({"fusion_bytes": args.fusion_bytes} if args.fusion_bytes else {}))
-        plan = {}
-        for e in ex.entries.values():
-            plan[e.compressor.name] = plan.get(e.compressor.name, 0) + e.param.numel()
-        times, stats = [], []
-        for rep in range(args.reps + 1):
-            hvd.allreduce(torch.zeros(1), name="barrier")          # start together
-            t0 = time.perf_counter()
-            ex.begin(rep)
-            for name, _ in params:
-                ex.ready(name)
-            _, st = ex.finish()
-            dt = time.perf_counter() - t0
-            if rep:                                                # rep 0 warms up
-                times.append(dt)
-                stats.append(st)
+    specs = [m for m in _split_methods(args.methods)
+             if m.split("+")[-1].split(":")[0] in hvdcomp.available()]
+    got = {spec: ([], [], None, None) for spec in specs}
+    for rnd in range(args.rounds):          # --rounds: the methods in turn, N times
+        for spec in specs:
+            times, stats, _, _ = got[spec]
+            comp, collective = from_spec(spec)
+            ex = Exchange(params, comp, make("mpi"), allreduce=HorovodAllreduce(hvd), seed=1,
+                          collective=collective,
+                          **({"fusion_bytes": args.fusion_bytes} if args.fusion_bytes else {}))
+            plan = {}
+            for e in ex.entries.values():
+                plan[e.compressor.name] = plan.get(e.compressor.name, 0) + e.param.numel()
+            for rep in range(args.reps + 1):
+                hvd.allreduce(torch.zeros(1), name="barrier")          # start together
+                t0 = time.perf_counter()
+                ex.begin(rep)
+                for name, _ in params:
+                    ex.ready(name)
+                _, st = ex.finish()
+                dt = time.perf_counter() - t0
+                if rep:                                                # rep 0 warms up
+                    times.append(dt)
+                    stats.append(st)
+            cost = ex.auto.model.as_dict() if ex.auto is not None else None
+            got[spec] = (times, stats, plan, cost)
+            ex.close()              # free its buffers and the compressor's state (BERT: GBs)
+            del ex
+            gc.collect()
+    for spec in specs:
+        times, stats, plan, cost = got[spec]
         worst = hvd.allreduce(torch.tensor(times, dtype=torch.float64), op=hvd.Max,
                               name=f"t.{spec}")
         row = dict(method=spec, median_s=statistics.median(worst.tolist()),
@@ -92,13 +107,10 @@ def worker(args):
                    encode_s=statistics.median(s.encode_s for s in stats),
                    comm_s=statistics.median(s.comm_s for s in stats),
                    decode_s=statistics.median(s.decode_s for s in stats),
-                   elements_by_compressor=plan)
-        if ex.auto is not None:
-            row["cost_model"] = ex.auto.model.as_dict()
+                   elements_by_compressor=plan, reps=len(times), rounds=args.rounds)
+        if cost is not None:
+            row["cost_model"] = cost
         rows.append(row)
-        ex.close()                  # free its buffers and the compressor's state (BERT: GBs)
-        del ex
-        gc.collect()
         if rank == 0:
             print(json.dumps(row), flush=True)
     if args.ddp_methods:
@@ -167,66 +179,74 @@ def ddp_rows(args, shapes, rank, size):
     os.environ.setdefault("MASTER_PORT", str(args.ddp_port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
     numel = sum(math.prod(s) for _, s in shapes)
+    specs = _split_methods(args.ddp_methods)
+    got = {spec: ([], [], None, None) for spec in specs}
+    for rnd in range(args.rounds):          # --rounds: the methods in turn, N times
+        for spec in specs:
+            times, stats, nbytes, plan = got[spec]
+            model = _Synthetic.build(shapes, rank)
+            # PowerSGD in one bucket: with Gloo, the second all_reduce of each bucket is
+            # issued from a completion callback, whose order across buckets differs between
+            # ranks (Gloo then aborts: "collective mismatch"); one bucket has one order
+            powersgd = spec.startswith("ddp:powersgd")
+            ddp = DDP(model, bucket_cap_mb=1024) if powersgd else DDP(model)
+            state, warm = None, 1
+            if spec == "ddp:allreduce":
+                nbytes = 4 * numel
+            elif spec == "ddp:noop":
+                ddp.register_comm_hook(None, _noop_hook)
+                nbytes = 0
+            elif spec == "ddp:fp16":
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+                nbytes = 2 * numel
+            elif spec.startswith("ddp:powersgd:rank="):
+                r = int(spec.split("=")[1])
+                st = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=r,
+                                        start_powerSGD_iter=2, use_error_feedback=True,
+                                        warm_start=True)
+                ddp.register_comm_hook(st, psgd.powerSGD_hook)
+                nbytes, warm = _powersgd_bytes(shapes, r), 3   # 2 vanilla steps first
+            elif spec.startswith("ddp+"):
+                state = hvdcomp.ddp.HookState(ddp, spec[4:], seed=1)     # the spec string
+                ddp.register_comm_hook(state, hvdcomp.ddp.hook)
+            else:
+                raise ValueError(f"unknown DDP method {spec!r}")
+            x = torch.ones(())
+            for rep in range(args.reps + warm):
+                dist.barrier()
+                t0 = time.perf_counter()
+                ddp(x).backward()
+                dt = time.perf_counter() - t0
+                if rep >= warm:
+                    times.append(dt)
+                    if state is not None:
+                        stats.append(state.last_stats)
+                for p in model.parameters():
+                    p.grad = None
+            if state is not None:
+                plan = _plan_elements(state)
+                state.close()
+            got[spec] = (times, stats, nbytes, plan)
+            del ddp, model
+            gc.collect()
     rows = []
-    for spec in _split_methods(args.ddp_methods):
-        model = _Synthetic.build(shapes, rank)
-        # PowerSGD in one bucket: with Gloo, the second all_reduce of each bucket is issued
-        # from a completion callback, whose order across buckets differs between ranks
-        # (Gloo then aborts: "collective mismatch"); one bucket has one order
-        powersgd = spec.startswith("ddp:powersgd")
-        ddp = DDP(model, bucket_cap_mb=1024) if powersgd else DDP(model)
-        state, nbytes, warm = None, None, 1
-        if spec == "ddp:allreduce":
-            nbytes = 4 * numel
-        elif spec == "ddp:noop":
-            ddp.register_comm_hook(None, _noop_hook)
-            nbytes = 0
-        elif spec == "ddp:fp16":
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-            nbytes = 2 * numel
-        elif spec.startswith("ddp:powersgd:rank="):
-            r = int(spec.split("=")[1])
-            st = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=r,
-                                    start_powerSGD_iter=2, use_error_feedback=True,
-                                    warm_start=True)
-            ddp.register_comm_hook(st, psgd.powerSGD_hook)
-            nbytes, warm = _powersgd_bytes(shapes, r), 3   # 2 vanilla steps first
-        elif spec.startswith("ddp+"):
-            state = hvdcomp.ddp.HookState(ddp, spec[4:], seed=1)     # the spec string
-            ddp.register_comm_hook(state, hvdcomp.ddp.hook)
-        else:
-            raise ValueError(f"unknown DDP method {spec!r}")
-        x = torch.ones(())
-        times, stats = [], []
-        for rep in range(args.reps + warm):
-            dist.barrier()
-            t0 = time.perf_counter()
-            ddp(x).backward()
-            dt = time.perf_counter() - t0
-            if rep >= warm:
-                times.append(dt)
-                if state is not None:
-                    stats.append(state.last_stats)
-            for p in model.parameters():
-                p.grad = None
+    for spec in specs:
+        times, stats, nbytes, plan = got[spec]
         worst = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         worst = worst.tolist()
         row = dict(method=spec, median_s=statistics.median(worst), min_s=min(worst),
-                   max_s=max(worst), fp32_bytes=4 * numel)
+                   max_s=max(worst), fp32_bytes=4 * numel, reps=len(worst),
+                   rounds=args.rounds)
         if stats:
             row.update(bytes_per_rank=stats[-1].bytes_sent,
                        encode_s=statistics.median(s.encode_s for s in stats),
                        comm_s=statistics.median(s.comm_s for s in stats),
                        decode_s=statistics.median(s.decode_s for s in stats),
-                       elements_by_compressor=_plan_elements(state))
+                       elements_by_compressor=plan)
         else:
             row.update(bytes_per_rank=nbytes, encode_s=0.0, comm_s=0.0, decode_s=0.0)
         rows.append(row)
-        if state is not None:
-            state.close()
-        del ddp, model
-        gc.collect()
         if rank == 0:
             print(json.dumps(row), flush=True)
     dist.destroy_process_group()
@@ -269,7 +289,8 @@ def driver(args):
                os.path.join(ROOT, "launch", "run"), "-np", "4", sys.executable,
                os.path.abspath(__file__), "--worker", "--model", args.model,
                "--reps", str(args.reps), "--methods", args.methods, "--json", path,
-               "--fusion-bytes", str(args.fusion_bytes), "--ddp-methods", args.ddp_methods]
+               "--fusion-bytes", str(args.fusion_bytes), "--ddp-methods", args.ddp_methods,
+               "--rounds", str(args.rounds)]
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, timeout=3600)
         with open(path) as f:
@@ -311,8 +332,10 @@ def render(res) -> str:
             vs16 = base["fp16"] / r["median_s"] if "fp16" in base else float("nan")
             plan = ", ".join(f"{k} {v / 1e6:.1f}M"
                              for k, v in sorted(r.get("elements_by_compressor", {}).items()))
+            v32 = "-" if math.isnan(vs32) else f"{vs32:.1f}x"
+            v16 = "-" if math.isnan(vs16) else f"{vs16:.1f}x"
             lines.append(f"| {rate} | {r['method']} | {r['median_s']:.2f} "
-                         f"[{r['min_s']:.2f}-{r['max_s']:.2f}] | {vs32:.1f}x | {vs16:.1f}x | "
+                         f"[{r['min_s']:.2f}-{r['max_s']:.2f}] | {v32} | {v16} | "
                          f"{r['bytes_per_rank'] / 1e6:.2f} | {r['encode_s']:.2f} / "
                          f"{r['comm_s']:.2f} / {r['decode_s']:.2f} | {plan} | "
                          f"{r.get('measured', '')} |")
@@ -349,9 +372,9 @@ def plot(res, path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def replot(model):
+def replot(model, name=""):
     """Redraw the table and the plot from the committed JSON (no measurement)."""
-    path = os.path.join(ROOT, "bench", "results", f"exchange_{model}")
+    path = os.path.join(ROOT, "bench", "results", name or f"exchange_{model}")
     with open(path + ".json") as f:
         res = json.load(f)
     with open(path + ".table.md", "w") as f:
@@ -376,11 +399,16 @@ def main():
                          "ddp:fp16,ddp:powersgd:rank=4,ddp:powersgd:rank=1,ddp+alq:bits=3'")
     ap.add_argument("--ddp-port", type=int, default=29533,
                     help="torch.distributed's rendezvous port for the DDP rows")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the list of methods N times in turn (each time --reps timed "
+                         "steps after its warm-up), so that every row samples the same "
+                         "stretches of a shared machine's load; a row's median is over "
+                         "all N x reps")
     ap.add_argument("--fusion-bytes", type=int, default=0,
                     help="fusion bucket size (default: the optimizer's default)")
     args = ap.parse_args()
     if args.replot:
-        replot(args.model)
+        replot(args.model, args.results)
     else:
         worker(args) if args.worker else driver(args)
 

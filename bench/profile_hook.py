@@ -4,7 +4,9 @@
 
 Paths: ``hvd`` (the Horovod path's exchange, as bench/exchange.py's Horovod rows), ``ddp``
 (``ddp(x).backward()`` with hvdcomp's hook, as its ``ddp+SPEC`` rows), ``noop`` (DDP with a
-hook that sends nothing).  Per rank and path: wall time per step, the process's CPU time
+hook that sends nothing), ``torch-powersgd:rank=R`` (PyTorch's powerSGD_hook, as
+bench/exchange.py's ``ddp:powersgd:rank=R`` rows, one DDP bucket).  ``--bucket-mb``: DDP's
+bucket size for the ``ddp`` path (default DDP's 25).  Per rank and path: wall time per step, the process's CPU time
 per step, per stage (encode / communicate / decode, the hook's own calls, the transport's
 collectives) the wall and thread CPU seconds summed over the step's buckets, and every
 thread's CPU seconds per step (from /proc: the pipeline's threads by name, MainThread is
@@ -62,6 +64,14 @@ def patch():
                        (B.Transport, ("exchange",)),
                        (A.Averaging, ("combine", "accumulator", "finish")),
                        (D, ("exchange_bucket",))):
+        for n in names:
+            setattr(cls, n, timed(f"{cls.__name__}.{n}", getattr(cls, n)))
+    from hvdcomp.exchange import rounds as R
+    from hvdcomp.compressors import powersgd as PS
+    for cls, names in ((R.Rounds, ("encode", "communicate", "wait", "check", "decode",
+                                   "_sum")),
+                       (PS.PowerSGD, ("first_round", "next_round", "last_round",
+                                      "finalize"))):
         for n in names:
             setattr(cls, n, timed(f"{cls.__name__}.{n}", getattr(cls, n)))
     import hvdcomp.transport.framing as F
@@ -134,6 +144,7 @@ def main():
     ap.add_argument("--spec", default="alq:bits=3")
     ap.add_argument("--paths", default="hvd,ddp,noop")
     ap.add_argument("--port", type=int, default=29541)
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--keep-horovod", action="store_true",
                     help="leave Horovod running during the DDP paths (bench/exchange.py "
                          "shuts it down first: its background thread costs CPU)")
@@ -197,18 +208,28 @@ def main():
         if path == "hvd":
             continue
         model = bx._Synthetic.build(shapes, rank)
-        ddp = DDP(model)
-        state = None
-        if path == "noop":
+        state, warm = None, 1
+        if path.startswith("torch-powersgd:rank="):
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+            ddp = DDP(model, bucket_cap_mb=1024)          # one bucket (bench/exchange.py)
+            st = psgd.PowerSGDState(process_group=None,
+                                    matrix_approximation_rank=int(path.split("=")[1]),
+                                    start_powerSGD_iter=2, use_error_feedback=True,
+                                    warm_start=True)
+            ddp.register_comm_hook(st, psgd.powerSGD_hook)
+            warm = 3
+        elif path == "noop":
+            ddp = DDP(model)
             ddp.register_comm_hook(None, bx._noop_hook)
         else:
+            ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
             state = hvdcomp.ddp.HookState(ddp, from_spec(args.spec)[0], seed=1)
             ddp.register_comm_hook(state, hvdcomp.ddp.hook)
         x = torch.ones(())
         walls, cpus = [], []
-        for rep in range(args.reps + 1):
+        for rep in range(args.reps + warm):
             dist.barrier()
-            if rep == 1:
+            if rep == warm:
                 ACC.clear()
                 THREADS.clear()
             TL.clear()
@@ -216,7 +237,7 @@ def main():
             c0 = time.process_time()
             T0[0] = t0 = time.perf_counter()
             ddp(x).backward()
-            if rep:
+            if rep >= warm:
                 walls.append(time.perf_counter() - t0)
                 cpus.append(time.process_time() - c0)
                 thread_delta(before)

@@ -9,8 +9,14 @@ Each cell (model, hosts, rate) runs `launch/cluster HOSTS RATE -- launch/run -np
 python bench/scaling.py --worker ...`: one rank per host, each host in its own network
 namespace behind its own link of RATE in both directions (MPI over TCP).  For every method
 (fp32 and fp16 through Horovod's allreduce; ALQ 3 bits and DGC 0.1 % over the allgather and
-over the reduce-scatter; Auto) each rank times a warm-up and --reps exchanges of synthetic
-gradients with the model's shapes (bench/shapes.py), and reports:
+over the reduce-scatter; Auto; hvdcomp's PowerSGD at ranks 1, 2, 4, its P and Q summed by
+Horovod's allreduce in rounds) each rank times a warm-up and --reps exchanges of synthetic
+gradients with the model's shapes (bench/shapes.py); with --ddp-methods
+(``torch-powersgd:rank=R``) the same ranks then shut Horovod down and time PyTorch's
+powerSGD_hook (Vogels et al. 2019; error feedback, warm start) under DDP over Gloo between
+the same hosts (one backward pass of bench/exchange.py's synthetic model in one bucket, as
+bench/exchange.py's ``ddp:powersgd`` rows; its payload is the elements it all_reduces, no
+encode / decode split and no replay).  Reported per method:
 
 * time per exchange: the slowest rank's, median over the reps (and min/max);
 * bytes sent and received per rank: exact, from its interface's counters (/proc/net/dev:
@@ -47,11 +53,16 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 METHODS = ["none", "fp16", "ag+alq:bits=3", "rs+alq:bits=3", "ag+dgc:density=0.001",
-           "rs+dgc:density=0.001", "auto+alq:bits=3"]
+           "rs+dgc:density=0.001", "auto+alq:bits=3", "powersgd:rank=1", "powersgd:rank=2",
+           "powersgd:rank=4"]
+# PyTorch's powerSGD_hook, timed under DDP over Gloo between the same hosts (--ddp-methods)
+DDP_METHODS = ["torch-powersgd:rank=1", "torch-powersgd:rank=2", "torch-powersgd:rank=4"]
 LABELS = {"none": "fp32 allreduce", "fp16": "fp16 allreduce",
           "ag+alq:bits=3": "ALQ 3b allgather", "rs+alq:bits=3": "ALQ 3b reduce-scatter",
           "ag+dgc:density=0.001": "DGC 0.1% allgather",
-          "rs+dgc:density=0.001": "DGC 0.1% reduce-scatter", "auto+alq:bits=3": "Auto(ALQ 3b)"}
+          "rs+dgc:density=0.001": "DGC 0.1% reduce-scatter", "auto+alq:bits=3": "Auto(ALQ 3b)",
+          **{f"powersgd:rank={r}": f"hvdcomp PowerSGD r{r}" for r in (1, 2, 4)},
+          **{f"torch-powersgd:rank={r}": f"PyTorch PowerSGD hook r{r}" for r in (1, 2, 4)}}
 RESULTS = os.path.join(ROOT, "bench", "results", "scaling")
 CORES = os.cpu_count() or 1
 
@@ -207,9 +218,83 @@ def worker(args):
         ex.close()
         del ex
         gc.collect()
+    if args.ddp_methods:
+        rows += ddp_rows(args, hvd, rank, size)
     if rank == 0:
         with open(args.json, "w") as f:
             json.dump(rows, f)
+
+
+def _host_address():
+    """This host's address on the emulated network (the interface that reaches the
+    switch, launch/cluster's 10.213.0.1), or 127.0.0.1."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.213.0.1", 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def ddp_rows(args, hvd, rank, size):
+    """PyTorch's powerSGD_hook rows (module docstring): Horovod shut down (its background
+    thread costs CPU a DDP job does not pay), torch.distributed (Gloo) started with rank 0's
+    host address, then per method --reps timed backward passes after 2 vanilla steps and a
+    warm-up."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import exchange as bx
+    from shapes import bert_base, resnet50
+    shapes = {"resnet50": resnet50, "bert_base": bert_base}[args.model]()
+    master = hvd.broadcast_object(_host_address(), root_rank=0, name="ddp.master")
+    hvd.shutdown()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master, str(args.ddp_port)
+    if master != "127.0.0.1":       # Gloo between the hosts' links (launch/cluster's eth0)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    numel = sum(math.prod(s) for _, s in shapes)
+    rows = []
+    for spec in args.ddp_methods.split(";"):
+        if not spec.startswith("torch-powersgd:rank="):
+            raise ValueError(f"unknown DDP method {spec!r} (torch-powersgd:rank=R)")
+        r = int(spec.split("=")[1])
+        model = bx._Synthetic.build(shapes, rank)
+        ddp = DDP(model, bucket_cap_mb=1 << 14)      # one bucket (bench/exchange.py)
+        st = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=r,
+                                start_powerSGD_iter=2, use_error_feedback=True,
+                                warm_start=True)
+        ddp.register_comm_hook(st, psgd.powerSGD_hook)
+        sent = bx._powersgd_bytes(shapes, r)
+        x = torch.ones(())
+        reps = []
+        for rep in range(args.reps + 3):                 # 2 vanilla steps, 1 warm-up
+            dist.barrier()
+            rx0, tx0 = netdev()
+            t0 = time.perf_counter()
+            ddp(x).backward()
+            dt = time.perf_counter() - t0
+            rx1, tx1 = netdev()
+            if rep >= 3:
+                reps.append(dict(s=dt, tx=tx1 - tx0, rx=rx1 - rx0, encode=0.0, comm=0.0,
+                                 decode=0.0, reduce=0.0, sent=sent, recv=0,
+                                 traffic=2 * (size - 1) / size * sent, fp32=4 * numel))
+            for p in model.parameters():
+                p.grad = None
+        mine = dict(reps=reps, replay_s=0.0, build_s=0.0, calls=[], allreduces=[])
+        everyone = [None] * size
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            row = dict(method=spec, ranks=everyone, elements={"powersgd (PyTorch)": numel},
+                       buckets=1)
+            rows.append(row)
+            print(json.dumps(summarize(row)), flush=True)
+        del ddp, model
+        gc.collect()
+    dist.destroy_process_group()
+    return rows
 
 
 def _med(xs):
@@ -258,7 +343,7 @@ def driver(args):
                        os.path.join(ROOT, "launch", "run"), "-np", str(hosts),
                        sys.executable, os.path.abspath(__file__), "--worker", "--model",
                        model, "--reps", str(args.reps), "--methods", args.methods,
-                       "--json", path]
+                       "--ddp-methods", args.ddp_methods, "--json", path]
                 print("+", " ".join(cmd), flush=True)
                 t0 = time.time()
                 load0 = os.getloadavg()
@@ -309,6 +394,10 @@ def main():
     ap.add_argument("--rates", default="1gbit,10gbit")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--methods", default=";".join(METHODS))
+    ap.add_argument("--ddp-methods", default="",
+                    help="PyTorch's PowerSGD hook rows after the Horovod rows, e.g. "
+                         + repr(";".join(DDP_METHODS)))
+    ap.add_argument("--ddp-port", type=int, default=29561)
     ap.add_argument("--json", default="")
     ap.add_argument("--conditions", default="", help="a line on the machine's state, kept "
                     "with the results")

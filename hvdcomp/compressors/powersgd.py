@@ -65,11 +65,19 @@ def orthogonalize(a: torch.Tensor, method: str = "auto") -> torch.Tensor:
     return a
 
 
-# The products and the orthogonalization run in float64, and what is sent or kept is rounded
-# once to float32: a float32 BLAS result can depend on the number of threads (MKL) or on
-# the device that computed it, a float64 one rounded to float32 practically never does, so
-# every rank, a resumed run and a rank on another device get the same float32 values.
-WORK = torch.float64
+# This rank's products with M (M Q, M^T P: its own contributions, summed across ranks) run
+# in float32 straight into the round buffers, as PyTorch's powerSGD_hook computes them.
+# What every rank computes from the shared sums (the orthogonalization of P, the average
+# P Q^T) runs in float64 and is rounded once to float32: a float32 BLAS result can depend
+# on the calling thread's number of threads (MKL) or on the device, a float64 one rounded
+# to float32 practically never does, so every rank, and a resumed run, get the same average.
+# P Q^T is computed in row blocks of at most BLOCK float64 elements (a cache-sized scratch,
+# not a gradient-sized temporary); at rank 1 it is one float32 product per element, the
+# same rounding everywhere.  M = gradient + residual is held in a float32 buffer
+# kept from step to step, which becomes the residual when the step commits (the old
+# residual's buffer then serves the next step's M): no gradient-sized allocation per step.
+ORTH = torch.float64
+BLOCK = 1 << 16
 
 
 @dataclass
@@ -79,9 +87,9 @@ class _Pending:
     n: int
     m: int
     r: int
-    M: Optional[torch.Tensor]          # n x m (gradient + residual), None: absent
-    P: Optional[torch.Tensor] = None   # orthogonalized sum of P (round 1)
-    Qsum: Optional[torch.Tensor] = None
+    M: Optional[torch.Tensor]          # flat n m float32 (gradient + residual), None: absent
+    P: Optional[torch.Tensor] = None   # n x r float64: the orthogonalized sum of P (round 1)
+    Qsum: Optional[torch.Tensor] = None   # m x r float32: the sum of Q (round 2)
 
 
 @register("powersgd", codec=26)
@@ -98,8 +106,10 @@ class PowerSGD(SummedRounds, Compressor):
     orthogonalization: "auto" (Gram-Schmidt for r <= 2, QR above, as PyTorch's hook),
       "gram_schmidt" or "qr".
 
-    Computes in float64 (products, orthogonalization; M = gradient + residual is held in
-    float64 between the rounds), sends and keeps float32.
+    Computes this rank's products with M (M Q, M^T P) in float32 (as PyTorch's
+    powerSGD_hook), the orthogonalizations and the average P Q^T in float64 rounded to
+    float32 (the same on every rank); sends and keeps float32.  Memory per compressed
+    tensor and rank: the residual and one work buffer for M, float32.
     Sends per compressed n x m tensor 4 (n + m) r bytes in two float32 allreduces (P, then
     Q), uncompressed ones 4 numel bytes.  The initial Q of a tensor is Philox normals (Box-
     Muller on :func:`hvdcomp.philox.uniform`, key (seed, 0), counter (tensor id, step)), the
@@ -124,6 +134,7 @@ class PowerSGD(SummedRounds, Compressor):
                                                  ORTHOGONALIZATIONS)
         self._q: Dict[str, torch.Tensor] = {}
         self._residual: Dict[str, torch.Tensor] = {}
+        self._work: Dict[str, torch.Tensor] = {}       # M's buffer (scratch, not state)
         self._pending: Dict[str, Optional[_Pending]] = {}
 
     # --- which tensors are compressed ------------------------------------------------
@@ -174,6 +185,11 @@ class PowerSGD(SummedRounds, Compressor):
         n, m, r = mat
         return (n * r, m * r)
 
+    def sizes_vary(self, shape) -> bool:
+        """True where the tensor is compressed from ``start_iter`` > 0 on (uncompressed
+        before: one round of numel floats, then two of n r and m r)."""
+        return self.start_iter > 0 and self.matrix(shape) is not None
+
     def first_round(self, grad, key: TensorKey, out):
         shape = key.shape if key.shape is not None else tuple(grad.shape)
         mat = self.matrix(shape, key.step)
@@ -183,28 +199,33 @@ class PowerSGD(SummedRounds, Compressor):
                 out.copy_(grad.reshape(-1))
             return
         n, m, r = mat
-        wdt = WORK
         M = None
         if grad is not None:
-            M = grad.reshape(n, m).to(torch.float32).to(wdt, copy=True)
+            M = self._work_buffer(key.name, n * m, out.device)
+            g = grad.reshape(-1)
+            if g.dtype != torch.float32 or g.device != out.device:
+                g = g.to(out.device, torch.float32)
             res = self._residual.get(key.name)
             if res is not None:
-                M.add_(res.to(M.device).view(n, m))
+                torch.add(g, res.to(out.device), out=M)
+            else:
+                M.copy_(g)
         q = self._q.get(key.name) if self.warm_start else None
         if q is None or tuple(q.shape) != (m, r):
             q = self._initial_q(key, m, r)
-        q = orthogonalize(q.to(out.device, wdt, copy=True), self.orthogonalization)
+        q = orthogonalize(q.to(out.device, ORTH, copy=True),
+                          self.orthogonalization).to(torch.float32)
         self._pending[key.name] = _Pending(n, m, r, M)
         if M is not None:
-            out.view(n, r).copy_(M @ q)
+            torch.mm(M.view(n, m), q, out=out.view(n, r))
 
     def next_round(self, i, summed, key, out):
         pend = self._pending[key.name]
-        wdt = WORK
-        pend.P = orthogonalize(summed.reshape(pend.n, pend.r).to(wdt, copy=True),
+        pend.P = orthogonalize(summed.reshape(pend.n, pend.r).to(ORTH, copy=True),
                                self.orthogonalization)
         if pend.M is not None:
-            out.view(pend.m, pend.r).copy_(pend.M.t() @ pend.P)
+            torch.mm(pend.M.view(pend.n, pend.m).t(), pend.P.to(torch.float32),
+                     out=out.view(pend.m, pend.r))
 
     def last_round(self, summed, key, acc):
         pend = self._pending.get(key.name)
@@ -212,22 +233,58 @@ class PowerSGD(SummedRounds, Compressor):
             acc.copy_(summed)
             return
         pend.Qsum = summed.reshape(pend.m, pend.r).clone()
-        acc.view(pend.n, pend.m).copy_(pend.P @ pend.Qsum.t().to(pend.P.dtype))
+        n, m = pend.n, pend.m
+        out = acc.view(n, m)
+        if pend.r == 1:            # one product per element: exact float32 rounding
+            torch.mul(pend.P.to(torch.float32), pend.Qsum.view(1, m), out=out)
+            return
+        qt = pend.Qsum.t().to(ORTH)
+        rows = max(1, BLOCK // m)
+        scratch = torch.empty(min(n, rows) * m, dtype=ORTH, device=acc.device)
+        for i in range(0, n, rows):
+            j = min(n, i + rows)
+            block = scratch[:(j - i) * m].view(j - i, m)
+            torch.mm(pend.P[i:j], qt, out=block)
+            out[i:j].copy_(block)
 
     def finalize(self, acc, key):
         """The average (``acc`` / world size); a compressed tensor's finite average also
         commits the step: Q (the sum of Q / world size) for the warm start, and this rank's
-        residual M - average (a rank without a gradient keeps its residual)."""
+        residual M - average where finite (a rank without a gradient keeps its residual)."""
         acc.div_(key.world_size)
         pend = self._pending.pop(key.name, None)
-        if pend is None or pend.Qsum is None or not finite(acc):
+        if pend is None or pend.Qsum is None or not self._finite_average(pend, acc):
             return acc
         self._q[key.name] = pend.Qsum.div_(key.world_size)
         if pend.M is not None:
-            res = pend.M.view(-1).sub_(acc).to(torch.float32)
-            if finite(res):
+            res = pend.M.sub_(acc)
+            if finite(res):          # the new residual; the old one's buffer is next M's
+                old = self._residual.get(key.name)
                 self._residual[key.name] = res
+                if old is not None and old.shape == res.shape and old.device == res.device:
+                    self._work[key.name] = old
+                else:
+                    self._work.pop(key.name, None)
         return acc
+
+    @staticmethod
+    def _finite_average(pend: _Pending, acc: torch.Tensor) -> bool:
+        """Whether the average P Q^T / W is finite: from P and the sum of Q alone where
+        they bound it (P's columns are orthonormal or zero, so every element is at most
+        r max|Q| in magnitude), else by reading ``acc``."""
+        if finite(pend.P) and finite(pend.Qsum):
+            if pend.Qsum.numel() == 0 or float(pend.Qsum.abs().max()) * pend.r < 2.0 ** 120:
+                return True
+        return finite(acc)
+
+    def _work_buffer(self, name: str, numel: int, device) -> torch.Tensor:
+        """This rank's float32 buffer for M of tensor ``name`` (kept from step to step;
+        never the residual itself, so a step that does not commit leaves it intact)."""
+        buf = self._work.get(name)
+        if buf is None or buf.numel() != numel or buf.device != torch.device(device):
+            buf = torch.empty(numel, dtype=torch.float32, device=device)
+            self._work[name] = buf
+        return buf
 
     def _initial_q(self, key: TensorKey, m: int, r: int) -> torch.Tensor:
         """m x r standard normals from Philox (Box-Muller), keyed by (seed, 0, tensor id,
@@ -254,4 +311,4 @@ class PowerSGD(SummedRounds, Compressor):
                 raise ValueError(f"powersgd: q of {name!r} must be a matrix (m x r), got "
                                  f"shape {tuple(t.shape)}")
         self._q, self._residual = q, {n: t.reshape(-1) for n, t in res.items()}
-        self._pending = {}
+        self._pending, self._work = {}, {}

@@ -128,7 +128,8 @@ class SummedRounds:
        ``summed`` is the tensor's part of round i - 1's sum over ranks (the same on every
        rank), ``out`` this rank's zeroed part of round i;
     4. ``last_round(summed, key, acc)``: from the last round's sum, write the sum of the
-       ranks' contributions into ``acc`` (flat float32, the parameter's numel); then the
+       ranks' contributions into ``acc`` (flat float32, the parameter's numel, not zeroed:
+       every element must be written); then the
        core averages it (``finalize``, where the compressor may commit the step's state:
        it is called only for a finite result).
 
@@ -140,6 +141,13 @@ class SummedRounds:
 
     def round_sizes(self, shape: Tuple[int, ...], step: int) -> Tuple[int, ...]:
         raise NotImplementedError
+
+    def sizes_vary(self, shape: Tuple[int, ...]) -> bool:
+        """Whether ``round_sizes(shape, step)`` can differ between two steps (then, with an
+        allreduce carrier, the core sums the ranks' step codes before the rounds, so that
+        ranks out of step raise OutOfStep instead of handing the carrier buffers of
+        different sizes).  Default True."""
+        return True
 
     def first_round(self, grad: Optional[torch.Tensor], key, out: torch.Tensor) -> None:
         raise NotImplementedError

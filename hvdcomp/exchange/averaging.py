@@ -80,19 +80,21 @@ class Averaging:
             g = g / self.predivide
         return g
 
-    def accumulator(self, e: Entry, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def accumulator(self, e: Entry, out: Optional[torch.Tensor] = None,
+                    zero: bool = True) -> torch.Tensor:
         """A zeroed flat float32 accumulator for ``e`` on its parameter's device: ``out``
         (zeroed) when it can serve, i.e. a contiguous float32 tensor of ``e``'s numel on that
         device (the DDP hook's views into its bucket: the average is then written where it
-        is wanted, with no copy), else one kept for ``e`` from step to step."""
+        is wanted, with no copy), else one kept for ``e`` from step to step.  ``zero=False``:
+        not zeroed (for a caller that writes every element)."""
         if (out is not None and out.dtype == torch.float32 and out.is_contiguous()
                 and out.numel() == e.param.numel() and out.device == e.param.device):
-            return out.view(-1).zero_()
+            return out.view(-1).zero_() if zero else out.view(-1)
         acc = self._accs.get(e.name)
         if acc is None or acc.device != e.param.device:
             acc = torch.zeros(e.param.numel(), dtype=torch.float32, device=e.param.device)
             self._accs[e.name] = acc
-        else:
+        elif zero:
             acc.zero_()
         return acc
 

@@ -214,7 +214,7 @@ class Allgather(Collective):
             if job.rounds is not None:
                 self.rounds.wait(job.rounds)
         if job.rounds is not None:
-            if any(0 in s.slots for s in job.rounds.sums):
+            if any(0 in s.slots for s in job.rounds.all_sums):
                 self.failure_seen = True
             self.rounds.check(job.rounds, job, stats)
         for s in job.sums:

@@ -8,7 +8,14 @@ across ranks, and handed back to the compressors, which compute round i + 1's pa
 Each buffer ends like the summed buffers of :mod:`.sums`: round 0 with three counts per
 tensor (ranks with a gradient, a sparse one, a non-finite one) and the joined count, every
 round with one slot per rank holding its :func:`~.sums.slot_code` (0: the rank failed), so
-that ranks out of step, or a failed rank, raise on every rank (:meth:`Sums.check`).  A tensor
+that ranks out of step, or a failed rank, raise on every rank (:meth:`Sums.check`).  Where
+the rounds' sizes can change from one step to another
+(:meth:`~hvdcomp.compressors.protocols.SummedRounds.sizes_vary`: PowerSGD before and after
+its ``start_iter``), ranks out of step could hand the carrier buffers of different sizes,
+which it cannot sum: with a carrier, such a bucket's rounds are then preceded by a sum of
+the slots alone (``size`` float32), and ranks out of step raise OutOfStep from it on every
+rank without starting the rounds.  (Without a carrier the allgather's frames carry the
+step and raise it.)  A tensor
 no rank has, or one that is non-finite on some rank, sends zeros in the later rounds, gets no
 average (absent) or NaN (the NaN policy), and its compressor's state stays as it was.
 
@@ -54,6 +61,11 @@ class RoundsJob:
     views: List[List[torch.Tensor]] = field(default_factory=list)
     handle: Any = None
     failure: Optional[BaseException] = None
+    pre: Optional[Sum] = None        # the slots summed before the rounds (sizes_vary)
+
+    @property
+    def all_sums(self) -> List[Sum]:
+        return ([self.pre] if self.pre is not None else []) + self.sums
 
 
 class Rounds:
@@ -95,7 +107,7 @@ class Rounds:
         """Count what was sent (``stats``) and raise, every rank alike, when a rank failed
         or ranks are out of step (:meth:`Sums.check`; this rank's own error where it is
         the one that failed)."""
-        for s in rj.sums:
+        for s in rj.all_sums:
             nbytes = s.flat.numel() * s.flat.element_size()
             stats.bytes_sent += nbytes
             if self.allreduce is not None:
@@ -105,7 +117,7 @@ class Rounds:
                 stats.traffic_bytes += (self.size - 1) * nbytes
         if rj.failure is not None:
             raise rj.failure
-        for s in rj.sums:
+        for s in rj.all_sums:
             self.sums.check(s, job)
 
     def decode(self, rj: RoundsJob, stats: StepStats,
@@ -119,8 +131,9 @@ class Rounds:
         for j, e in enumerate(rj.entries):
             if counts[3 * j] == 0:             # no rank had a gradient: no average
                 continue
-            acc = self.averaging.accumulator(e, (dest or {}).get(e.name))
             finite = bool(counts[3 * j + 2] == 0)
+            # last_round writes every element (SummedRounds): no zeroing needed then
+            acc = self.averaging.accumulator(e, (dest or {}).get(e.name), zero=not finite)
             if finite:
                 e.compressor.last_round(rj.views[len(rj.sizes[j]) - 1][j], rj.keys[j], acc)
             out[e.name] = self.averaging.finish(e, acc, finite, rj.keys[j], stats, joined)
@@ -134,6 +147,17 @@ class Rounds:
         es, nrounds = rj.entries, max(len(s) for s in rj.sizes)
         device = es[0].param.device
         active = [True] * len(es)
+        if self.allreduce is not None and any(
+                e.compressor.sizes_vary(tuple(e.param.shape)) for e in es):
+            pre = torch.zeros(self.size, dtype=torch.float32, device=device)
+            if not rj.failing:
+                pre[self.rank] = float(slot_code(job.step, job.sync, self.averaging.joined))
+            self._sum(pre, f"{k}.rounds.step")
+            rj.pre = Sum(None, pre, [], self.size)
+            try:
+                self.sums.check(rj.pre, job)
+            except Exception:               # noqa: BLE001 - raised by check(), every rank
+                return                      # alike (the same sum): no rounds started
         for i in range(nrounds):
             parts = [s[i] if i < len(s) else 0 for s in rj.sizes]
             tail = (3 * len(es) + 1 if i == 0 else 0) + self.size

@@ -207,12 +207,14 @@ def test_start_iter_sends_everything_uncompressed():
     shapes = {"b.fc": (64, 32)}
     got = run_exchange(2, "powersgd:rank=4,start_iter=2", 3, True, shapes=shapes,
                        grads=lambda s, r: grads_of(s, r, shapes))
+    # with the carrier, every step's rounds are preceded by the 2 ranks' step codes (the
+    # rounds' sizes change at start_iter: ranks out of step must not reach the carrier)
     for step in (0, 1):
         st = got[0][1][step]
-        assert st.bytes_sent == 4 * 2048 + 4 * (3 + 1 + 2)
+        assert st.bytes_sent == 4 * 2048 + 4 * (3 + 1 + 2) + 4 * 2
         want = (grads_of(step, 0, shapes)["b.fc"] + grads_of(step, 1, shapes)["b.fc"]) / 2
         close(got[0][0][step]["b.fc"], want, rtol=1e-6, atol=1e-7)
-    assert got[0][1][2].bytes_sent == 4 * 96 * 4 + 4 * (3 + 1 + 2) + 4 * 2
+    assert got[0][1][2].bytes_sent == 4 * 96 * 4 + 4 * (3 + 1 + 2) + 4 * 2 + 4 * 2
 
 
 # --- checkpoints ----------------------------------------------------------------------------
@@ -396,3 +398,61 @@ def test_bad_settings_and_what_it_cannot_do():
         return Exchange(params_of(), hvdcomp.Auto(hvdcomp.get("powersgd")), tp)
     for e in run_ranks(2, auto):
         assert isinstance(e, ConfigError) and "Auto" in str(e)
+
+
+@pytest.mark.parametrize("carrier", [False, True])
+@pytest.mark.parametrize("steps", [(1, 2), (0, 3), (2, 1), (3, 4)])
+def test_ranks_out_of_step_across_start_iter_raise_out_of_step(carrier, steps):
+    """start_iter=2: rank 0 in step steps[0], rank 1 in steps[1].  Across start_iter the
+    rounds' buffers of the two ranks differ in size (the gradient against P): OutOfStep on
+    both ranks, naming the other rank, as for ranks out of step on the same side (3, 4)."""
+    from hvdcomp.errors import OutOfStep
+    shapes = {"b.fc": (64, 32), "c.bias": (64,)}
+
+    def fn(rank, tp):
+        ar = RankOrderSums(tp.world, rank) if carrier else None
+        params = params_of(shapes)
+        ex = Exchange(params, hvdcomp.get("powersgd:rank=2,start_iter=2"), tp, allreduce=ar,
+                      min_compress_numel=16, seed=SEED)
+        step = steps[rank]
+        g = grads_of(step, rank, shapes)
+        for n, p in params:
+            p.grad = g[n]
+        ex.begin(step)
+        for n, _ in reversed(params):
+            ex.ready(n)
+        try:
+            ex.finish()
+        finally:
+            ex.close()
+    got = run_ranks(2, fn)
+    for r in range(2):
+        assert isinstance(got[r], OutOfStep), (r, got[r])
+        assert got[r].ranks == [1 - r]
+        assert f"step {steps[r]}" in str(got[r]) and f"step {steps[1 - r]}" in str(got[r])
+
+
+@pytest.mark.parametrize("carrier", [False, True])
+@pytest.mark.parametrize("spec", ["powersgd:rank=2", "powersgd:rank=4"])
+def test_overflow_of_finite_gradients_is_nan_and_the_state_stays(carrier, spec):
+    """Every rank's gradient of b.fc is finite at step 2 but so large (3e38) that M Q
+    overflows float32: the average is NaN on every rank (the NaN policy), named in
+    StepStats.nonfinite, and neither Q nor any residual takes the step (step 3 continues
+    from the state after step 1, as without step 2)."""
+    shapes = {"b.fc": (64, 32), "d.head": (10, 100)}
+
+    def grads(step, rank):
+        g = grads_of(step, rank, shapes)
+        if step == 2:
+            g["b.fc"] = torch.full((64, 32), 3e38)
+        return g
+    got = run_exchange(2, spec, 4, carrier, shapes=shapes, grads=grads)
+    clean = run_exchange(2, spec, 2, carrier, shapes=shapes, keep=True,
+                         grads=lambda s, r: grads_of(s, r, shapes))
+    after = run_exchange(2, spec, 1, carrier, shapes=shapes, first=3,
+                         state=[clean[r][2] for r in range(2)], grads=grads)
+    for r in range(2):
+        assert torch.isnan(got[r][0][2]["b.fc"]).all()
+        assert got[r][1][2].nonfinite == ["b.fc"]
+        assert torch.isfinite(got[r][0][2]["d.head"]).all()
+        assert torch.equal(after[r][0][3]["b.fc"], got[r][0][3]["b.fc"])
