@@ -305,9 +305,7 @@ class Hierarchical(Collective):
         names = [e.name for e in job.mine]
         mine = self._owned(names, me)
         frames = self.host.alltoall(job.parts)
-        out_bytes = sum(len(p) for r, p in enumerate(job.parts) if r != me)
-        stats.bytes_sent += out_bytes
-        stats.recv_bytes += sum(len(f) for s, f in enumerate(frames) if s != me)
+        stats.host_bytes += sum(len(p) for r, p in enumerate(job.parts) if r != me)
         failure = job.failure
         means: Dict[str, Optional[torch.Tensor]] = {}
         host_joined = 0
@@ -370,8 +368,7 @@ class Hierarchical(Collective):
         except RankFailure:
             self.failure_seen = True
             raise
-        stats.bytes_sent += len(out)
-        stats.recv_bytes += sum(job.averaged.nbytes) - len(out)
+        stats.host_bytes += (L - 1) * len(out)
 
     def _host_means(self, mine: List[HostPiece], incoming: Incoming, step: int
                     ) -> Dict[str, Optional[torch.Tensor]]:
@@ -451,10 +448,10 @@ def plan_hierarchy(hierarchy: str, transport: Transport, compression, collective
     if collective == "reduce_scatter":
         return flat("collective='reduce_scatter' crosses hosts over the allgather only "
                     "in the hierarchical exchange for now; use collective='allgather'")
+    topo = discover(transport)      # (before anything the ranks may not agree on yet)
     why = refusal(compression)
     if why is not None:
         return flat(f"{compression.name} cannot be cut into pieces: {why}")
-    topo = discover(transport)
     if not topo.equal:
         return flat(f"the hosts have unequal numbers of ranks ({topo.describe()}: ranks "
                     f"per host {topo.counts})")

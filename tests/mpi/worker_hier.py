@@ -97,7 +97,10 @@ def average(spec):
         want = ref.step([{n: golden_grad(n, r) for n in SPECS} for r in range(size)], step)
         for n in hier:
             assert same(res[n], want[n]), (spec, step, n, (res[n] - want[n]).abs().max())
-        fres, _ = run_step(flat, rank, step)
+        fres, fstats = run_step(flat, rank, step)
+        # the in-host stages count apart; across hosts each rank sends its pieces only
+        assert stats.host_bytes > 0 and fstats.host_bytes == 0
+        assert stats.bytes_sent < fstats.bytes_sent, (stats.bytes_sent, fstats.bytes_sent)
         for n in set(SPECS) - hier:
             assert (n in res) == (n in fres), n
             if n in res:
@@ -171,6 +174,74 @@ def checkpoint():
     rf, _ = run_step(fresh, rank, 2)
     assert not same(rf["fc1.weight"], ra["fc1.weight"])      # the state mattered
     fresh.close()
+
+
+def model_fn():
+    torch.manual_seed(11)
+    return torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+
+def train(spec, steps, rank, model=None, opt_state=None, first=0, **kw):
+    import torch.nn.functional as F
+    import hvdcomp.torch as hvd
+    model = model or model_fn()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   compression=spec, min_compress_numel=16, **kw)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    for step in range(first, first + steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(16, 40, generator=g), torch.randint(0, 4, (16,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+@case.each(["dgc:density=0.05", "alq:bits=3,bucket_size=512,refit_steps=1/2"])
+def optimizer(spec):
+    """The drop-in optimizer with hierarchy="host": DGC's momentum by piece label on the
+    owners, ALQ's refit (tables identical on every rank), parameters identical on every
+    rank, and a state_dict after 2 steps resuming the third step bit-exactly."""
+    import copy
+    rank = horovod.rank()
+    H, L = layout()
+    model, opt = train(spec, 2, rank, hierarchy="host")
+    assert opt.paths["0.weight"] == "hierarchical" and opt.paths["0.bias"] == "allreduce"
+    sd = copy.deepcopy(opt.state_dict())
+    assert sd["hvdcomp"]["hierarchy"] == [H, L, rank % L], sd["hvdcomp"]["hierarchy"]
+    saved_params = copy.deepcopy(model.state_dict())
+    labels = list(opt._driver.exchange.collective.labels())
+    if spec.startswith("dgc"):
+        assert labels and all(opt.compression.momentum_of(lb) == 0.9 for lb in labels)
+        assert all(opt.compression.momentum_buffer(lb) is not None for lb in labels)
+    else:
+        assert opt.compression.level_version >= 1
+        assert same_everywhere({"levels": opt.compression.levels})
+    # the third step, continued and resumed
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(200 + rank)
+    x, y = torch.randn(16, 40, generator=g), torch.randint(0, 4, (16,), generator=g)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert same_everywhere({n: p.detach() for n, p in model.named_parameters()})
+    opt.close()
+    model2 = model_fn()
+    model2.load_state_dict(saved_params)
+    _, opt2 = train(spec, 1, rank, model=model2, opt_state=sd, first=2, hierarchy="host")
+    for (n, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), (spec, n)
+    # a flat optimizer refuses the hierarchical checkpoint (its state is per piece)
+    opt2.close()
+    _, flat = train(spec, 0, rank, hierarchy="flat")
+    try:
+        flat.load_state_dict(sd)
+        raise AssertionError("a hierarchical checkpoint loaded into a flat optimizer")
+    except ValueError as e:
+        assert "hosts" in str(e), e
+    flat.close()
 
 
 @case
