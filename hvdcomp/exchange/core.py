@@ -100,7 +100,11 @@ class Exchange:
         self.collective_setting = collective
         # several ranks per host: compression only across hosts (hier.py)
         self.hierarchy = plan_hierarchy(hierarchy, transport, self.compression, collective)
+        across = None                  # the hierarchy's collective across hosts
         if self.hierarchy is not None:
+            if (collective == "reduce_scatter" and self.hierarchy[1].size > 1
+                    and fusion_bytes is not None):
+                across = self.buckets
             for e in self.entries.values():
                 e.hier = (not e.allreduce and not e.rounds and e.param.numel() > 0
                           and qualifies(e.param, min_compress_numel, compress_1d)
@@ -135,7 +139,7 @@ class Exchange:
             host, cross, _ = self.hierarchy
             self.collective = Hierarchical(transport, allreduce, host, cross, self.averaging,
                                            self.seed, self.entries, len(self.entries),
-                                           self.ident)
+                                           self.ident, buckets=across)
         elif any(e.scatter for e in self.entries.values()):
             self.collective = ReduceScatter(transport, allreduce, self.averaging, self.seed,
                                             self.buckets, self.entries, len(self.entries),
@@ -174,7 +178,7 @@ class Exchange:
         """The reduce-scatter's second-stage compressors that keep state apart from the
         compression (DGC's top-k with residuals of the averaged shards), else []."""
         c = self.collective
-        return c.second_stages() if isinstance(c, ReduceScatter) else []
+        return c.second_stages() if isinstance(c, (ReduceScatter, Hierarchical)) else []
 
     def set_momentum(self, factors: Dict[str, float]) -> None:
         """Momentum factors by parameter name for a MomentumCorrection compressor (DGC),

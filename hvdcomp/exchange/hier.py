@@ -11,8 +11,10 @@ piece ``l`` of every such tensor.  Per bucket (a fusion bucket, or a DDP hook's 
    all-to-all of the host's transport); local rank ``l`` sums them in local-rank order in
    float32 and divides by ``L``: the host's mean of piece ``l``;
 2. across hosts, the host means of piece ``l`` go through the flat compressed collective
-   (:class:`~hvdcomp.exchange.collective.Allgather`) among the ``H`` ranks of local rank
-   ``l`` (one per host; ``L`` such groups in parallel): the compressor encodes each host's
+   (:class:`~hvdcomp.exchange.collective.Allgather`; with ``collective="reduce_scatter"``
+   and fusion buckets, :class:`~hvdcomp.exchange.scatter.ReduceScatter` over each fusion
+   bucket's pieces, its second stage's state on the owners) among the ``H`` ranks of local
+   rank ``l`` (one per host; ``L`` such groups in parallel): the compressor encodes each host's
    mean with its own state kept under the piece's name (``name[lo:hi]``: residuals, DGC's
    momentum, on the piece's owner), and every rank of the group decodes the ``H``
    messages in host order and averages them (``Compressor.finalize`` over ``H``);
@@ -61,6 +63,7 @@ from ..transport.framing import STOP_MARK, check_stamps
 from ..transport.topology import Topology, discover
 from .averaging import Averaging
 from .collective import Allgather, Collective, _Job
+from .scatter import ReduceScatter
 from .frames import frame
 from .plan import Entry
 from .shards import boundaries, refusal, unit
@@ -134,7 +137,7 @@ class Hierarchical(Collective):
 
     def __init__(self, transport: Transport, allreduce, host: Transport, cross: Transport,
                  averaging: Averaging, seed: int, entries: Dict[str, Entry], first_id: int,
-                 ident: int = 0):
+                 ident: int = 0, buckets: Optional[List[List[str]]] = None):
         self.flat = Allgather(transport, allreduce, averaging, seed, ident)
         self.transport, self.host, self.cross = transport, host, cross
         self.averaging, self.seed = averaging, seed
@@ -166,10 +169,20 @@ class Hierarchical(Collective):
                     stand_in = torch.zeros((), dtype=torch.float32,
                                            device=e.param.device).expand(p.shape)
                     self.virtual[e.name] = Entry(p.label, stand_in, p.tensor_id + 1,
-                                                 e.compressor, False)
+                                                 e.compressor, False,
+                                                 scatter=buckets is not None)
             self.pieces[e.name] = row
-        # the inner collective: host means, averaged over the H hosts, no predivide
-        self.inner = Allgather(cross, None, Averaging(self.hosts), seed, ident)
+        # the inner collective: host means, averaged over the H hosts, no predivide; the
+        # reduce-scatter over the fusion buckets' pieces, else the allgather
+        self._inner_avg = _Given(self.hosts)
+        if buckets is not None:
+            self.inner: Collective = ReduceScatter(
+                cross, None, self._inner_avg, seed,
+                [[self.virtual[n].name for n in b if n in self.virtual] for b in buckets],
+                {v.name: v for v in self.virtual.values()},
+                first_id + 3 * len(entries) * L, ident)
+        else:
+            self.inner = Allgather(cross, None, self._inner_avg, seed, ident)
         self._none = get("none")
 
     failing = property(lambda self: self.flat.failing,
@@ -179,8 +192,18 @@ class Hierarchical(Collective):
 
     def labels(self) -> Dict[str, str]:
         """{piece label: parameter name} of this rank's pieces (the names its compressor
-        keeps state under, e.g. DGC's momentum factors)."""
-        return {v.name: n for n, v in self.virtual.items()}
+        keeps state under, e.g. DGC's momentum factors; across hosts over the
+        reduce-scatter, also the labels of the pieces' own pieces)."""
+        out = {v.name: n for n, v in self.virtual.items()}
+        if isinstance(self.inner, ReduceScatter):
+            for p in self.inner.pieces():
+                out[p.label] = out[p.name]
+        return out
+
+    def second_stages(self) -> list:
+        """The cross-host reduce-scatter's second stages that keep state, else []."""
+        return (self.inner.second_stages() if isinstance(self.inner, ReduceScatter)
+                else [])
 
     def _owned(self, names: Sequence[str], owner: int) -> List[HostPiece]:
         return [self.pieces[n][owner] for n in names if self.pieces[n][owner] is not None]
@@ -333,10 +356,10 @@ class Hierarchical(Collective):
         # stage 2: across hosts
         inner_stats = StepStats(step=step)
         entries = [self.virtual[p.name] for p in mine]
-        grads = {self.virtual[n].name: m for n, m in means.items()}
+        self._inner_avg.current = {self.virtual[n].name: m for n, m in means.items()}
         averages: Dict[str, torch.Tensor] = {}
         err = failure
-        ijob = self.inner.encode(job.flat.k, entries, step, inner_stats, job.sync, grads,
+        ijob = self.inner.encode(job.flat.k, entries, step, inner_stats, job.sync, None,
                                  failure)
         try:
             self.inner.communicate(ijob, inner_stats)
@@ -411,6 +434,19 @@ class Hierarchical(Collective):
         return out
 
 
+class _Given(Averaging):
+    """The inner collective's averaging: each piece's gradient is the host mean set in
+    ``current`` ({label: tensor or None}) for the bucket at hand (the communicate thread
+    sets it before the inner collective's encode)."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.current: Dict[str, Optional[torch.Tensor]] = {}
+
+    def gradient(self, e, grads=None):
+        return self.current.get(e.name)
+
+
 #: The settings of ``hierarchy=``.
 HIERARCHIES = ("auto", "flat", "host")
 
@@ -423,7 +459,7 @@ def plan_hierarchy(hierarchy: str, transport: Transport, compression, collective
 
     hierarchy: "flat" (None, no collective); "host" (hierarchical, or ConfigError on
     every rank when it cannot be: a transport without sub-groups, hosts with unequal rank
-    counts, a compressor that cannot be cut into pieces, collective="reduce_scatter");
+    counts, a compressor that cannot be cut into pieces);
     "auto": hierarchical where "host" would be, with more than one host, else flat with
     the reason logged (INFO, rank 0).  One rank per host is flat in both (the same
     exchange as today's).  ConfigError for another value."""
@@ -445,9 +481,6 @@ def plan_hierarchy(hierarchy: str, transport: Transport, compression, collective
 
     if transport.split_refusal is not None:
         return flat(f"the {transport.name} transport: {transport.split_refusal}")
-    if collective == "reduce_scatter":
-        return flat("collective='reduce_scatter' crosses hosts over the allgather only "
-                    "in the hierarchical exchange for now; use collective='allgather'")
     topo = discover(transport)      # (before anything the ranks may not agree on yet)
     why = refusal(compression)
     if why is not None:

@@ -137,3 +137,53 @@ def test_flat_or_refused(monkeypatch):
     assert all(isinstance(e, Mismatch) and "hierarchy" in str(e) for e in got), got
     got = _outcome("0,0,1,1", "hosts", **kw)
     assert all(isinstance(e, ConfigError) for e in got), got
+
+
+@pytest.mark.parametrize("hosts", ["0,0,1,1", "0,0,0,1,1,1"])
+@pytest.mark.parametrize("spec", ["alq:bits=3,bucket_size=128", "dgc:density=0.05",
+                                  "topk:density=0.1", "psq:bits=4"])
+def test_reduce_scatter_across_hosts(monkeypatch, hosts, spec):
+    """collective="reduce_scatter": the host means of each local rank's pieces go through
+    the reduce-scatter among the hosts; the averages equal tests/mpi/scatter_reference.py's
+    computation on the host means (H simulated ranks), bit for bit, on every rank."""
+    from scatter_reference import Reference
+    monkeypatch.setenv("HVDCOMP_TEST_HOSTS", hosts)
+    n = len(hosts.split(","))
+    H, L = 2, n // 2
+
+    def body(rank, tp):
+        ex = build(tp, spec, hierarchy="host", collective="reduce_scatter")
+        ex.set_momentum({y: 0.9 for y in SHAPES})
+        col = ex.collective
+        hier = sorted(x for x, e in ex.entries.items() if e.hier)
+        assert hier == ["a.weight", "b.weight"]
+        lay = col.inner.layout
+        ref = Reference(spec, H, seed=5)
+        ref.set_momentum({p.label: 0.9 for b in lay for m in b for p in m})
+        mine = {v.name: (x, col.pieces[x][col.local]) for x, v in col.virtual.items()}
+        for k in (0, 1, 2):
+            res, stats = step(ex, rank, k)
+            g = [{x: grad(x, r, k) for x in SHAPES} for r in range(n)]
+            means = [{lab: sum_local(g, h, L, x, p) for lab, (x, p) in mine.items()}
+                     for h in range(H)]
+            want = ref.step(lay, {lab: p.shape for lab, (x, p) in mine.items()}, means, k)
+            for lab, (x, p) in mine.items():
+                got = res[x][p.lo:p.hi]
+                assert torch.equal(got, want[lab]), (x, k, (got - want[lab]).abs().max())
+        assert ex.second_stages() == col.inner.second_stages()
+        ex.close()
+        return res
+
+    out = run_ranks(n, body)
+    for r in out:
+        assert isinstance(r, dict), r
+    for x in SHAPES:
+        assert all(torch.equal(out[0][x], o[x]) for o in out)
+
+
+def sum_local(g, h, L, name, p):
+    """Host h's mean of piece p of ``name``: float32 sum in local-rank order, / L."""
+    s = torch.zeros(p.numel, dtype=torch.float32)
+    for j in range(L):
+        s.add_(g[h * L + j][name].reshape(-1).to(torch.float32)[p.lo:p.hi])
+    return (s / L).view(p.shape)
