@@ -4,10 +4,12 @@ Each rank names its host with a key the launcher gives (:meth:`Transport.host_ke
 
 * mpi: the world rank of rank 0 of MPI's ``COMM_TYPE_SHARED`` split (the ranks that can
   share memory, i.e. one host, whatever started them);
-* torch: torchrun's ``GROUP_RANK`` (the node's number) when set, else the host name
-  (``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` are then checked against what the keys say);
-* horovod: Horovod's ``cross_rank()`` (its host number; ``local_rank`` / ``local_size``
-  checked likewise).
+* torch: torchrun's ``GROUP_RANK`` (the node's number) when set, else the host name;
+* horovod: Horovod's ``cross_rank()`` (its host number; Horovod's transport cannot make
+  the sub-groups, so it is read only for the record).
+
+Every rank's host count then comes from the keys themselves (``LOCAL_WORLD_SIZE`` or
+Horovod's ``local_size`` are not consulted: the keys of all ranks say the same and more).
 
 :func:`discover` allgathers the keys over the transport (one collective, every rank alike),
 so every rank computes the same :class:`Topology`: hosts numbered in order of their lowest
