@@ -69,7 +69,7 @@ class HorovodJob:
         self.opt = self.hvd.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(), compression=args.compression,
             transport=args.transport, seed=args.seed, allreduce_summable=not args.no_allreduce,
-            collective=args.collective)
+            collective=args.collective, hierarchy=args.hierarchy)
         return model, self.opt
 
     @property
@@ -129,7 +129,8 @@ class TorchrunJob:
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
         self.state = hvdcomp.ddp.register(ddp, args.compression, optimizer=opt,
                                           seed=args.seed,
-                                          allreduce_summable=not args.no_allreduce)
+                                          allreduce_summable=not args.no_allreduce,
+                                          hierarchy=args.hierarchy)
         return ddp, opt
 
     @property
@@ -221,6 +222,11 @@ def main(argv=None):
                          "re-encoded (reduce_scatter), or per tensor by the cost model "
                          "(auto); default: the spec string's ('rs+SPEC' / 'ag+SPEC'), else "
                          "auto with 'auto+SPEC' and allgather otherwise")
+    ap.add_argument("--hierarchy", default=None, choices=["auto", "flat", "host"],
+                    help="several ranks per host: sum inside each host in float32 and "
+                         "compress only across hosts (host), where the hosts have equal "
+                         "rank counts (auto), or every rank a host of its own (flat); "
+                         "default: the spec string's ('host+SPEC' / 'flat+SPEC'), else auto")
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
     ap.add_argument("--lr", type=float, default=0.1, help="peak learning rate (cosine decay)")
@@ -253,7 +259,9 @@ def main(argv=None):
     try:
         import hvdcomp
         from hvdcomp.auto import from_spec, merge_collective
-        _, in_spec = from_spec(args.compression)      # "auto+SPEC": hvdcomp.Auto(SPEC)
+        from hvdcomp.exchange.driver import merge_hierarchy, split_hierarchy
+        merge_hierarchy(args.hierarchy, args.compression)   # "host+SPEC": hierarchical
+        _, in_spec = from_spec(split_hierarchy(args.compression)[1])   # "auto+SPEC": Auto
         merge_collective(args.collective, in_spec)    # "rs+SPEC": over the reduce-scatter
     except hvdcomp.ConfigError as e:
         # one clear line (from the first rank only) instead of a traceback per rank

@@ -14,7 +14,7 @@ from ..auto import Auto
 from ..compressors import Compressor
 from ..errors import ConfigError
 from ..exchange import Exchange, StepStats
-from ..exchange.driver import FORMAT, Driver, Reports, Settings, resolve
+from ..exchange.driver import FORMAT, Driver, Reports, Settings, merge_hierarchy, resolve
 from ..exchange.owners import Door, Owner, record, replaced, take_over
 from ..transport.torch_dist import TorchDistAllreduce, TorchDistTransport, private_group
 from .bucket import begin_step
@@ -70,9 +70,11 @@ class HookState(Reports, Owner):
     model: the model (or the DistributedDataParallel wrapping it); its trainable parameters,
       named by ``named_parameters()``, are what the hook exchanges.
     compression, seed, min_compress_numel, compress_1d, allreduce_summable,
-      check_replicas: as :class:`hvdcomp.exchange.driver.Settings` says (the same settings
-      as the drop-in optimizer's); the collective is the allgather ("rs+" in the spec:
-      ConfigError).  A typo in the spec raises ConfigError, before any collective.
+      check_replicas, hierarchy: as :class:`hvdcomp.exchange.driver.Settings` says (the
+      same settings as the drop-in optimizer's; hierarchy: with several ranks per host,
+      compress only across hosts, over private process groups per host and per local
+      rank); the collective is the allgather ("rs+" in the spec: ConfigError).  A typo in
+      the spec raises ConfigError, before any collective.
     process_group: DDP's process group (default: the default group); hvdcomp runs on two
       private groups with its ranks and backend (its threads' collectives never mix with
       DDP's).  Gloo for CPU parameters, NCCL for CUDA ones (ValueError otherwise).
@@ -114,7 +116,8 @@ class HookState(Reports, Owner):
 
     def __init__(self, model, compression=None, *, process_group=None, optimizer=None,
                  seed: int = 0, min_compress_numel: int = 1024, compress_1d: bool = False,
-                 allreduce_summable: bool = True, check_replicas: bool = True):
+                 allreduce_summable: bool = True, check_replicas: bool = True,
+                 hierarchy: Optional[str] = None):
         module = _inner(model)
         self._ident = next(_created)
         self._named: List[Tuple[str, torch.Tensor]] = [
@@ -124,6 +127,7 @@ class HookState(Reports, Owner):
         self._ddp = (weakref.ref(model) if isinstance(
             model, torch.nn.parallel.DistributedDataParallel) else None)
         comp, collective = resolve(compression)     # a typo: ConfigError, no collective
+        hierarchy = merge_hierarchy(hierarchy, compression)
         if collective == "reduce_scatter":
             raise ConfigError(f"compression {compression!r}: the DDP hook sends over the "
                               f"allgather (torch.distributed has no variable-length "
@@ -133,7 +137,8 @@ class HookState(Reports, Owner):
             compression=comp, collective="allgather", seed=seed,
             min_compress_numel=min_compress_numel, compress_1d=compress_1d,
             allreduce_summable=allreduce_summable, check_replicas=check_replicas,
-            fusion_bytes=None)                        # DDP forms the buckets
+            fusion_bytes=None,                        # DDP forms the buckets
+            hierarchy=hierarchy)
         self._pg = process_group
         self._pending_optimizer = optimizer
         self._loaded: Optional[Dict[str, Any]] = None

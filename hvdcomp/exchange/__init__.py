@@ -7,6 +7,9 @@
   :class:`Allgather`;
 * :mod:`.scatter`: :class:`ReduceScatter`, cut by :mod:`.shards` (which tensors, where);
   it holds an :class:`Allgather` for the bucket's other tensors;
+* :mod:`.hier`: :class:`Hierarchical`, several ranks per host (float32 sums inside the
+  host, the compressed allgather across hosts); it holds an :class:`Allgather` for the
+  bucket's other tensors;
 * :mod:`.frames`: what both collectives do around a frame of messages (build it, the
   adaptive compressors' statistics, the compressors' events);
 * :mod:`.averaging`: gradients in, averages out (predivide, op=Sum, the NaN policy);
@@ -19,9 +22,10 @@ Bytes travel through a :class:`hvdcomp.transport.Transport`, summable buffers th
 """
 from .collective import Allgather, Collective
 from .core import Exchange, refit
+from .hier import Hierarchical
 from .plan import Entry, Plan
 from .scatter import ReduceScatter
 from .step_stats import StepStats
 
 __all__ = ["Exchange", "StepStats", "Plan", "Entry", "Collective", "Allgather",
-           "ReduceScatter", "refit"]
+           "ReduceScatter", "Hierarchical", "refit"]

@@ -28,8 +28,10 @@ from .averaging import Averaging
 from . import shutdown
 from .buckets import agree_settings, check_replicas, fuse, handshake
 from .collective import Allgather
+from .hier import Hierarchical, plan_hierarchy
 from .pipeline import Done, Pipeline
-from .plan import Entry, Plan
+from .plan import Entry, Plan, qualifies
+from .shards import refusal
 from .scatter import ReduceScatter
 from .step_stats import StepStats
 
@@ -57,6 +59,11 @@ class Exchange:
     parameters' values across ranks at the first step (:func:`~.buckets.check_replicas`);
     agreed: the ranks have already agreed on every setting (a door's
     :class:`~.driver.Settings` handshake), so only the plan and the carriers are compared.
+    hierarchy: "flat" (default: every rank a host of its own), "host" or "auto": with
+      several ranks per host, the tensors that use the compression are summed in float32
+      inside each host and compressed only across hosts (:mod:`.hier`,
+      :func:`~.hier.plan_hierarchy`: when it applies, and the ConfigError of "host" where
+      it cannot).
 
     Construction is collective (Auto's measurements, the handshake): every rank builds its
     exchanges together, in the same order; :class:`~hvdcomp.errors.Mismatch` (a
@@ -74,7 +81,8 @@ class Exchange:
                  compress_1d: bool = False, seed: int = 0, average: bool = True,
                  predivide: float = 1.0, sparse_as_dense: bool = False, ident: int = 0,
                  check_replicas: bool = True,
-                 collective: Optional[str] = None, agreed: bool = False):
+                 collective: Optional[str] = None, agreed: bool = False,
+                 hierarchy: str = "flat"):
         self.transport = transport
         self.rank, self.size = transport.rank, transport.size
         self.seed = int(seed) & 0xFFFFFFFF
@@ -82,18 +90,38 @@ class Exchange:
             collective = "auto" if isinstance(compression, Auto) else "allgather"
         if not agreed:
             # before anything else: ranks that disagree would measure different things (Auto)
-            agree_settings(transport, {"collective": collective},
-                           "the collective (allgather, reduce_scatter or auto)")
+            agree_settings(transport, {"collective": collective, "hierarchy": hierarchy},
+                           "the collective (allgather, reduce_scatter or auto) and the "
+                           "hierarchy (auto, flat or host)")
         self.buckets = [] if fusion_bytes is None else fuse(named_params, fusion_bytes)
         self.plan = Plan(named_params, compression, transport, allreduce,
                          min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                          collective=collective)
         self.collective_setting = collective
+        # several ranks per host: compression only across hosts (hier.py)
+        self.hierarchy = plan_hierarchy(hierarchy, transport, self.compression, collective)
+        across = None                  # the hierarchy's collective across hosts
+        if self.hierarchy is not None:
+            if (collective == "reduce_scatter" and self.hierarchy[1].size > 1
+                    and fusion_bytes is not None):
+                across = self.buckets
+            for e in self.entries.values():
+                e.hier = (not e.allreduce and not e.rounds and e.param.numel() > 0
+                          and qualifies(e.param, min_compress_numel, compress_1d)
+                          and refusal(e.compressor) is None)
+                e.scatter = e.scatter and not e.hier
+            if not any(e.hier for e in self.entries.values()):
+                for t in self.hierarchy[:2]:        # nothing to compress: all flat
+                    t.close()
+                    if hasattr(t, "free"):
+                        t.free()
         # the carriers' name prefixes too: Horovod matches collectives by name
         self.ident = int(ident) & 0xFFFFFFFF
         carriers = {"transport": transport.name, "exchange id": self.ident,
                     "transport prefix": getattr(transport, "prefix", ""),
-                    "allreduce prefix": allreduce.prefix if allreduce is not None else None}
+                    "allreduce prefix": allreduce.prefix if allreduce is not None else None,
+                    "hierarchy": (None if self.hierarchy is None
+                                  else list(self.hierarchy[2].hosts))}
         settings = carriers if agreed else dict(
             carriers, seed=self.seed, average=bool(average), predivide=float(predivide),
             sparse_as_dense=bool(sparse_as_dense), compression=self.compression.spec(),
@@ -107,7 +135,12 @@ class Exchange:
         if self.rank == 0:
             report_plan(self)
         self.averaging = Averaging(self.size, average, predivide, sparse_as_dense)
-        if any(e.scatter for e in self.entries.values()):
+        if self.hierarchy is not None and any(e.hier for e in self.entries.values()):
+            host, cross, _ = self.hierarchy
+            self.collective = Hierarchical(transport, allreduce, host, cross, self.averaging,
+                                           self.seed, self.entries, len(self.entries),
+                                           self.ident, buckets=across)
+        elif any(e.scatter for e in self.entries.values()):
             self.collective = ReduceScatter(transport, allreduce, self.averaging, self.seed,
                                             self.buckets, self.entries, len(self.entries),
                                             self.ident)
@@ -145,7 +178,7 @@ class Exchange:
         """The reduce-scatter's second-stage compressors that keep state apart from the
         compression (DGC's top-k with residuals of the averaged shards), else []."""
         c = self.collective
-        return c.second_stages() if isinstance(c, ReduceScatter) else []
+        return c.second_stages() if isinstance(c, (ReduceScatter, Hierarchical)) else []
 
     def set_momentum(self, factors: Dict[str, float]) -> None:
         """Momentum factors by parameter name for a MomentumCorrection compressor (DGC),
@@ -158,6 +191,10 @@ class Exchange:
             for p in self.collective.pieces():
                 if p.name in factors:
                     more[p.label] = factors[p.name]
+        if isinstance(self.collective, Hierarchical):
+            for label, name in self.collective.labels().items():
+                if name in factors:
+                    more[label] = factors[name]
         self.compression.set_momentum(more)
 
     # --- per step -------------------------------------------------------------------

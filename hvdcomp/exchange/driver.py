@@ -27,6 +27,7 @@ import torch
 
 from ..auto import Auto, from_spec, merge_collective, spec_collective
 from ..compressors import Compressor
+from ..errors import ConfigError
 from ..log import warn_limited
 from ..transport import Allreduce, Transport
 from . import momentum
@@ -40,16 +41,45 @@ __all__ = ["Settings", "Driver", "Reports", "resolve", "FORMAT"]
 FORMAT = 1
 
 
+#: The spec string's hierarchy prefixes ("host+alq:bits=3"), before everything else.
+HIERARCHY_PREFIXES = {"host+": "host", "flat+": "flat"}
+
+
+def split_hierarchy(spec: str) -> Tuple[Optional[str], str]:
+    """``(hierarchy named by the spec string's prefix or None, the rest)``: "host+" (the
+    hierarchical exchange: :mod:`hvdcomp.exchange.hier`) or "flat+", before any other
+    prefix.  Never raises."""
+    s = str(spec).strip()
+    for prefix, name in HIERARCHY_PREFIXES.items():
+        if s.lower().startswith(prefix):
+            return name, s[len(prefix):]
+    return None, s
+
+
+def merge_hierarchy(given: Optional[str], compression) -> str:
+    """The hierarchy of an exchange from the setting (``given``, None: unset) and the
+    ``compression`` setting's spec prefix ("host+", "flat+"): either, else "auto".
+    ConfigError when both are given and differ."""
+    raw = compression if isinstance(compression, str) else (
+        os.environ.get("HVDCOMP_COMPRESSION") or "none" if compression is None else "")
+    from_spec, _ = split_hierarchy(raw)
+    if given is not None and from_spec is not None and given != from_spec:
+        raise ConfigError(f"hierarchy={given!r} contradicts the spec string's {from_spec!r} "
+                          f"('host+' / 'flat+'); give one of them")
+    return given if given is not None else from_spec or "auto"
+
+
 def resolve(compression) -> Tuple[Any, Optional[str]]:
     """``(compressor or Auto, collective named by the spec string or None)`` of what users
-    pass as ``compression=``: a spec string (``"[auto+][rs+|ag+]SPEC"``), a
+    pass as ``compression=``: a spec string (``"[host+|flat+][auto+][rs+|ag+]SPEC"``: the
+    hierarchy prefix is read by :func:`merge_hierarchy`), a
     :class:`~hvdcomp.compressors.Compressor`, an :class:`~hvdcomp.Auto`, or None
     ($HVDCOMP_COMPRESSION, else ``"none"``).  ConfigError for a bad spec, TypeError for
     anything else."""
     if compression is None:
         compression = os.environ.get("HVDCOMP_COMPRESSION") or "none"
     if isinstance(compression, str):
-        return from_spec(compression)
+        return from_spec(split_hierarchy(compression)[1])
     if isinstance(compression, (Auto, Compressor)):
         return compression, None
     raise TypeError(f"compression must be an hvdcomp compressor, an hvdcomp.Auto or a spec "
@@ -103,6 +133,14 @@ class Settings:
       spec string's, else "auto" with Auto and "allgather" otherwise.  ConfigError when it
       contradicts the spec string, on one rank with "reduce_scatter", or for a compressor
       that cannot work on shards.  The DDP hook uses "allgather".
+    hierarchy: "auto" (default), "flat" or "host": with several ranks per host (the
+      launcher says which: :mod:`hvdcomp.transport.topology`), the compressed tensors are
+      summed in float32 inside each host and compressed only across hosts
+      (:mod:`hvdcomp.exchange.hier`); "auto" does so where every host has the same number
+      (more than one) of ranks and there is more than one host, else stays flat and logs
+      why; "host" raises ConfigError on every rank where it cannot; "flat": every rank a
+      host of its own.  A spec string may name it: "host+alq:bits=3", "flat+...".  None:
+      the spec string's, else "auto".
     seed: the shared seed of the Philox streams (an integer, equal on every rank: checked).
     min_compress_numel (>= 0), compress_1d: tensors with fewer elements, and 1-D tensors
       unless compress_1d, travel uncompressed.
@@ -135,6 +173,7 @@ class Settings:
     average: bool = True
     predivide: float = 1.0
     sparse_as_dense: bool = False
+    hierarchy: Optional[str] = None
 
     def __post_init__(self):
         _integer("seed", self.seed, -2**63)
@@ -143,6 +182,8 @@ class Settings:
             _integer("fusion_bytes", self.fusion_bytes, 1)
         if self.collective is not None and not isinstance(self.collective, str):
             raise TypeError(f"collective must be a string or None; got {self.collective!r}")
+        if self.hierarchy is not None and not isinstance(self.hierarchy, str):
+            raise TypeError(f"hierarchy must be a string or None; got {self.hierarchy!r}")
         if (isinstance(self.predivide, bool) or not isinstance(self.predivide, numbers.Real)
                 or not 0 < float(self.predivide) < float("inf")):
             raise ValueError(f"gradient_predivide_factor must be a finite number > 0; got "
@@ -155,8 +196,11 @@ class Settings:
         rec = {f.name: plain(getattr(self, f.name)) for f in fields(self)}
         rec["compression"] = raw_spec(self.compression)
         rec["collective"] = (str(self.collective) if self.collective is not None
-                             else spec_collective(rec["compression"]) or "default")
+                             else spec_collective(split_hierarchy(rec["compression"])[1])
+                             or "default")
         rec["gradient_predivide_factor"] = rec.pop("predivide")
+        rec["hierarchy"] = (str(self.hierarchy) if self.hierarchy is not None
+                            else split_hierarchy(rec["compression"])[0] or "default")
         return rec
 
     def agree(self, channel: Transport, what: str, **extras) -> None:
@@ -192,7 +236,8 @@ class Driver:
             fusion_bytes=s.fusion_bytes, min_compress_numel=s.min_compress_numel,
             compress_1d=s.compress_1d, seed=s.seed, average=s.average, predivide=s.predivide,
             sparse_as_dense=s.sparse_as_dense, ident=ident, check_replicas=s.check_replicas,
-            collective=merge_collective(s.collective, from_prefix), agreed=True)
+            collective=merge_collective(s.collective, from_prefix), agreed=True,
+            hierarchy=merge_hierarchy(s.hierarchy, s.compression))
         self.step = 0
         self.last_stats: Optional[StepStats] = None
         self.step_stats = StepStats()
@@ -208,14 +253,25 @@ class Driver:
         """Everything to resume bit-exactly: ``format``, ``rank`` and ``world_size`` (of
         the rank that saved it), ``step``, ``compression`` (the spec), ``compressor_state``,
         ``second_stage_state`` (the reduce-scatter's) and ``params_before`` (LAQ's
-        parameters of the last step, between before_step and after_step; else None)."""
+        parameters of the last step, between before_step and after_step; else None); for a
+        hierarchical exchange also ``hierarchy`` (:meth:`hierarchy_record`: the state is
+        that of this rank's pieces)."""
         ex, comp = self.exchange, self.compression
         before = ex.params_before
-        return {"format": FORMAT, "rank": ex.rank, "world_size": ex.size,
-                "step": self.step, "compression": comp.spec(),
-                "compressor_state": comp.state_dict(),
-                "second_stage_state": [c.state_dict() for c in ex.second_stages()],
-                "params_before": None if before is None else [b.clone() for b in before]}
+        out = {"format": FORMAT, "rank": ex.rank, "world_size": ex.size,
+               "step": self.step, "compression": comp.spec(),
+               "compressor_state": comp.state_dict(),
+               "second_stage_state": [c.state_dict() for c in ex.second_stages()],
+               "params_before": None if before is None else [b.clone() for b in before]}
+        if ex.hierarchy is not None:
+            out["hierarchy"] = self.hierarchy_record()
+        return out
+
+    def hierarchy_record(self) -> Optional[list]:
+        """[hosts, ranks per host, this rank's local rank] of a hierarchical exchange (whose
+        compressor state belongs to the pieces this rank owns), None for a flat one."""
+        h = self.exchange.hierarchy
+        return None if h is None else [h[1].size, h[0].size, h[0].rank]
 
     def check_state(self, state) -> None:
         """ValueError unless ``state`` is a :meth:`state_dict` this exchange can load (also
@@ -232,6 +288,17 @@ class Driver:
             raise ValueError(f"checkpoint was saved with compression "
                              f"{state['compression']!r}, this exchange uses "
                              f"{self.compression.spec()!r}")
+        mine, theirs = self.hierarchy_record(), state.get("hierarchy")
+        resized = state.get("world_size", self.exchange.size) != self.exchange.size
+        # (at another world size the per-rank state is reset: load_state_dict)
+        if mine != theirs and self.compression.keeps_state and not resized:
+            def say(h):
+                return ("a flat exchange" if h is None else
+                        f"{h[0]} hosts x {h[1]} ranks, local rank {h[2]}")
+            raise ValueError(f"checkpoint was saved by {say(theirs)}, this exchange is "
+                             f"{say(mine)}: the compressor's state belongs to the pieces a "
+                             f"rank owns (hierarchy=, docs/settings.md), so it cannot be "
+                             f"carried over")
         saved, stages = state.get("second_stage_state", []), self.exchange.second_stages()
         if len(saved) != len(stages):
             raise ValueError(f"checkpoint holds {len(saved)} second-stage states, this "

@@ -47,7 +47,9 @@ class Entry:
     allreduce: summable and carried by the Allreduce carrier (else by wire messages);
     scatter: its messages go over the reduce-scatter (else over the allgather);
     rounds: its compressor sums it in rounds (:mod:`hvdcomp.exchange.rounds`: PowerSGD),
-    by the Allreduce carrier when there is one, else by allgathers of float32 buffers.
+    by the Allreduce carrier when there is one, else by allgathers of float32 buffers;
+    hier: it goes through the hierarchical exchange (:mod:`hvdcomp.exchange.hier`: summed
+    inside the host, compressed only across hosts).
     """
     name: str
     param: torch.Tensor
@@ -56,11 +58,13 @@ class Entry:
     allreduce: bool
     scatter: bool = False
     rounds: bool = False
+    hier: bool = False
 
     @property
     def path(self) -> str:
-        """"allreduce", "allgather", "reduce_scatter" or "rounds"."""
+        """"allreduce", "allgather", "reduce_scatter", "rounds" or "hierarchical"."""
         return ("allreduce" if self.allreduce else "rounds" if self.rounds else
+                "hierarchical" if self.hier else
                 "reduce_scatter" if self.scatter else "allgather")
 
     def key(self, step: int, rank: int, size: int, seed: int) -> TensorKey:

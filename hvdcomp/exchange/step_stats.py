@@ -22,6 +22,12 @@ class StepStats:
     traffic_bytes: estimate of bytes this rank puts on the network with ring algorithms:
                   allgather (N-1)/N of all ranks' messages, allreduce 2(N-1)/N of the
                   buffer, all-to-all exactly its parts for the other ranks.
+                  With the hierarchical exchange (:mod:`hvdcomp.exchange.hier`), these
+                  three count what crosses hosts (the compressed pieces this rank sends
+                  for its host, and the flat part); what stays inside the host is
+                  ``host_bytes``.
+    host_bytes:   the hierarchical exchange's bytes this rank sends to the other ranks of
+                  its host (float32 pieces to their owners, its averaged pieces to all).
     compressors:  parameter name -> name of the compressor applied to it.
     nonfinite:    names of tensors that held NaN/Inf on some rank (their average is NaN).
     events:       notable events reported by compressors (e.g. side information too far).
@@ -37,6 +43,7 @@ class StepStats:
     fp32_bytes: int = 0
     recv_bytes: int = 0
     traffic_bytes: float = 0.0
+    host_bytes: int = 0
     compressors: Dict[str, str] = field(default_factory=dict)
     nonfinite: List[str] = field(default_factory=list)
     events: List[str] = field(default_factory=list)

@@ -64,15 +64,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
                          *, transport=None, fusion_bytes=25 * 2**20, min_compress_numel=1024,
                          compress_1d=False, seed=0, check_replicas=True,
-                         collective=None, allreduce_summable=True):
+                         collective=None, allreduce_summable=True, hierarchy=None):
     """Wrap ``optimizer`` so that ``p.grad`` holds gradients averaged across ranks, sent with
     ``compression`` as real encoded bytes, when ``loss.backward()`` returns (README,
     "Training-loop semantics").
 
     Same signature as ``horovod.torch.DistributedOptimizer``, plus keyword-only settings.
     The settings the DDP hook shares (compression, also Horovod's Compression.none/fp16;
-    collective, sparse_as_dense, fusion_bytes, min_compress_numel, compress_1d, seed,
-    check_replicas, allreduce_summable; gradient_predivide_factor as in Horovod) mean
+    collective, hierarchy, sparse_as_dense, fusion_bytes, min_compress_numel, compress_1d,
+    seed, check_replicas, allreduce_summable; gradient_predivide_factor as in Horovod) mean
     what :class:`hvdcomp.exchange.driver.Settings` says; ``optimizer.plan`` and
     ``optimizer.paths`` show what they chose per tensor.  The others:
 
@@ -123,7 +123,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         min_compress_numel=min_compress_numel, compress_1d=compress_1d,
         allreduce_summable=allreduce_summable, check_replicas=check_replicas,
         fusion_bytes=fusion_bytes, average=op == hvd.Average,
-        predivide=gradient_predivide_factor, sparse_as_dense=sparse_as_dense)
+        predivide=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
+        hierarchy=hierarchy)
     return _make(optimizer, named_parameters, settings, backward_passes_per_step, op,
                  transport, hvd, refused)
 

@@ -131,6 +131,22 @@ class Transport:
         """Elementwise sum over ranks of a small float64 array."""
         raise NotImplementedError
 
+    # --- sub-groups (the hierarchical exchange: :mod:`hvdcomp.exchange.hier`) ---------
+    #: Why this carrier cannot make sub-groups (:meth:`split`), or None when it can.
+    split_refusal: Optional[str] = "this transport cannot make sub-groups of its ranks"
+
+    def host_key(self) -> str:
+        """A text naming this rank's host, the same on the ranks of one host and different
+        between hosts (:mod:`hvdcomp.transport.topology`).  Local work only."""
+        import socket
+        return socket.gethostname()
+
+    def split(self, colors: Sequence[int]) -> "Transport":
+        """A transport of the same kind over the ranks whose ``colors[r]`` equals this
+        rank's, in rank order (collective: every rank calls it with the same ``colors``,
+        in the same order).  RuntimeError where :attr:`split_refusal` says why not."""
+        raise RuntimeError(f"hvdcomp: the {self.name} transport: {self.split_refusal}")
+
     def broadcast(self, arr: np.ndarray, root: int = 0) -> np.ndarray:
         """``root``'s copy of a small array (same shape and dtype on every rank)."""
         raise NotImplementedError

@@ -51,6 +51,15 @@ class HorovodTransport(Transport):
         self.size = hvd.size()
         self.prefix = _prefix(prefix) if numbered else prefix
 
+    split_refusal = ("the hierarchical exchange needs sub-groups of the ranks, which "
+                     "Horovod's process sets would give at the cost of one process set per "
+                     "host and per local rank, not supported today: use transport='mpi' "
+                     "(mpirun), or hierarchy='flat'")
+
+    def host_key(self):
+        """Horovod's ``cross_rank()``: its host number."""
+        return f"horovod:{self.hvd.cross_rank()}"
+
     def _name(self, what: str) -> str:
         return f"{self.prefix}.{what}"
 

@@ -265,6 +265,28 @@ class MPITransport(Transport):
                              MPI.BYTE])
         return [got[d:d + c] for d, c in zip(rdispl, rcounts)]
 
+    split_refusal = None
+
+    def host_key(self):
+        """The world rank of rank 0 of this communicator's ``COMM_TYPE_SHARED`` split (the
+        ranks that share memory: one host)."""
+        shared = self.comm.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            first = self.comm.Get_group().Translate_ranks(None, shared.Get_group())
+            lowest = min(r for r, s in enumerate(first) if s != self._MPI.UNDEFINED)
+        finally:
+            shared.Free()
+        return f"shm:{lowest}"
+
+    def split(self, colors):
+        """An MPITransport over ``comm.Split(colors[rank], key=rank)`` (the split
+        communicator is duplicated by the new transport, and freed)."""
+        sub = self.comm.Split(int(colors[self.rank]), key=self.rank)
+        try:
+            return MPITransport(sub, self._max_chunk)
+        finally:
+            sub.Free()
+
     def allreduce_sum(self, arr):
         arr = np.ascontiguousarray(arr, dtype=np.float64)
         out = np.empty_like(arr)

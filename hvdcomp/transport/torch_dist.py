@@ -79,6 +79,46 @@ class TorchDistTransport(Transport):
         got = self._gather(torch.from_numpy(buf).to(self.device))
         return [got[r * longest:r * longest + c] for r, c in enumerate(counts)]
 
+    def _count_matrix(self, send):
+        got = self._gather(torch.tensor(list(send), dtype=torch.int64, device=self.device))
+        return np.asarray(got, dtype=np.int64).reshape(self.size, self.size)
+
+    def _alltoallv(self, parts, recv):
+        """The all-to-all as an allgather of every rank's parts laid end to end (each rank
+        keeps its own column): ``size`` times the bytes of a true all-to-all, which only
+        the hierarchical exchange's in-host stage uses (Gloo over loopback, shared memory)."""
+        counts = self._count_matrix([len(p) for p in parts])
+        flat = np.concatenate(parts) if any(len(p) for p in parts) else np.empty(0, np.uint8)
+        rows = self._allgatherv(flat, [int(c) for c in counts.sum(axis=1)])
+        out = []
+        for s, row in enumerate(rows):
+            lo = int(counts[s, :self.rank].sum())
+            out.append(row[lo:lo + int(counts[s, self.rank])])
+        return out
+
+    split_refusal = None
+
+    def host_key(self):
+        """torchrun's ``GROUP_RANK`` (the node's number) when set, else the host name."""
+        import os
+        import socket
+        node = os.environ.get("GROUP_RANK")
+        return f"node:{node}" if node is not None else f"host:{socket.gethostname()}"
+
+    def split(self, colors):
+        """A TorchDistTransport over a new process group of the ranks of this rank's color
+        (every color's group is made, in color order, on every rank: ``new_group`` is
+        collective over the default group)."""
+        ranks = dist.get_process_group_ranks(self.group)
+        backend = dist.get_backend(self.group)
+        mine = None
+        for c in sorted(set(int(x) for x in colors)):
+            members = [ranks[r] for r, x in enumerate(colors) if int(x) == c]
+            g = dist.new_group(ranks=members, backend=backend)
+            if c == int(colors[self.rank]):
+                mine = g
+        return TorchDistTransport(mine, self._max_chunk)
+
     def allreduce_sum(self, arr):
         t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float64).copy()).to(self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)

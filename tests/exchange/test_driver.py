@@ -107,14 +107,15 @@ def test_one_handshake_names_each_difference():
 # --- StepStats.merge ------------------------------------------------------------------------
 def test_step_stats_merge_sums_field_by_field():
     a = StepStats(step=3, bytes_sent=100, fp32_bytes=400, recv_bytes=90, traffic_bytes=150.5,
-                  compressors={"w": "qsgd"}, nonfinite=["w"], events=["e1"], joined=1,
+                  host_bytes=33, compressors={"w": "qsgd"}, nonfinite=["w"], events=["e1"], joined=1,
                   encode_s=0.25, comm_s=0.5, decode_s=0.125, reduce_s=0.0625)
     b = StepStats(step=9, bytes_sent=7, fp32_bytes=28, recv_bytes=6, traffic_bytes=10.25,
-                  compressors={"v": "none", "w": "fp16"}, nonfinite=["v"],
+                  host_bytes=5, compressors={"v": "none", "w": "fp16"}, nonfinite=["v"],
                   events=["e2", "e3"], joined=0, encode_s=1.0, comm_s=2.0, decode_s=4.0,
                   reduce_s=8.0)
     want = {"step": 3, "bytes_sent": 107, "fp32_bytes": 428, "recv_bytes": 96,
-            "traffic_bytes": 160.75, "compressors": {"w": "fp16", "v": "none"},
+            "traffic_bytes": 160.75, "host_bytes": 38,
+            "compressors": {"w": "fp16", "v": "none"},
             "nonfinite": ["w", "v"], "events": ["e1", "e2", "e3"], "joined": 1,
             "encode_s": 1.25, "comm_s": 2.5, "decode_s": 4.125, "reduce_s": 8.0625}
     assert set(want) == {f.name for f in dataclasses.fields(StepStats)}   # every field

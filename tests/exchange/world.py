@@ -20,6 +20,13 @@ class World:
         self._barrier = threading.Barrier(size, timeout=TIMEOUT)
         self._slots: list = [None] * size
         self.calls = 0                  # collectives completed (counted by rank 0)
+        self._subs: dict = {}
+        self._lock = threading.Lock()
+
+    def sub(self, key, size: int) -> "World":
+        """The sub-world ``key`` of ``size`` ranks (made by the first rank that asks)."""
+        with self._lock:
+            return self._subs.setdefault(key, World(size))
 
     def gather(self, rank: int, value) -> list:
         """Every rank's ``value``, indexed by rank (a collective)."""
@@ -35,9 +42,22 @@ class World:
 class ThreadTransport(Transport):
     name = "threads"
 
+    split_refusal = None
+
     def __init__(self, world: World, rank: int, max_chunk: int = 0):
         super().__init__(max_chunk)
         self.world, self.rank, self.size = world, rank, world.size
+        self._splits = 0
+
+    def host_key(self):
+        return f"thread-rank:{self.rank}"          # every rank a host of its own
+
+    def split(self, colors):
+        """A ThreadTransport over the ranks of this rank's color (Transport.split)."""
+        self._splits += 1
+        members = [r for r, c in enumerate(colors) if c == colors[self.rank]]
+        return ThreadTransport(self.world.sub((self._splits, colors[self.rank]), len(members)),
+                               members.index(self.rank), self._max_chunk)
 
     def _allgather_counts(self, n):
         return self.world.gather(self.rank, n)
