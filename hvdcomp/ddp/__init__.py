@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from .bucket import exchange_bucket
-from .state import HookState, check_backend
+from .model import check_backend
+from .state import HookState
 
 __all__ = ["HookState", "hook", "register", "check_backend"]
 

@@ -1,19 +1,20 @@
 """One DDP bucket through the exchange: GradBucket in, Future out (:func:`exchange_bucket`,
 the body of :func:`hvdcomp.ddp.hook`).  The step is the HookState's
-(:mod:`hvdcomp.ddp.state`): its first bucket begins it (``state._prepare``), its last one
-ends it (ALQ/AMQ's refit: :meth:`hvdcomp.exchange.driver.Driver.call_done`).
+(:mod:`hvdcomp.ddp.state`): its first bucket begins it (:func:`prepare`, :func:`begin_step`),
+its last one ends it (ALQ/AMQ's refit: :meth:`hvdcomp.exchange.driver.Driver.call_done`).
 
 No ``from __future__ import annotations`` here or in :mod:`hvdcomp.ddp`: DDP compares the
 hook's annotations with dist.GradBucket and torch.futures.Future[torch.Tensor].
 """
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..compressors import ABSENT_LAST
+from ..exchange.backward import graph_task, in_backward
 
-__all__ = ["exchange_bucket", "begin_step", "value"]
+__all__ = ["exchange_bucket", "prepare", "begin_step", "value"]
 
 
 def exchange_bucket(state, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -44,7 +45,7 @@ def exchange_bucket(state, bucket: dist.GradBucket) -> torch.futures.Future:
             raise TypeError(f"hvdcomp.ddp.hook: the gradient of {names} is sparse; the "
                             f"hook averages dense buckets only (use sparse=False, or "
                             f"the drop-in optimizer)")
-        mine = state._prepare(names, bucket.parameters(), grads)
+        mine = prepare(state, names, bucket.parameters(), grads)
     except Exception as e:                       # noqa: BLE001 - raised on every rank
         failure, mine = e, {}
     # The step's last bucket: DDP's last index, or the one that completes the model (in
@@ -99,7 +100,7 @@ def _check_one_wrapper(state, names) -> None:
     parameter handed twice in one step, or a second step begun in the backward pass that
     began the previous one.  (Two wrappers used in turn, one per backward pass, are one
     wrapper at a time: that works.)  Every rank alike: raised from every rank's hook."""
-    task = _graph_task()
+    task = graph_task()
     if not state._in_step:
         twice = task != -1 and task == state._last_task
         state._step_names, state._step_task = set(), task
@@ -115,17 +116,22 @@ def _check_one_wrapper(state, names) -> None:
     state._step_names.update(names)
 
 
-def _graph_task() -> int:
-    """The current backward pass's graph task id (-1 outside backward or unknown)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return -1 if task is None else task()
-
-
-def _in_backward() -> bool:
-    """Whether the caller runs inside a backward pass (the autograd engine's current graph
-    task; FSDP asks the same).  True where torch cannot tell."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is None or task() != -1
+def prepare(state, names, params, grads) -> Dict[str, Optional[torch.Tensor]]:
+    """The bucket's gradients as the exchange takes them ({name: view, None if absent}),
+    starting the step on its first bucket (:func:`begin_step`)."""
+    if not state._in_step:
+        begin_step(state)
+    # What this rank has: DDP passes a zero slot for a parameter this rank did not use
+    # (find_unused_parameters), whose .grad is then still None; it is absent, as on the
+    # Horovod path (averaging.py: absent somewhere counts zeros, except LAQ / NDQSG).
+    # A rank that has joined (DDP's Join) has nothing (module docstring).
+    mine: Dict[str, Optional[torch.Tensor]] = {}
+    if state._joined:
+        return {n: None for n in names}
+    for n, p, g in zip(names, params, grads):
+        mine[n] = g if p.grad is not None else None
+        state._driver.momentum.fold_weight_decay(n, p, mine[n])   # DGC: local gradient
+    return mine
 
 
 def begin_step(state) -> None:
@@ -134,7 +140,7 @@ def begin_step(state) -> None:
     an optimizer; LAQ's parameter change)."""
     state._seen = 0
     state._in_step = True                    # (also if a check below raises)
-    state._joined = not _in_backward()
+    state._joined = not in_backward()
     state._driver.begin_calls(state._joined and not _divide_by_world_size(state))
 
 

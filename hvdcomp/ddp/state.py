@@ -10,57 +10,20 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from ..auto import Auto
-from ..compressors import Compressor
 from ..errors import ConfigError
-from ..exchange import Exchange, StepStats
-from ..exchange.driver import FORMAT, Driver, Reports, Settings, merge_hierarchy, resolve
-from ..exchange.owners import Door, Owner, record, replaced, take_over
+from ..exchange import Exchange
+from ..exchange.driver import Driver, Reports, Settings, merge_hierarchy, resolve
+from ..exchange.owners import Door, Owner, agree, take_over
 from ..transport.torch_dist import TorchDistAllreduce, TorchDistTransport, private_group
-from .bucket import begin_step
+from .model import check_backend, inner_module, sparse_names
 
-__all__ = ["HookState", "check_backend"]
+__all__ = ["HookState"]
 
 _created = itertools.count()     # HookStates built in this process: the exchange id
 #: The HookStates set up and not closed, by number: held until closed (or replaced), so
 #: that every rank sees the same ones when a new HookState replaces an old one (a garbage
 #: collection at different moments on different ranks must not decide it).
 _open: Dict[int, "HookState"] = {}
-
-
-def _inner(model) -> torch.nn.Module:
-    """The module whose parameters are named: DDP's wrapped module, or ``model`` itself."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model.module
-    if isinstance(model, torch.nn.DataParallel):
-        raise TypeError("hvdcomp.ddp works with DistributedDataParallel (one process per "
-                        "device); torch.nn.DataParallel has no communication hooks")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"HookState needs the model (a torch.nn.Module, or the "
-                        f"DistributedDataParallel wrapping it); got {type(model).__name__}")
-    return model
-
-
-def _sparse_names(module: torch.nn.Module, named: List[Tuple[str, torch.Tensor]]) -> List[str]:
-    """Names of the trainable parameters that get sparse gradients: the weights of
-    ``nn.Embedding`` / ``nn.EmbeddingBag`` modules with ``sparse=True`` (DDP's own rule)."""
-    ids = {id(p): n for n, p in named}
-    return sorted({ids[id(m.weight)] for m in module.modules()
-                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
-                   and m.sparse and id(m.weight) in ids})
-
-
-def check_backend(devices: Set[str], backend: str) -> None:
-    """ValueError unless ``backend`` carries parameters on ``devices`` (device types): Gloo
-    for CPU parameters, NCCL for CUDA ones, one device type."""
-    if len(devices) > 1:
-        raise ValueError(f"hvdcomp.ddp: parameters on several device types {sorted(devices)}")
-    if "cuda" in devices and backend != "nccl":
-        raise ValueError(f"hvdcomp.ddp: CUDA parameters need the nccl backend; the process "
-                         f"group uses {backend!r}")
-    if "cpu" in devices and backend != "gloo":
-        raise ValueError(f"hvdcomp.ddp: CPU parameters need the gloo backend; the process "
-                         f"group uses {backend!r}")
 
 
 class HookState(Reports, Owner):
@@ -118,11 +81,11 @@ class HookState(Reports, Owner):
                  seed: int = 0, min_compress_numel: int = 1024, compress_1d: bool = False,
                  allreduce_summable: bool = True, check_replicas: bool = True,
                  hierarchy: Optional[str] = None):
-        module = _inner(model)
+        module = inner_module(model)
         self._ident = next(_created)
         self._named: List[Tuple[str, torch.Tensor]] = [
             (n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._sparse = _sparse_names(module, self._named)
+        self._sparse = sparse_names(module, self._named)
         # the DDP model, when given: its Join setting (divide_by_initial_world_size)
         self._ddp = (weakref.ref(model) if isinstance(
             model, torch.nn.parallel.DistributedDataParallel) else None)
@@ -132,7 +95,6 @@ class HookState(Reports, Owner):
             raise ConfigError(f"compression {compression!r}: the DDP hook sends over the "
                               f"allgather (torch.distributed has no variable-length "
                               f"all-to-all here); drop the 'rs+' prefix")
-        self._compression = comp
         self._settings = Settings(
             compression=comp, collective="allgather", seed=seed,
             min_compress_numel=min_compress_numel, compress_1d=compress_1d,
@@ -188,17 +150,15 @@ class HookState(Reports, Owner):
         group = self._pg or dist.group.WORLD
         devices = {p.device.type for _, p in self._named}
         backend = dist.get_backend(group)
-        # An open HookState that exchanges some of these parameters (built again for a new
-        # DDP wrapper of the same module) is replaced, once the ranks agree on it.
-        old = replaced((o for _, o in sorted(_open.items())), self._named, self._ident)
         # Every setting, agreed over one fixed channel (DDP's group) before anything that
         # depends on them: making the private groups is itself collective, so ranks that
-        # differ in any setting are reported instead of hanging.
-        self._settings.agree(
-            TorchDistTransport(group), "the DDP hook settings",
+        # differ in any setting are reported instead of hanging.  An open HookState that
+        # exchanges some of these parameters (built again for a new DDP wrapper of the same
+        # module) is replaced, once the ranks agree on it.
+        old = agree(
+            self._settings, TorchDistTransport(group), "the DDP hook settings",
+            (o for _, o in sorted(_open.items())), self._named, self._ident,
             launcher="hvdcomp.ddp.HookState", backend=backend, devices=sorted(devices),
-            parameters=[[n, list(p.shape), str(p.dtype)] for n, p in self._named],
-            replaces=record(old),
             **{"HookState number": self._ident, "sparse gradients": self._sparse})
         take_over(old, self._ident, dist.get_rank())     # (every rank alike: agreed above)
         if self._sparse:                      # (every rank alike: agreed above)
@@ -209,10 +169,11 @@ class HookState(Reports, Owner):
                 f"gradients), or train them with the drop-in optimizer (hvdcomp.torch), "
                 f"which sends sparse gradients as indices and values")
         check_backend(devices, backend)
+        # (private groups: destroyed by close())
         transport = TorchDistTransport(private_group(group))
-        self._sums_group = private_group(group)
         self._driver = Driver(self._named, self._settings, transport,
-                              TorchDistAllreduce(self._sums_group), ident=self._ident)
+                              TorchDistAllreduce(private_group(group)), ident=self._ident,
+                              owns_carriers=True)
         self._names = {id(p): n for n, p in self._named}
         _open[self._ident] = self
         atexit.register(_stop_at_exit, weakref.ref(self))
@@ -243,29 +204,15 @@ class HookState(Reports, Owner):
             return
         self._driver.momentum.attach(optimizer, hook_steps=True)
 
-    # --- what users read --------------------------------------------------------------
+    # --- what users read (and Reports' properties) --------------------------------------
+    def _built(self) -> Driver:
+        self.setup()
+        return self._driver
+
     @property
     def exchange(self) -> Optional[Exchange]:
         """The :class:`~hvdcomp.exchange.Exchange` (None before set-up and after close)."""
         return self._driver.exchange if self._driver is not None else None
-
-    @property
-    def compression(self) -> Compressor:
-        """The compressor (with Auto, Auto's compressor)."""
-        c = self._compression
-        return c.compressor if isinstance(c, Auto) else c
-
-    @property
-    def last_stats(self) -> Optional[StepStats]:
-        """The last step's :class:`~hvdcomp.exchange.StepStats`, complete once backward has
-        returned (None before the first step)."""
-        return self._driver.last_stats if self._driver is not None else None
-
-    @property
-    def plan(self) -> Dict[str, str]:
-        """{parameter name: the compressor its gradient travels with} (after setup)."""
-        self.setup()
-        return super().plan
 
     @property
     def step(self) -> int:
@@ -277,24 +224,6 @@ class HookState(Reports, Owner):
     def step(self, value: int) -> None:
         self.setup()
         self._driver.step = int(value)
-
-    # --- one DDP bucket (hvdcomp.ddp.bucket) ------------------------------------------
-    def _prepare(self, names, params, grads) -> Dict[str, Optional[torch.Tensor]]:
-        """The bucket's gradients as the exchange takes them ({name: view, None if absent}),
-        starting the step on its first bucket."""
-        if not self._in_step:
-            begin_step(self)
-        # What this rank has: DDP passes a zero slot for a parameter this rank did not use
-        # (find_unused_parameters), whose .grad is then still None; it is absent, as on the
-        # Horovod path (averaging.py: absent somewhere counts zeros, except LAQ / NDQSG).
-        # A rank that has joined (DDP's Join) has nothing (module docstring).
-        mine: Dict[str, Optional[torch.Tensor]] = {}
-        if self._joined:
-            return {n: None for n in names}
-        for n, p, g in zip(names, params, grads):
-            mine[n] = g if p.grad is not None else None
-            self._driver.momentum.fold_weight_decay(n, p, mine[n])   # DGC: local gradient
-        return mine
 
     # --- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -308,7 +237,7 @@ class HookState(Reports, Owner):
         self.setup()
         if self._in_step:
             raise RuntimeError("HookState.state_dict() during a step: call it after backward")
-        return self._driver.state_dict()
+        return self._driver.rank_state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s result (before the first step; kept until setup if
@@ -321,9 +250,7 @@ class HookState(Reports, Owner):
             self._loaded = dict(state)
             return
         self.setup()
-        if state.get("format") != FORMAT:
-            raise ValueError(f"not a HookState checkpoint (format {state.get('format')!r})")
-        self._driver.load_state_dict(state, own_rank=True)
+        self._driver.load_rank_state_dict(state, self.DOOR.label)
 
     def close(self) -> None:
         """Stop the exchange's threads and free its buffers and process groups (between
@@ -332,9 +259,7 @@ class HookState(Reports, Owner):
         self._closed = True
         _open.pop(self._ident, None)
         if self._driver is not None:
-            self.exchange.close()
-            dist.destroy_process_group(self.exchange.transport.group)
-            dist.destroy_process_group(self._sums_group)
+            self._driver.close()              # and its process groups
             self._driver = None
 
 

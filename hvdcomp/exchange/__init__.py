@@ -16,6 +16,9 @@
 * :mod:`.core`: :class:`Exchange`, all of it assembled, with the training-loop protocols;
 * :mod:`.shutdown`: at interpreter exit, a failing rank's error marks and the threads'
   end, before MPI is finalized.
+* :mod:`.driver`: the lifecycle both doors share (settings, the step, DGC's momentum
+  rules in :mod:`.momentum`, checkpoints in :mod:`.checkpoint`, the objects' replacement
+  in :mod:`.owners`, the autograd engine's answers in :mod:`.backward`).
 
 Bytes travel through a :class:`hvdcomp.transport.Transport`, summable buffers through an
 :class:`hvdcomp.transport.Allreduce`.

@@ -9,8 +9,10 @@ the end-of-backward callback; DDP's GradBucket and Future).  Everything else is 
 * :func:`resolve`: what ``compression=`` means (a spec string, a compressor, an Auto, or
   None for $HVDCOMP_COMPRESSION);
 * :class:`Driver`: the :class:`~hvdcomp.exchange.Exchange`, the step counter, the last
-  step's statistics, one checkpoint format and DGC's momentum rules
-  (:mod:`~hvdcomp.exchange.momentum`), which both doors call the same way.
+  step's statistics, one checkpoint format (:mod:`~hvdcomp.exchange.checkpoint`) and
+  DGC's momentum rules (:mod:`~hvdcomp.exchange.momentum`), which both doors call the
+  same way;
+* :class:`Reports`: what both doors show of it (``last_stats``, ``plan``, ...).
 
 The doors build the carriers (Horovod's or torch.distributed's) and hand them in: this
 module imports neither.
@@ -19,26 +21,22 @@ from __future__ import annotations
 
 import numbers
 import os
-import warnings
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ..auto import Auto, from_spec, merge_collective, spec_collective
 from ..compressors import Compressor
 from ..errors import ConfigError
-from ..log import warn_limited
 from ..transport import Allreduce, Transport
 from . import momentum
 from .buckets import agree_settings
+from .checkpoint import Checkpoints
 from .core import Exchange
 from .step_stats import StepStats
 
-__all__ = ["Settings", "Driver", "Reports", "resolve", "FORMAT"]
-
-#: The layout version of :meth:`Driver.state_dict`.
-FORMAT = 1
+__all__ = ["Settings", "Driver", "Reports", "resolve"]
 
 
 #: The spec string's hierarchy prefixes ("host+alq:bits=3"), before everything else.
@@ -210,7 +208,7 @@ class Settings:
         agree_settings(channel, {**self.record(), **extras}, what)
 
 
-class Driver:
+class Driver(Checkpoints):
     """One exchange and the lifecycle around it, for a door.
 
     named: [(name, parameter)] in registration order; settings: the agreed
@@ -220,13 +218,17 @@ class Driver:
     settings are not compared again).  ConfigError when the collective setting contradicts
     the spec string.
 
+    owns_carriers: the door built the carriers for this exchange alone, so :meth:`close`
+    frees them (their ``free()``: MPI communicators, process groups).
+
     ``step``: the step of the next exchange (the messages' headers and Philox keys);
-    ``last_stats``: the last step's :class:`StepStats`.
+    ``last_stats``: the last step's :class:`StepStats`; checkpoints:
+    :class:`~hvdcomp.exchange.checkpoint.Checkpoints` (``state_dict``, ...).
     """
 
     def __init__(self, named: Sequence[Tuple[str, torch.Tensor]], settings: Settings,
                  transport: Transport, allreduce: Optional[Allreduce] = None, *,
-                 ident: int = 0):
+                 ident: int = 0, owns_carriers: bool = False):
         compression, from_prefix = resolve(settings.compression)
         s = settings
         self.settings = s
@@ -242,121 +244,55 @@ class Driver:
         self.last_stats: Optional[StepStats] = None
         self.step_stats = StepStats()
         self.momentum = momentum.Correction(self.exchange)   # DGC's rules
+        self._readied: Set[str] = set()     # names handed to ready() in this step
+        self._owned = (transport, allreduce) if owns_carriers else ()
 
     @property
     def compression(self) -> Compressor:
         """The compressor (with Auto, Auto's compressor)."""
         return self.exchange.compression
 
-    # --- checkpoints --------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
-        """Everything to resume bit-exactly: ``format``, ``rank`` and ``world_size`` (of
-        the rank that saved it), ``step``, ``compression`` (the spec), ``compressor_state``,
-        ``second_stage_state`` (the reduce-scatter's) and ``params_before`` (LAQ's
-        parameters of the last step, between before_step and after_step; else None); for a
-        hierarchical exchange also ``hierarchy`` (:meth:`hierarchy_record`: the state is
-        that of this rank's pieces)."""
-        ex, comp = self.exchange, self.compression
-        before = ex.params_before
-        out = {"format": FORMAT, "rank": ex.rank, "world_size": ex.size,
-               "step": self.step, "compression": comp.spec(),
-               "compressor_state": comp.state_dict(),
-               "second_stage_state": [c.state_dict() for c in ex.second_stages()],
-               "params_before": None if before is None else [b.clone() for b in before]}
-        if ex.hierarchy is not None:
-            out["hierarchy"] = self.hierarchy_record()
-        return out
-
-    def hierarchy_record(self) -> Optional[list]:
-        """[hosts, ranks per host, this rank's local rank] of a hierarchical exchange (whose
-        compressor state belongs to the pieces this rank owns), None for a flat one."""
-        h = self.exchange.hierarchy
-        return None if h is None else [h[1].size, h[0].size, h[0].rank]
-
-    def check_state(self, state) -> None:
-        """ValueError unless ``state`` is a :meth:`state_dict` this exchange can load (also
-        one saved before ``format`` existed): the keys, the compressor, the second stages."""
-        if (not isinstance(state, dict)
-                or not {"step", "compression", "compressor_state"} <= set(state)):
-            raise ValueError(f"an hvdcomp checkpoint must be a dict with 'step', "
-                             f"'compression' and 'compressor_state' (as state_dict() saves "
-                             f"it), got {state!r:.200}")
-        if state.get("format", FORMAT) != FORMAT:
-            raise ValueError(f"hvdcomp checkpoint of format {state['format']!r}; this "
-                             f"version reads format {FORMAT}")
-        if str(state["compression"]).split(":")[0] != self.compression.name:
-            raise ValueError(f"checkpoint was saved with compression "
-                             f"{state['compression']!r}, this exchange uses "
-                             f"{self.compression.spec()!r}")
-        mine, theirs = self.hierarchy_record(), state.get("hierarchy")
-        resized = state.get("world_size", self.exchange.size) != self.exchange.size
-        # (at another world size the per-rank state is reset: load_state_dict)
-        if mine != theirs and self.compression.keeps_state and not resized:
-            def say(h):
-                return ("a flat exchange" if h is None else
-                        f"{h[0]} hosts x {h[1]} ranks, local rank {h[2]}")
-            raise ValueError(f"checkpoint was saved by {say(theirs)}, this exchange is "
-                             f"{say(mine)}: the compressor's state belongs to the pieces a "
-                             f"rank owns (hierarchy=, docs/settings.md), so it cannot be "
-                             f"carried over")
-        saved, stages = state.get("second_stage_state", []), self.exchange.second_stages()
-        if len(saved) != len(stages):
-            raise ValueError(f"checkpoint holds {len(saved)} second-stage states, this "
-                             f"exchange's collective has {len(stages)} (was it saved with "
-                             f"another collective?)")
-
-    def load_state_dict(self, state: Dict[str, Any], own_rank: bool = False) -> None:
-        """Restore :meth:`state_dict`'s result (:meth:`check_state` first), bit-exactly when
-        it was saved at this world size.
-
-        Saved at another world size (an elastic job that restarted larger or smaller; any
-        rank's checkpoint will do): the step, the parameters of the last step and the state
-        every rank shares (``Compressor.shared_state``: fitted levels, PowerSGD's Q) carry
-        over; the state each rank owns (error-feedback residuals, DGC's momentum and
-        accumulation, LAQ's records, the reduce-scatter's second stage) is reset, as at the
-        first step, and a warning names it.  The effect on convergence is that of a fresh
-        start of that state: the gradient mass a residual still held is dropped (at most one
-        step's worth for error feedback; DGC's momentum restarts from zero), and LAQ's next
-        step uploads every tensor.  ``own_rank``: ValueError for a checkpoint another rank
-        of a world of this size saved (the DDP hook: residuals are per rank)."""
-        self.check_state(state)
-        ex = self.exchange
-        size = state.get("world_size", ex.size)    # (older checkpoints say none: this one)
-        if own_rank and size == ex.size and state.get("rank", ex.rank) != ex.rank:
-            raise ValueError(f"checkpoint of rank {state['rank']} of {size}, this is rank "
-                             f"{ex.rank} of {ex.size}: save and load one checkpoint per rank "
-                             f"(residuals are per rank)")
-        comp_state, stage_states = state["compressor_state"], state.get("second_stage_state", [])
-        if size != ex.size:
-            comp_state, dropped = _shared(self.compression, comp_state)
-            stages = [_shared(c, st) for c, st in zip(ex.second_stages(), stage_states)]
-            stage_states = [st for st, _ in stages]
-            dropped += ["the second stage's " + k for _, ks in stages for k in ks]
-            if dropped:
-                warn_limited(f"hvdcomp rank {ex.rank}: checkpoint of world size {size} loaded "
-                             f"into a world of {ex.size}: per-rank state reset "
-                             f"({self.compression.name}: {', '.join(dropped)}); shared state "
-                             f"kept ({', '.join(self.compression.shared_state) or 'none'})")
-        self.compression.load_state_dict(comp_state)
-        for c, st in zip(ex.second_stages(), stage_states):
-            c.load_state_dict(st)
-        self.step = int(state["step"])
-        before = state.get("params_before")
-        ex.params_before = None if before is None else [
-            b.to(e.param.device, copy=True) for b, e in zip(before, ex.entries.values())]
-
     # --- the step -----------------------------------------------------------------------
     def begin(self, sync: bool = False) -> None:
         """Start the exchange of step :attr:`step` over the fusion buckets (begin / ready /
         finish), the momentum factors set first."""
+        self._readied = set()
         self.momentum.set_momentum()
         self.exchange.begin(self.step, sync=sync)
 
+    def ready(self, name: str, p: torch.Tensor) -> None:
+        """``p.grad`` (parameter ``name``) is final for this step: DGC's weight decay folded
+        into it, then handed to the exchange (:meth:`Exchange.ready`); once per step."""
+        if name not in self._readied:
+            self._readied.add(name)
+            self.momentum.fold_weight_decay(name, p, p.grad)
+            self.exchange.ready(name)
+
     def finish(self) -> Dict[str, torch.Tensor]:
-        """Wait for the exchange: {name: average} (:meth:`Exchange.finish`); the step's
+        """Wait for the exchange: {name: average} (:meth:`Exchange.finish`, which sends
+        what was not :meth:`ready`, DGC's weight decay folded into it first); the step's
         statistics in :attr:`last_stats`."""
+        for n, p in self.momentum.corrected.items():
+            if n not in self._readied:
+                self.momentum.fold_weight_decay(n, p, p.grad)
         results, self.last_stats = self.exchange.finish()
         return results
+
+    def drop(self) -> None:
+        """Finish an exchange left open (a backward pass that raised midway, an object
+        replaced mid-step: the other ranks finish theirs) and drop its averages."""
+        if self.exchange.in_step:
+            self.exchange.finish()
+
+    def close(self) -> None:
+        """Stop the exchange's threads and free its buffers (they live as long as the
+        threads otherwise), then the carriers it owns (``owns_carriers``).  Between steps;
+        the exchange cannot be used afterwards."""
+        self.exchange.close()
+        for carrier in self._owned:
+            free = getattr(carrier, "free", None)
+            if free is not None:
+                free()
 
     def update(self, step_fn=None):
         """The parameter update of step :attr:`step`: ``before_step``, ``step_fn()`` (the
@@ -405,8 +341,7 @@ class Driver:
         rank joined; returns how many steps this rank sat out.  A step left open by a
         backward pass that raised midway is finished first."""
         ex = self.exchange
-        if ex.in_step:
-            ex.finish()
+        self.drop()
         rounds = 0
         while ex.buckets:
             ex.begin(self.step, joined=True)
@@ -419,78 +354,61 @@ class Driver:
             rounds += 1
         return rounds
 
-    def check_missing(self, allow: bool, key: str) -> None:
-        """Loading a checkpoint without hvdcomp's part (no ``key`` entry: saved by a plain
-        torch optimizer or by horovod.torch's DistributedOptimizer): ValueError where the
-        compressor keeps state (residuals, levels, momentum, LAQ's aggregates), or with
-        ``allow`` a warning that the step and the compressor's state stay as they are."""
-        comp = self.compression
-        if not comp.keeps_state:
-            return
-        held = ", ".join(repr(k) for k in sorted(comp.state_dict())) or "its state"
-        what = (f"the state_dict has no {key!r} entry (it was saved by a plain torch "
-                f"optimizer or by horovod.torch's DistributedOptimizer, not by hvdcomp's), "
-                f"so it lacks hvdcomp's step and the state of compressor {comp.spec()!r} "
-                f"({held}: kept from step to step)")
-        rank = self.exchange.rank
-        if not allow:
-            raise ValueError(f"rank {rank}: {what}. Load the state_dict that this "
-                             f"DistributedOptimizer's state_dict() saved, or pass "
-                             f"load_state_dict(..., allow_missing_hvdcomp=True) to load it "
-                             f"anyway (hvdcomp's step and the compressor's state then stay "
-                             f"as they are: empty in a new optimizer)")
-        warnings.warn(f"hvdcomp rank {rank}: {what}; hvdcomp's step stays at {self.step} and "
-                      f"the compressor's state as it is (allow_missing_hvdcomp=True)",
-                      UserWarning, stacklevel=3)
-
 
 class Reports:
-    """What a door shows of its exchange (both doors; ``self._driver`` is the
-    :class:`Driver`)."""
-    _driver: Driver
+    """What a door shows of its exchange (both doors).
+
+    ``self._driver`` is the :class:`Driver`, or None where the door builds it later (the
+    DDP hook before its set-up, and after close): then ``last_stats`` is None,
+    ``compression`` the one ``self._settings`` (the door's :class:`Settings`) names, and
+    the other properties build the driver first (:meth:`_built`).
+    """
+    _driver: Optional[Driver]
+    _settings: Settings
+
+    def _built(self) -> Driver:
+        """The driver; a door that builds it on first use builds it here."""
+        return self._driver
 
     @property
     def compression(self) -> Compressor:
         """The compressor (with ``Auto``, its inner compressor)."""
-        return self._driver.compression
+        if self._driver is not None:
+            return self._driver.compression
+        comp, _ = resolve(self._settings.compression)
+        return comp.compressor if isinstance(comp, Auto) else comp
 
     @property
     def last_stats(self) -> Optional[StepStats]:
         """The last step's :class:`~hvdcomp.exchange.StepStats` (bytes sent, ratio, tensors
-        made NaN, timings), complete once its averages are in place."""
-        return self._driver.last_stats
+        made NaN, timings), complete once its averages are in place (None before the first
+        step)."""
+        return self._driver.last_stats if self._driver is not None else None
 
     @property
     def plan(self) -> Dict[str, str]:
         """{parameter name: name of the compressor its gradient travels with}."""
-        return self._driver.exchange.plan.compressor_names()
+        return self._built().exchange.plan.compressor_names()
 
     @property
     def paths(self) -> Dict[str, str]:
         """{parameter name: "allreduce", "allgather", "reduce_scatter" or "rounds" (summed by
         allreduces in rounds: PowerSGD)}."""
-        return self._driver.exchange.plan.paths()
+        return self._built().exchange.plan.paths()
 
     @property
     def cost_model(self):
         """With ``compression=hvdcomp.Auto(...)``: the :class:`hvdcomp.CostModel` it measured
         when the exchange was built (``as_dict()``: link and codec costs, the same on every
         rank); None otherwise."""
-        return self._driver.exchange.cost_model
+        return self._built().exchange.cost_model
 
     @property
     def transport(self) -> str:
         """The name of the byte carrier in use ("mpi", "horovod" or "torch")."""
-        return self._driver.exchange.transport.name
+        return self._built().exchange.transport.name
 
     @property
     def collective(self) -> str:
         """The collective setting in effect: "allgather", "reduce_scatter" or "auto"."""
-        return self._driver.exchange.collective_setting
-
-
-def _shared(comp: Compressor, state: Dict[str, Any]) -> Tuple[Dict[str, Any], list]:
-    """(the part of a compressor's ``state`` that every rank shares, the keys left out)."""
-    keep = set(comp.shared_state)
-    return ({k: v for k, v in state.items() if k in keep},
-            sorted(k for k, v in state.items() if k not in keep and v))
+        return self._built().exchange.collective_setting

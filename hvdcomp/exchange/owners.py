@@ -5,8 +5,8 @@ gradients of a set of named parameters through one live exchange (threads, commu
 The rules for such objects are the same in both doors and live here:
 
 * a new object built on parameters that an open one exchanges replaces it: the old one is
-  closed once the ranks agree on it (the door puts :func:`record` in its settings
-  handshake, then calls :func:`take_over`), so each backward pass exchanges once;
+  closed once the ranks agree on it (the door's settings handshake, :func:`agree`, names
+  it; then the door calls :func:`take_over`), so each backward pass exchanges once;
   ValueError on every rank if the old one also holds parameters the new one does not;
 * a closed object refuses to be used (:meth:`Owner._check_open`, RuntimeError naming the
   object that replaced it, and what to do with that one);
@@ -25,7 +25,7 @@ import torch
 
 from ..log import logger
 
-__all__ = ["Door", "Owner", "replaced", "record", "take_over"]
+__all__ = ["Door", "Owner", "agree", "replaced", "record", "take_over"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,21 @@ def record(old: Dict[Owner, List[str]]) -> Dict[str, List[str]]:
     """What the ranks agree on about :func:`replaced`'s result (the settings handshake's
     ``replaces`` entry): {number: names left unexchanged}."""
     return {str(o._ident): left for o, left in old.items()}
+
+
+def agree(settings, channel, what: str, candidates: Iterable[Owner],
+          named: Sequence[Tuple[str, torch.Tensor]], ident: int,
+          **extras) -> Dict[Owner, List[str]]:
+    """The settings handshake of a new object (number ``ident``, exchanging ``named``):
+    ``settings.agree`` (:meth:`hvdcomp.exchange.driver.Settings.agree`, over ``channel``)
+    with the door's ``extras``, the parameters' names, shapes and dtypes, and
+    :func:`record` of the open objects among ``candidates`` that the new one replaces.
+    Returns those (:func:`replaced`), for :func:`take_over` once the door's own checks
+    passed."""
+    old = replaced(candidates, named, ident)
+    settings.agree(channel, what, **extras, replaces=record(old),
+                   parameters=[[n, list(p.shape), str(p.dtype)] for n, p in named])
+    return old
 
 
 def take_over(old: Dict[Owner, List[str]], ident: int, rank: int) -> None:

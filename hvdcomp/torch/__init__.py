@@ -17,9 +17,7 @@ from horovod.torch import *  # noqa: F401,F403,E402  (the whole horovod.torch su
 from ..transport.mpi import horovod_threads_disabled  # noqa: E402
 from ..exchange import StepStats  # noqa: E402,F401
 from ..exchange.driver import Settings  # noqa: E402
-# (from .optimizer, not "from . import optimizer": the star import above brought
-# horovod.torch's own optimizer module under that name)
-from .optimizer import make as _make  # noqa: E402
+from .wrapped import make as _make  # noqa: E402
 from .join import join  # noqa: E402,F401  (hvdcomp's, over Horovod's)
 from .broadcast import broadcast_optimizer_state, broadcast_state  # noqa: E402,F401
 

@@ -5,17 +5,15 @@ state: residuals, momentum, fitted levels, LAQ's aggregates) equal on every rank
 Horovod's helper makes a fresh optimizer's state exist before broadcasting it: on the
 ranks whose state is empty it sets every gradient to zero and runs a step.  With
 hvdcomp's optimizer that step is the wrapped optimizer's own (no exchange: hvdcomp's
-optimizer is recognised as a Horovod DistributedOptimizer, :func:`hvdcomp.torch.optimizer.make`),
+optimizer is recognised as a Horovod DistributedOptimizer, :func:`hvdcomp.torch.wrapped.make`),
 so ranks restored from a checkpoint and fresh ones never wait for each other and no
 compressed message of zeros is sent.
 """
 from __future__ import annotations
 
+from .wrapped import is_hvdcomp
+
 __all__ = ["broadcast_state", "broadcast_optimizer_state"]
-
-
-def _is_hvdcomp(optimizer) -> bool:
-    return bool(getattr(type(optimizer), "_hvdcomp_optimizer", False))
 
 
 def broadcast_state(optimizer, root_rank: int = 0) -> None:
@@ -37,7 +35,7 @@ def broadcast_state(optimizer, root_rank: int = 0) -> None:
     (on every rank) when ``root_rank``'s state is of another compressor.
     """
     import horovod.torch as hvd
-    if not _is_hvdcomp(optimizer):
+    if not is_hvdcomp(optimizer):
         raise TypeError(f"broadcast_state needs an hvdcomp DistributedOptimizer; got "
                         f"{type(optimizer).__name__}")
     optimizer._check_open()
@@ -68,11 +66,11 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     (Horovod's helper alone would give the fresh ranks SGD momentum buffers for DGC's
     tensors that the restored rank lacks: a mismatch error in the broadcast)."""
     import horovod.torch as hvd
-    if _is_hvdcomp(optimizer):
+    if is_hvdcomp(optimizer):
         optimizer._check_open()
         _init_state(optimizer, model)
     hvd.broadcast_optimizer_state(optimizer, root_rank, model=model)
-    if _is_hvdcomp(optimizer):
+    if is_hvdcomp(optimizer):
         broadcast_state(optimizer, root_rank)
 
 

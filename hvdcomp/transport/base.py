@@ -49,6 +49,12 @@ class Transport:
     def close(self) -> None:
         """Stop listening for farewells (the exchange is closing)."""
 
+    def free(self) -> None:
+        """:meth:`close`, then free what this carrier holds (communicators, process groups):
+        for its owner (a door that built it), on every rank, with no collective of it in
+        flight; the carrier cannot be used afterwards.  Here: only :meth:`close`."""
+        self.close()
+
     def departed(self, ident: int) -> Optional[Tuple[int, str]]:
         """(last step, text) of a farewell another rank sent for exchange ``ident`` on this
         transport, or None.  Polled by a rank waiting for a step
@@ -206,6 +212,9 @@ class Allreduce:
     def wait(self, handle: Any) -> None:
         """Block until the sum of ``handle`` is in its buffer."""
         raise NotImplementedError
+
+    def free(self) -> None:
+        """Free what this carrier holds (as :meth:`Transport.free`); here nothing."""
 
     def sum_(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         """``buf`` summed in place across ranks, synchronously."""

@@ -129,6 +129,11 @@ class TorchDistTransport(Transport):
         dist.broadcast(t, src=dist.get_global_rank(self.group, root), group=self.group)
         return t.cpu().numpy()
 
+    def free(self) -> None:
+        """Destroy this carrier's process group (for the door that made it private)."""
+        self.close()
+        dist.destroy_process_group(self.group)
+
 
 class TorchDistAllreduce(Allreduce):
     """Asynchronous ``all_reduce`` (SUM) of summable buffers over ``group`` (its own group:
@@ -145,3 +150,7 @@ class TorchDistAllreduce(Allreduce):
 
     def wait(self, handle: Optional[dist.Work]):
         handle.wait()
+
+    def free(self) -> None:
+        """Destroy this carrier's process group (for the door that made it private)."""
+        dist.destroy_process_group(self.group)

@@ -296,12 +296,16 @@ def check_errors(rank, size):
         model = golden.Golden()
         ddp = DDP(model, bucket_cap_mb=0.002)
         state = hvdcomp.ddp.register(ddp, spec, seed=SEED, min_compress_numel=16)
+        prepare = hvdcomp.ddp.bucket.prepare
         if rank == 1:
-            def prepare(*_):
+            def failing(*_):
                 raise KeyError("prepare boom on rank 1")
-            state._prepare = prepare
-        raises_everywhere(rank, lambda: ddp(golden.inputs(rank, 0)).backward(),
-                          (RuntimeError, "prepare boom on rank 1"), (RuntimeError, elsewhere))
+            hvdcomp.ddp.bucket.prepare = failing
+        try:
+            raises_everywhere(rank, lambda: ddp(golden.inputs(rank, 0)).backward(),
+                              (RuntimeError, "prepare boom on rank 1"), (RuntimeError, elsewhere))
+        finally:
+            hvdcomp.ddp.bucket.prepare = prepare
         state.close()
 
     # DGC told the optimizer on every rank but rank 1: rank 1's first step raises, and so

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hvdcomp  # noqa: E402
 from hvdcomp.compressors import examples  # noqa: E402
 from hvdcomp.exchange import StepStats  # noqa: E402
-from hvdcomp.exchange.driver import FORMAT, Driver, Settings, resolve  # noqa: E402
+from hvdcomp.exchange.checkpoint import FORMAT  # noqa: E402
+from hvdcomp.exchange.driver import Driver, Settings, resolve  # noqa: E402
 from world import run_ranks  # noqa: E402
 
 SHAPES = {"a.weight": (16, 24), "a.bias": (24,), "b.weight": (8, 16)}
@@ -328,3 +330,67 @@ def test_momentum_guard_names_the_reduce_scatter_pieces():
         # the 2-D tensors are DGC's (the bias is too small); each is cut into shards
         assert corrected == ["a.weight", "b.weight"] and n_pieces >= 2
         assert len(got) > 2 and all(v == 0.7 for v in got.values()), got
+
+
+def test_the_doors_checkpoint_forms():
+    """The optimizer's (hvdcomp's part nested under a key: split) and the hook's (with
+    the rank and the world size), each checked before anything is loaded."""
+    def body(rank, tp):
+        d = Driver(_params(), Settings(compression="signef", min_compress_numel=16), tp)
+        _step(d, rank, 0)
+        sd = d.state_dict()
+        rest, mine = d.split({"state": {}, "param_groups": [], "hvdcomp": sd}, "hvdcomp",
+                             allow_missing=False)
+        assert rest == {"state": {}, "param_groups": []} and mine is sd
+        errors = []
+        try:                        # signef keeps residuals: refused without hvdcomp's part
+            d.split({"state": {}}, "hvdcomp", allow_missing=False)
+        except ValueError as e:
+            errors.append(str(e))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert d.split({"state": {}}, "hvdcomp", allow_missing=True) == ({"state": {}},
+                                                                                None)
+        ranked = d.rank_state_dict()        # (every checkpoint holds the rank and size)
+        assert (ranked["rank"], ranked["world_size"]) == (sd["rank"], sd["world_size"]) == (
+            rank, 2)
+        assert ranked.keys() == sd.keys() and ranked["step"] == sd["step"] == 1
+        d.step = 7
+        for bad in ({**d.rank_state_dict(), "rank": 1 - rank},
+                    {**d.rank_state_dict(), "format": "x"}):
+            try:
+                d.load_rank_state_dict(bad, "Thing")
+            except ValueError as e:
+                errors.append(str(e))
+        d.load_rank_state_dict(dict(d.rank_state_dict(), step=3), "Thing")
+        d.exchange.close()
+        return errors, [str(w.message) for w in caught], d.step
+
+    for rank, (errors, warned, step) in enumerate(run_ranks(2, body)):
+        assert len(errors) == 3 and step == 3, errors
+        assert errors[0].startswith(f"rank {rank}: the state_dict has no 'hvdcomp' entry")
+        assert len(warned) == 1 and "hvdcomp's step stays at 1" in warned[0], warned
+        assert errors[1] == (f"checkpoint of rank {1 - rank} of 2, this is rank {rank} of "
+                             f"2: save and load one checkpoint per rank (residuals are per "
+                             f"rank)")
+        assert errors[2] == "not a Thing checkpoint (format 'x')"
+
+
+def test_close_frees_only_the_carriers_the_door_owns():
+    class Carrier:
+        freed = 0
+
+        def free(self):
+            self.freed += 1
+
+    def body(rank, tp):
+        freed = []
+        tp.free = lambda: freed.append("transport")
+        settings = Settings(compression="qsgd:bits=4", min_compress_numel=16,
+                            allreduce_summable=False)     # (the allreduce is only held)
+        mine, lent = Carrier(), Carrier()
+        Driver(_params(), settings, tp, mine, ident=0, owns_carriers=True).close()
+        Driver(_params(), settings, tp, lent, ident=1).close()
+        return freed, mine.freed, lent.freed
+
+    assert run_ranks(2, body) == [(["transport"], 1, 0)] * 2

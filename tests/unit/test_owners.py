@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from hvdcomp.exchange.owners import Door, Owner, record, replaced, take_over
+from hvdcomp.exchange.owners import Door, Owner, agree, record, replaced, take_over
 
 DOOR = Door(label="Thing", prefix="door: ", use_new="use that one", rebuild="build it whole",
             closed="(freed)", copy="a Thing cannot be copied: save state_dict()")
@@ -73,3 +73,19 @@ def test_closed_by_hand_and_copies():
         t._check_open()
     with pytest.raises(TypeError, match=r"save state_dict\(\)"):
         copy.deepcopy(t)
+
+
+def test_agree_puts_the_parameters_and_the_replaced_objects_in_the_one_handshake():
+    class Recorder:                       # Settings.agree's signature, the call kept
+        def agree(self, channel, what, **extras):
+            self.call = (channel, what, extras)
+
+    a = ("a.w", torch.zeros(2, 3, dtype=torch.float16))
+    b = ("b", torch.zeros(4))
+    old, unrelated = Thing(0, [a, ("c", torch.zeros(1))]), Thing(1, [("d", torch.zeros(1))])
+    settings = Recorder()
+    got = agree(settings, "chan", "the test settings", [old, unrelated], [a, b], 2, door="x")
+    assert got == {old: ["c"]} and not old._closed   # closed by take_over only
+    assert settings.call == ("chan", "the test settings", {
+        "door": "x", "replaces": {"0": ["c"]},
+        "parameters": [["a.w", [2, 3], "torch.float16"], ["b", [4], "torch.float32"]]})
