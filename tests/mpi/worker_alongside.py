@@ -13,7 +13,7 @@ model (its own batch norm, the same collectives), never from hvdcomp: for ``none
 statistics and the metrics after every step; for a compressor (QSGD) the twin follows
 the model's parameters, so every step checks the statistics and metrics of the same
 model, the replicas stay equal and the exchange ran once per step.  Hangs: cases.py's
-barrier after each case aborts the job, and test_alongside.py's timeout fails it.
+barrier after each case aborts the job, and test_mpi_alongside.py's timeout fails it.
 """
 import contextlib
 import itertools

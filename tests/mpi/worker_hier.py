@@ -1,5 +1,5 @@
 """The hierarchical exchange (hvdcomp/exchange/hier.py) under mpirun, with the hosts given
-by $HVDCOMP_TEST_HOSTS (2 hosts x 2 ranks, 2 hosts x 3 ranks: test_hier.py sets it): every
+by $HVDCOMP_TEST_HOSTS (2 hosts x 2 ranks, 2 hosts x 3 ranks: test_mpi_hier.py sets it): every
 compressor's average equals, bit for bit on every rank, the single-process computation of
 tests/mpi/hier_reference.py; the other tensors as the flat exchange gives them; absent and
 joined ranks; a state_dict round trip; an encoder error on one rank raises on every rank."""

@@ -1,5 +1,5 @@
 """The hierarchy's bad input under mpirun on 3 ranks, hosts "0,0,1" ($HVDCOMP_TEST_HOSTS,
-set by test_hier.py): unequal hosts are flat with hierarchy="auto" (the same numbers as
+set by test_mpi_hier.py): unequal hosts are flat with hierarchy="auto" (the same numbers as
 "flat") and a ConfigError on every rank with "host"; one rank per host is flat; ranks
 that disagree on the setting are refused at the handshake; Horovod's transport and an
 unknown value are refused."""
