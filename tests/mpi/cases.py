@@ -285,3 +285,46 @@ def launch(script: str, n: int, cases: Sequence[str], outdir: str, timeout: int,
                 for x in (e.stdout, e.stderr)]
         rc, out = None, "".join(text)
     return Report(os.path.basename(script), n, outdir, rc, out, timeout)
+
+
+def pytest_module(script: str, n: int, timeout: int, **extra_env: str) -> dict:
+    """The pytest side of a whole test module: ``script``'s named cases run once under
+    launch/run on ``n`` ranks (only the selected ones, :func:`launch`), each one pytest
+    case, plus ``test_exit`` (every rank ran to the end; the exit status agrees).  Returns
+    the module's names (``CASES``, ``pytestmark``, the ``report`` fixture, ``test_case``,
+    ``test_exit``): ``globals().update(cases.pytest_module(...))``."""
+    import shutil
+
+    import pytest
+
+    names = discover(script)
+    ran = {}
+
+    @pytest.fixture
+    def report(request, tmp_path_factory):
+        """The worker's report: it runs once per session, with the cases selected."""
+        if "r" not in ran:
+            wanted = [i.callspec.params["case"] for i in request.session.items
+                      if getattr(i, "originalname", None) == "test_case"
+                      and i.module is request.module]
+            outdir = str(tmp_path_factory.mktemp(os.path.basename(script)[:-3]))
+            ran["r"] = launch(script, n, [] if wanted == names else wanted, outdir, timeout,
+                              **extra_env)
+        return ran["r"]
+
+    @pytest.mark.parametrize("case", names)
+    def test_case(case, report):
+        problem = report.failure(case)
+        if problem:
+            pytest.fail(problem, pytrace=False)
+
+    def test_exit(report):
+        """Every rank ran to the end (no hang, no crash), and the exit status agrees."""
+        problem = report.exit_failure()
+        if problem:
+            pytest.fail(problem, pytrace=False)
+
+    mark = pytest.mark.skipif(shutil.which("mpirun") is None,
+                              reason="mpirun not found (launch/setup installs Open MPI)")
+    return {"CASES": names, "pytestmark": mark, "report": report, "test_case": test_case,
+            "test_exit": test_exit}

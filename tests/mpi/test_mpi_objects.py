@@ -2,46 +2,9 @@
 2 ranks, each of its named cases one pytest case (cases.py), with a timeout that turns a
 hang into a failure (and cases.py's barrier, which aborts a job whose ranks stop meeting)."""
 import os
-import shutil
 
-import pytest
+import cases
 
-from cases import discover, launch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "worker_objects.py")
-TIMEOUT = 600
-N = 2
-
-pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None,
-                                reason="mpirun not found (launch/setup installs Open MPI)")
-
-CASES = discover(SCRIPT)
-_report = {}
-
-
-@pytest.fixture
-def report(request, tmp_path_factory):
-    """The worker's report: it runs once per session, with the cases selected."""
-    if "r" not in _report:
-        wanted = [i.callspec.params["case"] for i in request.session.items
-                  if getattr(i, "originalname", None) == "test_case"
-                  and i.module is request.module]
-        outdir = str(tmp_path_factory.mktemp("objects"))
-        _report["r"] = launch(SCRIPT, N, [] if wanted == CASES else wanted, outdir, TIMEOUT,
-                              HVDCOMP_CASE_WAIT="120")
-    return _report["r"]
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_case(case, report):
-    problem = report.failure(case)
-    if problem:
-        pytest.fail(problem, pytrace=False)
-
-
-def test_exit(report):
-    """Every rank ran to the end (no hang, no crash), and the exit status agrees."""
-    problem = report.exit_failure()
-    if problem:
-        pytest.fail(problem, pytrace=False)
+globals().update(cases.pytest_module(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_objects.py"), 2, 600,
+    HVDCOMP_CASE_WAIT="120"))
