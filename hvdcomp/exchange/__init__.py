@@ -5,15 +5,18 @@
 * :mod:`.pipeline`: the encode | communicate | decode threads, bucket by bucket;
 * :mod:`.collective`: what the pipeline drives, per bucket (the interface), and
   :class:`Allgather`;
-* :mod:`.scatter`: :class:`ReduceScatter`, cut by :mod:`.shards` (which tensors, where);
-  it holds an :class:`Allgather` for the bucket's other tensors;
-* :mod:`.hier`: :class:`Hierarchical`, several ranks per host (float32 sums inside the
-  host, the compressed allgather across hosts); it holds an :class:`Allgather` for the
+* :mod:`.scatter`: :class:`ReduceScatter`, cut by :mod:`.shards` (which tensors, where),
+  its second stage in :mod:`.scatter_owner`; it holds an :class:`Allgather` for the
   bucket's other tensors;
+* :mod:`.hier`: :class:`Hierarchical`, several ranks per host (float32 sums inside the
+  host, the compressed allgather across hosts; the pieces and their messages inside the
+  host in :mod:`.host_pieces`); it holds an :class:`Allgather` for the bucket's other
+  tensors;
 * :mod:`.frames`: what both collectives do around a frame of messages (build it, the
   adaptive compressors' statistics, the compressors' events);
 * :mod:`.averaging`: gradients in, averages out (predivide, op=Sum, the NaN policy);
-* :mod:`.core`: :class:`Exchange`, all of it assembled, with the training-loop protocols;
+* :mod:`.core`: :class:`Exchange`, all of it assembled, with the training-loop protocols
+  (:mod:`.loop`);
 * :mod:`.shutdown`: at interpreter exit, a failing rank's error marks and the threads'
   end, before MPI is finalized.
 * :mod:`.driver`: the lifecycle both doors share (settings, the step, DGC's momentum

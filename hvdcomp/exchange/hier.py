@@ -48,13 +48,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from ..compressors import TensorKey, get
-from ..compressors.state import finite as all_finite
 from ..errors import ConfigError, RankFailure, WireFormatError
 from ..log import logger
 from ..transport import Incoming, Outgoing, Stamp, Transport
@@ -64,48 +62,12 @@ from ..transport.topology import Topology, discover
 from .averaging import Averaging
 from .collective import Allgather, Collective, _Job
 from .scatter import ReduceScatter
-from .frames import frame
+from .host_pieces import HostPiece, HostPieces, cuts
 from .plan import Entry
-from .shards import boundaries, refusal, unit
+from .shards import refusal
 from .step_stats import StepStats
 
 __all__ = ["Hierarchical", "HostPiece", "cuts", "plan_hierarchy", "HIERARCHIES"]
-
-
-def cuts(e: Entry, local_size: int) -> List[int]:
-    """The ``local_size + 1`` cut points of ``e``'s flat gradient into its pieces (module
-    docstring), at its compressor's unit boundaries."""
-    shape = tuple(e.param.shape)
-    return boundaries([e.param.numel()], [unit(e.compressor, shape)], local_size)
-
-
-@dataclass(frozen=True)
-class HostPiece:
-    """Piece ``[lo, hi)`` (flat elements) of tensor ``name``, owned by local rank
-    ``owner``; ``shape``: what the compressor encodes (``Compressor.shard_shape``);
-    ``tensor_id``: the stage-1 messages' id (``+1``: the cross-host messages', ``+2``: the
-    stage-3 message's)."""
-    name: str
-    lo: int
-    hi: int
-    shape: Tuple[int, ...]
-    owner: int
-    tensor_id: int
-
-    @property
-    def numel(self) -> int:
-        return self.hi - self.lo
-
-    @property
-    def label(self) -> str:
-        """``name[lo:hi]``: the name the compressor keeps the piece's state under."""
-        return f"{self.name}[{self.lo}:{self.hi}]"
-
-    def key(self, stage: int, step: int, rank: int, size: int, seed: int) -> TensorKey:
-        """The key of a float32 message of stage 1 (``rank`` a local rank, ``size`` L) or 3
-        (the owner's average: ``rank`` the owner, ``size`` 1)."""
-        return TensorKey(f"{self.label}/{stage}", self.tensor_id + (0 if stage == 1 else 2),
-                         step, rank, size, seed, shape=(self.numel,), dtype=torch.float32)
 
 
 @dataclass
@@ -146,32 +108,11 @@ class Hierarchical(Collective):
         self.hosts = cross.size
         self.ident = self.flat.ident
         self.entries = entries
-        L = self.local_size
-        #: {name: [HostPiece or None per owner]} (None: the owner has no piece of it)
-        self.pieces: Dict[str, List[Optional[HostPiece]]] = {}
-        self.virtual: Dict[str, Entry] = {}          # this rank's pieces, as the inner's
-        for e in entries.values():
-            if not e.hier:
-                continue
-            c = cuts(e, L)
-            row: List[Optional[HostPiece]] = []
-            for l in range(L):
-                lo, hi = c[l], c[l + 1]
-                if hi <= lo:
-                    row.append(None)
-                    continue
-                p = HostPiece(e.name, lo, hi,
-                              tuple(e.compressor.shard_shape(tuple(e.param.shape), lo, hi)),
-                              l, first_id + 3 * (e.tensor_id * L + l))
-                row.append(p)
-                if l == self.local:
-                    # a stand-in parameter: the piece's shape, float32, the device; no memory
-                    stand_in = torch.zeros((), dtype=torch.float32,
-                                           device=e.param.device).expand(p.shape)
-                    self.virtual[e.name] = Entry(p.label, stand_in, p.tensor_id + 1,
-                                                 e.compressor, False,
-                                                 scatter=buckets is not None)
-            self.pieces[e.name] = row
+        #: the pieces (``pieces``: {name: [HostPiece or None per owner]}; ``virtual``: this
+        #: rank's pieces as the inner collective's entries) and their messages in the host
+        self.layout = HostPieces(entries, host.size, host.rank, first_id, seed,
+                                 scatter=buckets is not None)
+        self.pieces, self.virtual = self.layout.pieces, self.layout.virtual
         # the inner collective: host means, averaged over the H hosts, no predivide; the
         # reduce-scatter over the fusion buckets' pieces, else the allgather
         self._inner_avg = _Given(self.hosts)
@@ -180,10 +121,9 @@ class Hierarchical(Collective):
                 cross, None, self._inner_avg, seed,
                 [[self.virtual[n].name for n in b if n in self.virtual] for b in buckets],
                 {v.name: v for v in self.virtual.values()},
-                first_id + 3 * len(entries) * L, ident)
+                first_id + 3 * len(entries) * self.local_size, ident)
         else:
             self.inner = Allgather(cross, None, self._inner_avg, seed, ident)
-        self._none = get("none")
 
     failing = property(lambda self: self.flat.failing,
                        lambda self, text: setattr(self.flat, "failing", text))
@@ -204,9 +144,6 @@ class Hierarchical(Collective):
         """The cross-host reduce-scatter's second stages that keep state, else []."""
         return (self.inner.second_stages() if isinstance(self.inner, ReduceScatter)
                 else [])
-
-    def _owned(self, names: Sequence[str], owner: int) -> List[HostPiece]:
-        return [self.pieces[n][owner] for n in names if self.pieces[n][owner] is not None]
 
     # --- the three stages ---------------------------------------------------------------
     def encode(self, k, entries, step, stats, sync=False, grads=None, failure=None):
@@ -232,12 +169,7 @@ class Hierarchical(Collective):
             return job
         try:
             flat = {e.name: self._gradient(e, grads) for e in mine}
-            names = [e.name for e in mine]
-            job.parts = [frame(self._owned(names, l), lambda p: flat[p.name],
-                               lambda p, g: self._none.encode(
-                                   g[p.lo:p.hi], p.key(1, step, self.local, L, self.seed)),
-                               self.averaging.joined, job.stamp).data
-                         for l in range(L)]
+            job.parts = self.layout.frames(mine, flat, step, self.averaging.joined, job.stamp)
         except Exception as exc:                    # noqa: BLE001 - re-raised on all ranks
             job.failure = exc
             job.parts = [Outgoing.failed(exc).data] * L
@@ -268,11 +200,7 @@ class Hierarchical(Collective):
         stats.joined = max(stats.joined, job.joined)
         stats.events.extend(job.events)
         dest = out or {}
-        names = [e.name for e in job.mine]
-        index = {}
-        for l in range(self.local_size):
-            for i, p in enumerate(self._owned(names, l)):
-                index[(p.name, l)] = i
+        index = self.layout.index([e.name for e in job.mine])
         n_active = self.size - job.joined
         for e in job.mine:
             row = self.pieces[e.name]
@@ -284,16 +212,7 @@ class Hierarchical(Collective):
             if not present[0]:
                 continue
             acc = self.averaging.accumulator(e, dest.get(e.name))
-            finite = True
-            for l, p in enumerate(row):
-                if p is None:
-                    continue
-                msg = job.averaged.message(l, index[(e.name, l)])
-                key = p.key(3, job.step, l, 1, self.seed)
-                if msg is None:
-                    raise WireFormatError(f"local rank {l} sent an empty message for the "
-                                          f"averaged piece {p.label}")
-                finite &= self._none.decode(msg, key, acc[p.lo:p.hi])
+            finite = self.layout.assemble(e.name, job.averaged, index, job.step, acc)
             if finite and n_active != self.size:
                 acc.mul_(self.size / n_active)      # the mean over the ranks not joined
             key = e.key(job.step, self.rank, self.size, self.seed)
@@ -326,7 +245,7 @@ class Hierarchical(Collective):
         L, me, step = self.local_size, self.local, job.step
         what = f"bucket {job.flat.k} of step {step} (the host's pieces)"
         names = [e.name for e in job.mine]
-        mine = self._owned(names, me)
+        mine = self.layout.owned(names, me)
         frames = self.host.alltoall(job.parts)
         stats.host_bytes += sum(len(p) for r, p in enumerate(job.parts) if r != me)
         failure = job.failure
@@ -343,7 +262,7 @@ class Hierarchical(Collective):
                 check_stamps(incoming.stamps, incoming.joined, job.stamp, me, what)
                 host_joined = sum(incoming.joined)
                 t0 = time.perf_counter()
-                means = self._host_means(mine, incoming, step)
+                means = self.layout.means(mine, incoming, step)
                 stats.reduce_s += time.perf_counter() - t0
             except Exception as exc:                # noqa: BLE001 - re-raised on all ranks
                 failure = exc
@@ -377,61 +296,15 @@ class Hierarchical(Collective):
         if err is not None:
             out = Outgoing.failed(err, job.failure_text if err is job.failure else None)
         else:
-            msgs, present = [], []
-            for p in mine:
-                a = averages.get(self.virtual[p.name].name)
-                present.append(a is not None)
-                msgs.append(None if a is None else
-                            self._none.encode(a.reshape(-1), p.key(3, step, me, 1, self.seed)))
-            out = Outgoing(msgs, present, stamp=job.stamp)
+            out = self.layout.averaged(mine, averages, step, job.stamp)
         try:
             job.averaged = self.host.exchange(
                 out, what=f"the averaged pieces of bucket {job.flat.k} of step {step}",
-                counts=[len(self._owned(names, l)) for l in range(L)])
+                counts=[len(self.layout.owned(names, l)) for l in range(L)])
         except RankFailure:
             self.failure_seen = True
             raise
         stats.host_bytes += (L - 1) * len(out)
-
-    def _host_means(self, mine: List[HostPiece], incoming: Incoming, step: int
-                    ) -> Dict[str, Optional[torch.Tensor]]:
-        """{name: the host's mean of this rank's piece of it, shaped as the compressor
-        encodes it (NaN where a contribution was NONFINITE), or None where no rank of the
-        host had the gradient}: the contributions decoded in local-rank order into a
-        float32 sum, divided by L (a sum that overflowed although every contribution was
-        finite: each contribution divided by L first, in the same order)."""
-        L = self.local_size
-        out: Dict[str, Optional[torch.Tensor]] = {}
-        for i, p in enumerate(mine):
-            present = incoming.present(i)
-            if not any(present):
-                out[p.name] = None
-                continue
-            e = self.entries[p.name]
-            msgs = incoming.messages(i)
-            acc = torch.zeros(p.numel, dtype=torch.float32, device=e.param.device)
-            finite = True
-            for l in range(L):
-                if present[l]:
-                    m = msgs[l]
-                    if m is None:
-                        raise WireFormatError(f"local rank {l} sent an empty message for "
-                                              f"{p.label}")
-                    finite &= self._none.decode(m, p.key(1, step, l, L, self.seed), acc)
-            if not finite:
-                acc.fill_(float("nan"))
-            elif not all_finite(acc):
-                acc.zero_()
-                part = torch.empty_like(acc)
-                for l in range(L):
-                    if present[l]:
-                        part.zero_()
-                        self._none.decode(msgs[l], p.key(1, step, l, L, self.seed), part)
-                        acc.add_(part.div_(L))
-            else:
-                acc.div_(L)
-            out[p.name] = acc.view(p.shape)
-        return out
 
 
 class _Given(Averaging):

@@ -73,8 +73,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..compressors import Compressor, get
-from ..compressors.state import finite as all_finite
+from ..compressors import Compressor
 from ..errors import RankFailure, WireFormatError
 from ..log import warn_limited
 from ..transport import Allreduce, Incoming, Outgoing, Stamp, Transport
@@ -82,9 +81,10 @@ from ..transport.base import raise_failed
 from ..transport.framing import STOP_MARK, check_stamps
 from .averaging import Averaging
 from .collective import Allgather, Collective, _Job
-from .frames import drain_events, frame, observe
+from .frames import frame, observe
 from .plan import Entry
-from .shards import Piece, layout, second_stage
+from .scatter_owner import ShardOwner
+from .shards import Piece, layout
 
 __all__ = ["ReduceScatter"]
 
@@ -135,12 +135,8 @@ class ReduceScatter(Collective):
                 for i, p in enumerate(mine):
                     groups.setdefault(p.name, []).append((r, i, p))
             self._by_tensor.append(list(groups.items()))
-        self.stage2: Dict[int, Compressor] = {}
-        for e in entries.values():
-            if e.scatter:
-                self.stage2.setdefault(id(e.compressor), second_stage(e.compressor))
-        self._piece_accs = _PieceAccumulators()
-        self._none = get("none")
+        #: the owner's stage 2 and every rank's decode of its averages (scatter_owner.py)
+        self.owner = ShardOwner(entries, averaging, seed, self.rank, self.size)
 
     # One failure state for both parts (Collective.failing, Collective.failure_seen): the
     # allgather's, set by the pipeline and by either part, read by both.
@@ -154,11 +150,9 @@ class ReduceScatter(Collective):
         return [p for b in self.layout for mine in b for p in mine]
 
     def second_stages(self) -> List[Compressor]:
-        """The second-stage compressors that keep state of their own (DGC's residuals of
-        the averaged shards; a quantizer's finer stage follows its first stage's table and
-        has none)."""
-        firsts = {id(e.compressor): e.compressor for e in self.entries.values() if e.scatter}
-        return [c for i, c in self.stage2.items() if c is not firsts[i] and c.keeps_state]
+        """The second-stage compressors that keep state of their own
+        (:meth:`~.scatter_owner.ShardOwner.second_stages`)."""
+        return self.owner.second_stages()
 
     # --- the three stages ---------------------------------------------------------------
     def encode(self, k, entries, step, stats, sync=False, grads=None, failure=None):
@@ -228,7 +222,7 @@ class ReduceScatter(Collective):
         seen: Dict[str, set] = {e.name: set() for e in job.scattered}
         for name, items in self._by_tensor[job.gather.k]:
             # every owner's averaged piece of this tensor, in owner order
-            msgs, keys, spans, decs = [], [], [], []
+            msgs, keys, spans = [], [], []
             for r, i, p in items:
                 seen[name].add(job.averaged.present_of(r, i))
                 if not job.averaged.present_of(r, i):
@@ -245,14 +239,7 @@ class ReduceScatter(Collective):
                 continue
             e = self.entries[name]
             accs[name] = acc = self.averaging.accumulator(e)
-            comp = self.stage2[id(e.compressor)]
-            decs = [self.averaging._decoder(comp, m, key) for m, key in zip(msgs, keys)]
-            if all(d is comp for d in decs):            # one call for all the pieces
-                finite[name] = comp.decode_pieces(msgs, keys, spans, acc)
-            else:                                       # a cast's fallback among them
-                finite[name] = True
-                for d, m, key, (lo, hi) in zip(decs, msgs, keys, spans):
-                    finite[name] &= d.decode(m, key, acc[lo:hi])
+            finite[name] = self.owner.decode_averages(e, msgs, keys, spans, acc)
         for e in job.scattered:
             if len(seen[e.name]) > 1:
                 raise WireFormatError(f"the owners disagree on whether any rank had a "
@@ -265,7 +252,7 @@ class ReduceScatter(Collective):
 
     def close(self):
         self.allgather.close()
-        self._piece_accs.clear()
+        self.owner.close()
 
     # --- helpers ------------------------------------------------------------------------
     def _gradient(self, e: Entry, step: int) -> Optional[torch.Tensor]:
@@ -334,7 +321,8 @@ class ReduceScatter(Collective):
                 incoming = Incoming(frames, len(self.layout[k][me]))
                 check_stamps(incoming.stamps, incoming.joined, job.stamp, me, what)
                 t0 = time.perf_counter()
-                out = self._reduce(job, incoming)
+                out, job.joined = self.owner.reduce(
+                    self.layout[k][me], incoming, job.gather.step, job.stamp, job.events)
                 stats.reduce_s += time.perf_counter() - t0
             except Exception as exc:                # noqa: BLE001 - re-raised on all ranks
                 failure = exc
@@ -353,55 +341,3 @@ class ReduceScatter(Collective):
         stats.bytes_sent += len(out)
         stats.recv_bytes += sum(job.averaged.nbytes) - len(out)
         stats.traffic_bytes += (n - 1) / n * sum(job.averaged.nbytes)
-
-    def _reduce(self, job: _ScatterJob, incoming: Incoming) -> Outgoing:
-        """This rank's frame of averaged pieces: for each piece, the contributions present
-        decoded in rank order and averaged over the ranks that had not joined, re-encoded
-        (a NONFINITE message where a contribution was NONFINITE; absent where no rank had
-        the tensor).  Also learns how many ranks had joined."""
-        mine = self.layout[job.gather.k][self.rank]
-        step = job.gather.step
-        job.joined = joined = sum(incoming.joined)
-        msgs, present_out = [], []
-        for i, p in enumerate(mine):
-            present = incoming.present(i)
-            present_out.append(any(present))
-            if not any(present):
-                msgs.append(None)
-                continue
-            e = self.entries[p.name]
-            acc = self._piece_accs.zeroed(p, e.param.device)
-            keys = [p.key(step, r, self.size, self.seed) for r in range(self.size)]
-            fin, prescaled = self.averaging.combine(e, incoming.messages(i), keys, present,
-                                                    acc, joined)
-            job.events.extend(drain_events(e.compressor, p.label))
-            if fin:
-                self.averaging.mean(e, acc, keys[self.rank], joined, prescaled)
-                x = acc.view(p.shape)
-            else:                                   # NaN policy: the tensor is NaN on all
-                x = torch.full(p.shape, float("nan"), device=acc.device)
-            msgs.append(self._encode_average(e, p, x, step))
-        return Outgoing(msgs, present_out, joined=self.averaging.joined, stamp=job.stamp)
-
-    def _encode_average(self, e: Entry, p: Piece, x: torch.Tensor, step: int):
-        """The owner's stage-2 message of piece ``p``'s average ``x``: a cast whose wire
-        dtype cannot hold the finite average sends it as float32 (``none``)."""
-        comp = self.stage2[id(e.compressor)]
-        key = p.key2(step, self.seed)
-        if (comp.wire_dtype is not None and all_finite(x)
-                and not all_finite(x.to(comp.wire_dtype))):
-            return self._none.encode(x, key)
-        return comp.encode(x, key)
-
-
-class _PieceAccumulators(dict):
-    """{piece tensor id: its float32 accumulator}, reused from step to step."""
-
-    def zeroed(self, p: Piece, device) -> torch.Tensor:
-        """A zeroed float32 accumulator for piece ``p`` on ``device``."""
-        acc = self.get(p.tensor_id)
-        if acc is None or acc.device != device:
-            acc = self[p.tensor_id] = torch.zeros(p.numel, dtype=torch.float32, device=device)
-        else:
-            acc.zero_()
-        return acc

@@ -577,17 +577,17 @@ def test_stage_two_stamps_are_checked():
     def fn(rank, tp):
         ex = _fault_exchange(rank, tp)
         if rank == 1:
-            col = ex.collective
-            real = col._reduce
+            owner = ex.collective.owner
+            real = owner.reduce
 
-            def forged(job, incoming):
-                out = real(job, incoming)
+            def forged(mine, incoming, step, stamp, events):
+                out, joined = real(mine, incoming, step, stamp, events)
                 msgs = [_Raw(bytes(p)) if len(p) else None for p in _parts(out)]
-                return Outgoing(msgs, _present(out), stamp=Stamp(job.stamp.step + 7,
-                                                                 job.stamp.ident))
-            col._reduce = forged
+                return Outgoing(msgs, _present(out), stamp=Stamp(stamp.step + 7,
+                                                                 stamp.ident)), joined
+            owner.reduce = forged
             err = _step(ex, 0)
-            col._reduce = real
+            owner.reduce = real
         else:
             err = _step(ex, 0)
         nxt = _step(ex, 1)

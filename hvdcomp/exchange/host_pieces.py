@@ -1,0 +1,195 @@
+"""The hierarchical exchange's pieces (:mod:`hvdcomp.exchange.hier`): where each tensor is
+cut among the ranks of a host, and the float32 (``none``) messages of those pieces inside
+the host: stage 1's frames and the host means, stage 3's averaged pieces and their
+assembly into each tensor's accumulator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..compressors import TensorKey, get
+from ..compressors.state import finite as all_finite
+from ..errors import WireFormatError
+from ..transport import Incoming, Outgoing, Stamp
+from .frames import frame
+from .plan import Entry
+from .shards import boundaries, unit
+
+__all__ = ["HostPiece", "HostPieces", "cuts"]
+
+
+def cuts(e: Entry, local_size: int) -> List[int]:
+    """The ``local_size + 1`` cut points of ``e``'s flat gradient into its pieces (module
+    docstring), at its compressor's unit boundaries."""
+    shape = tuple(e.param.shape)
+    return boundaries([e.param.numel()], [unit(e.compressor, shape)], local_size)
+
+
+@dataclass(frozen=True)
+class HostPiece:
+    """Piece ``[lo, hi)`` (flat elements) of tensor ``name``, owned by local rank
+    ``owner``; ``shape``: what the compressor encodes (``Compressor.shard_shape``);
+    ``tensor_id``: the stage-1 messages' id (``+1``: the cross-host messages', ``+2``: the
+    stage-3 message's)."""
+    name: str
+    lo: int
+    hi: int
+    shape: Tuple[int, ...]
+    owner: int
+    tensor_id: int
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def label(self) -> str:
+        """``name[lo:hi]``: the name the compressor keeps the piece's state under."""
+        return f"{self.name}[{self.lo}:{self.hi}]"
+
+    def key(self, stage: int, step: int, rank: int, size: int, seed: int) -> TensorKey:
+        """The key of a float32 message of stage 1 (``rank`` a local rank, ``size`` L) or 3
+        (the owner's average: ``rank`` the owner, ``size`` 1)."""
+        return TensorKey(f"{self.label}/{stage}", self.tensor_id + (0 if stage == 1 else 2),
+                         step, rank, size, seed, shape=(self.numel,), dtype=torch.float32)
+
+
+class HostPieces:
+    """The pieces of the tensors marked ``hier`` on a host of ``local_size`` ranks, and
+    their messages inside the host.
+
+    entries: name -> Entry; local: this rank's local rank; first_id: the first tensor id
+    free for the pieces; seed: the shared seed; scatter: the stand-in entries of this
+    rank's pieces (``virtual``) take the cross-host reduce-scatter.
+    """
+
+    def __init__(self, entries: Dict[str, Entry], local_size: int, local: int,
+                 first_id: int, seed: int, scatter: bool = False):
+        self.entries, self.local_size, self.local = entries, local_size, local
+        self.seed = seed
+        L = self.local_size
+        #: {name: [HostPiece or None per owner]} (None: the owner has no piece of it)
+        self.pieces: Dict[str, List[Optional[HostPiece]]] = {}
+        self.virtual: Dict[str, Entry] = {}          # this rank's pieces, as the inner's
+        for e in entries.values():
+            if not e.hier:
+                continue
+            c = cuts(e, L)
+            row: List[Optional[HostPiece]] = []
+            for l in range(L):
+                lo, hi = c[l], c[l + 1]
+                if hi <= lo:
+                    row.append(None)
+                    continue
+                p = HostPiece(e.name, lo, hi,
+                              tuple(e.compressor.shard_shape(tuple(e.param.shape), lo, hi)),
+                              l, first_id + 3 * (e.tensor_id * L + l))
+                row.append(p)
+                if l == self.local:
+                    # a stand-in parameter: the piece's shape, float32, the device; no memory
+                    stand_in = torch.zeros((), dtype=torch.float32,
+                                           device=e.param.device).expand(p.shape)
+                    self.virtual[e.name] = Entry(p.label, stand_in, p.tensor_id + 1,
+                                                 e.compressor, False,
+                                                 scatter=scatter)
+            self.pieces[e.name] = row
+        self._none = get("none")
+
+    def owned(self, names: Sequence[str], owner: int) -> List[HostPiece]:
+        """The pieces of ``names`` that local rank ``owner`` owns, in the order of
+        ``names``."""
+        return [self.pieces[n][owner] for n in names if self.pieces[n][owner] is not None]
+
+    def index(self, names: Sequence[str]) -> Dict[Tuple[str, int], int]:
+        """{(name, owner): the piece's index in the owner's frame} for ``names``."""
+        out = {}
+        for l in range(self.local_size):
+            for i, p in enumerate(self.owned(names, l)):
+                out[(p.name, l)] = i
+        return out
+
+    def frames(self, mine: Sequence[Entry], flat: Dict[str, Optional[torch.Tensor]],
+               step: int, joined: bool, stamp: Stamp) -> List[np.ndarray]:
+        """Stage 1: one frame per local rank ``l``, piece ``l`` of each of ``mine`` (their
+        flat float32 gradients ``flat``, None: absent) as ``none`` messages."""
+        L = self.local_size
+        names = [e.name for e in mine]
+        return [frame(self.owned(names, l), lambda p: flat[p.name],
+                      lambda p, g: self._none.encode(
+                          g[p.lo:p.hi], p.key(1, step, self.local, L, self.seed)),
+                      joined, stamp).data
+                for l in range(L)]
+
+    def means(self, mine: List[HostPiece], incoming: Incoming, step: int
+              ) -> Dict[str, Optional[torch.Tensor]]:
+        """{name: the host's mean of this rank's piece of it, shaped as the compressor
+        encodes it (NaN where a contribution was NONFINITE), or None where no rank of the
+        host had the gradient}: the contributions decoded in local-rank order into a
+        float32 sum, divided by L (a sum that overflowed although every contribution was
+        finite: each contribution divided by L first, in the same order)."""
+        L = self.local_size
+        out: Dict[str, Optional[torch.Tensor]] = {}
+        for i, p in enumerate(mine):
+            present = incoming.present(i)
+            if not any(present):
+                out[p.name] = None
+                continue
+            e = self.entries[p.name]
+            msgs = incoming.messages(i)
+            acc = torch.zeros(p.numel, dtype=torch.float32, device=e.param.device)
+            finite = True
+            for l in range(L):
+                if present[l]:
+                    m = msgs[l]
+                    if m is None:
+                        raise WireFormatError(f"local rank {l} sent an empty message for "
+                                              f"{p.label}")
+                    finite &= self._none.decode(m, p.key(1, step, l, L, self.seed), acc)
+            if not finite:
+                acc.fill_(float("nan"))
+            elif not all_finite(acc):
+                acc.zero_()
+                part = torch.empty_like(acc)
+                for l in range(L):
+                    if present[l]:
+                        part.zero_()
+                        self._none.decode(msgs[l], p.key(1, step, l, L, self.seed), part)
+                        acc.add_(part.div_(L))
+            else:
+                acc.div_(L)
+            out[p.name] = acc.view(p.shape)
+        return out
+
+    def averaged(self, mine: Sequence[HostPiece], averages: Dict[str, torch.Tensor],
+                 step: int, stamp: Stamp) -> Outgoing:
+        """Stage 3: this rank's frame of its averaged pieces (``averages``: {stand-in
+        name: average}; absent where it has none)."""
+        msgs, present = [], []
+        for p in mine:
+            a = averages.get(self.virtual[p.name].name)
+            present.append(a is not None)
+            msgs.append(None if a is None else
+                        self._none.encode(a.reshape(-1), p.key(3, step, self.local, 1,
+                                                                self.seed)))
+        return Outgoing(msgs, present, stamp=stamp)
+
+    def assemble(self, name: str, averaged: Incoming, index: Dict[Tuple[str, int], int],
+                 step: int, acc: torch.Tensor) -> bool:
+        """Stage 3: add every owner's averaged piece of ``name`` from ``averaged`` into its
+        part of the flat float32 accumulator ``acc``; False if any was NONFINITE.  Raises
+        WireFormatError for a piece sent empty."""
+        finite = True
+        for l, p in enumerate(self.pieces[name]):
+            if p is None:
+                continue
+            msg = averaged.message(l, index[(name, l)])
+            key = p.key(3, step, l, 1, self.seed)
+            if msg is None:
+                raise WireFormatError(f"local rank {l} sent an empty message for the "
+                                      f"averaged piece {p.label}")
+            finite &= self._none.decode(msg, key, acc[p.lo:p.hi])
+        return finite
