@@ -45,7 +45,6 @@ without the hierarchy.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
