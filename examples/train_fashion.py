@@ -207,6 +207,8 @@ def main(argv=None):
     ap.add_argument("--collective", default=None,
                     choices=["allgather", "reduce_scatter", "auto"],
                     help="as in examples/train_mnist.py")
+    ap.add_argument("--hierarchy", default=None, choices=["auto", "flat", "host"],
+                    help="as in examples/train_mnist.py")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=64, help="per rank")
     ap.add_argument("--lr", type=float, default=0.05, help="peak learning rate (cosine decay)")
