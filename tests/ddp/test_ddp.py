@@ -20,9 +20,9 @@ import golden  # noqa: E402
 HAVE_MPI = shutil.which("mpirun") is not None and importlib.util.find_spec("horovod")
 
 
-def launch(cmd, outdir, timeout=900) -> str:
+def launch(cmd, outdir, timeout=900, **extra_env) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT]), OMP_NUM_THREADS="1",
-               HVDCOMP_TEST_OUT=str(outdir), PYTHONUNBUFFERED="1")
+               HVDCOMP_TEST_OUT=str(outdir), PYTHONUNBUFFERED="1", **extra_env)
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=timeout)

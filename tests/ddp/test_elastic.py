@@ -13,36 +13,29 @@ under torchrun on 2 and 3 CPU processes (Gloo):
 """
 import json
 import os
-import subprocess
 import sys
 
-import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from test_ddp import launch  # noqa: E402
+
 EXAMPLE = os.path.join(ROOT, "examples", "elastic_ddp.py")
 TIMEOUT = 400
 
 
-def torchrun(n, *args, restarts=0):
+def torchrun(n, *args, restarts=0, outdir):
     return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", str(n), "--max-restarts", str(restarts), EXAMPLE, *args])
+                "--nproc_per_node", str(n), "--max-restarts", str(restarts), EXAMPLE, *args],
+               outdir)
 
 
-def run(cmd):
-    cmd = [str(c) for c in cmd]
+def run(cmd, outdir):
     # (a store per attempt: PyTorch issue 135712, examples/elastic_ddp.py's docstring)
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{cmd} hung for {TIMEOUT} s:\n{e.stdout}\n{e.stderr}")
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, f"{cmd} failed (rc {p.returncode}):\n{out[-6000:]}"
-    return out
+    return launch([str(c) for c in cmd], outdir, TIMEOUT,
+                  TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
 
 def finals(outdir, n):
@@ -52,12 +45,12 @@ def finals(outdir, n):
 
 def test_a_killed_worker_restarts_and_ends_as_an_uninterrupted_run(tmp_path):
     out = torchrun(2, "--dir", tmp_path / "ck", "--fail-at", 25, "--out", tmp_path / "a",
-                   restarts=1)
+                   restarts=1, outdir=tmp_path)
     assert "exitcode: -9" in out and "local_rank: 1" in out, out[-4000:]   # the kill
     assert "forcefully exiting via SIGKILL" not in out, out[-4000:]     # survivor left
     for r in range(2):
         assert f"rank {r}: resumed at step 20 (saved by 2 ranks, now 2)" in out, out[-4000:]
-    torchrun(2, "--dir", tmp_path / "ck2", "--out", tmp_path / "b")
+    torchrun(2, "--dir", tmp_path / "ck2", "--out", tmp_path / "b", outdir=tmp_path)
     killed, whole = finals(tmp_path / "a", 2), finals(tmp_path / "b", 2)
     for a, b in zip(killed, whole):
         assert a["hook"]["step"] == b["hook"]["step"] == 40
@@ -70,10 +63,11 @@ def test_a_killed_worker_restarts_and_ends_as_an_uninterrupted_run(tmp_path):
 
 def test_a_resized_world_resets_the_per_rank_state_and_keeps_the_rest(tmp_path):
     spec = "powersgd:rank=2,min_compression_rate=1.0"
-    torchrun(2, "--dir", tmp_path / "ck", "--steps", 20, "--compression", spec)
+    torchrun(2, "--dir", tmp_path / "ck", "--steps", 20, "--compression", spec, outdir=tmp_path)
     saved = torch.load(tmp_path / "ck" / "step-20" / "hook.0.pt", weights_only=False)
     assert saved["world_size"] == 2 and saved["compressor_state"]["residual"]
-    out = torchrun(3, "--dir", tmp_path / "ck", "--compression", spec, "--out", tmp_path / "a")
+    out = torchrun(3, "--dir", tmp_path / "ck", "--compression", spec, "--out", tmp_path / "a",
+                   outdir=tmp_path)
     for r in range(3):
         assert f"rank {r}: resumed at step 20 (saved by 2 ranks, now 3)" in out, out[-4000:]
         assert (f"hvdcomp rank {r}: checkpoint of world size 2 loaded into a world of 3: "
@@ -95,7 +89,7 @@ def test_the_main_job_survives_a_killed_worker_with_the_same_accuracy(tmp_path):
                    "--nproc_per_node", "2", "--max-restarts", str(restarts),
                    os.path.join(ROOT, "examples", "train_mnist.py"), "--epochs", "3",
                    "--no-progress", "--checkpoint-dir", str(tmp_path / name),
-                   "--json", str(tmp_path / f"{name}.json"), *extra])
+                   "--json", str(tmp_path / f"{name}.json"), *extra], tmp_path)
         with open(tmp_path / f"{name}.json") as f:
             return out, json.load(f)["epochs"]
 
