@@ -38,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -52,8 +53,8 @@ import torch
 from ..log import logger
 from ._common import HOST_SOURCES, KERNEL_SOURCE, SIGNATURES, kernel_dir, source_hash
 
-__all__ = ["backend", "set_num_threads", "get_num_threads", "library_path", "compile_command",
-           "load", "openmp_version", "is_available", "simd_level", "max_simd", "set_simd"]
+__all__ = ["backend", "set_num_threads", "get_num_threads", "library_path", "build_record",
+           "compile_command", "load", "openmp_version", "is_available", "simd_level", "max_simd", "set_simd"]
 
 ABI_VERSION = 1
 # -ffp-contract=off: no a*b+c fused into one rounding (the GPU build uses --fmad=false).
@@ -142,13 +143,17 @@ def _key() -> str:
     return h.hexdigest()[:20]
 
 
+def _library_file() -> str:
+    return os.path.join(cache_dir(), f"hvdcomp_host_{_key()}.so")
+
+
 def library_path() -> str:
     """The cached library for the current sources and compiler (built if missing, with one
     WARNING on the "hvdcomp" logger before the compiler starts: see the module docstring).
     Raises RuntimeError with the compiler's output when it does not build."""
     d = cache_dir()
     os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, f"hvdcomp_host_{_key()}.so")
+    path = _library_file()
     if os.path.exists(path):
         return path
     with open(path + ".lock", "w") as lockf:
@@ -178,14 +183,35 @@ def _build(path: str) -> None:
             cmd = compile_command(tmp, openmp=openmp)
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode == 0:
+                # the compiler's words, for build_record(); before the library, so that a
+                # library never lacks the record of the run that built it
+                with open(tmp + ".json", "w") as fh:
+                    json.dump({"command": cmd, "output": r.stdout + r.stderr,
+                               "library": tmp}, fh)
+                os.replace(tmp + ".json", path + ".json")
                 os.replace(tmp, path)             # atomic: readers see all or nothing
                 return
             errors.append(f"$ {shlex.join(cmd)}\n{r.stdout}{r.stderr}")
         raise RuntimeError("hvdcomp: building the host kernels failed:\n" + "\n".join(errors))
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, tmp + ".json"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
         shutil.rmtree(tmp + ".d", ignore_errors=True)
+
+
+def build_record() -> Optional[Dict[str, object]]:
+    """How the cached library (library_path()) was built: ``{"command": [g++ arguments],
+    "output": the compiler's stdout + stderr, "library": the file name it was built as}``,
+    or None where there is none (not built yet, or built before the record existed).  BASE_FLAGS hold -Wall -Wextra,
+    so an output without "warning" means the same command with -Werror builds too
+    (tests/kernels/test_compile.py reads it instead of compiling again)."""
+    path = _library_file() + ".json"
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
 
 
 def declare(lib):

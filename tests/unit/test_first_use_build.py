@@ -66,6 +66,12 @@ def test_a_build_says_so_before_the_compiler_starts(compiler, caplog, tmp_path):
     assert [r.levelno for r in _notices(caplog)] == [logging.WARNING]
     assert any("built the CPU kernels in" in r.getMessage() and r.levelno == logging.INFO
                for r in caplog.records)
+    # the build record: the command that built it (the output path is the temporary file
+    # renamed into place) and what the compiler said
+    record = host.build_record()
+    assert record["output"] == "stub: no such flag"
+    assert record["command"] == host.compile_command(record["library"])
+    assert os.path.dirname(record["library"]) == kernels and record["library"] != path
 
     # cached: no compiler, no second line
     caplog.clear()
@@ -82,7 +88,8 @@ def test_a_failing_build_says_so_once_then_raises_with_the_compilers_output(comp
     assert all(len(c) == 1 and NOTICE in c[0] for c in compiler.calls), compiler.calls
     assert len(_notices(caplog)) == 1
     assert not [f for f in os.listdir(host.cache_dir())
-                if f.endswith(".so")]               # nothing half-built left behind
+                if f.endswith((".so", ".json"))]    # nothing half-built left behind
+    assert host.build_record() is None
 
 
 def _info_build(tmp_path, **env):
