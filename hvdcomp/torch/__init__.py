@@ -20,6 +20,10 @@ from ..exchange.driver import Settings  # noqa: E402
 from .wrapped import make as _make  # noqa: E402
 from .join import join  # noqa: E402,F401  (hvdcomp's, over Horovod's)
 from .broadcast import broadcast_optimizer_state, broadcast_state  # noqa: E402,F401
+# hvdcomp's elastic module over Horovod's (the star import bound ``elastic`` to
+# horovod.torch.elastic, so ``from . import elastic`` alone would not load ours)
+import importlib as _importlib  # noqa: E402
+elastic = _importlib.import_module(__name__ + ".elastic")
 
 _MPI_LAUNCH = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
