@@ -37,6 +37,7 @@ from horovod.torch.elastic.state import (OptimizerStateHandler, get_handler_regi
                                          set_handler_registry)
 
 from ..compressors.declarations import ABSENT_ZEROS
+from ..log import logger
 from ..transport import restart_names
 from .broadcast import broadcast_optimizer_state
 from .join import live
@@ -53,14 +54,14 @@ def run(func):
     reset also rebuilds the open hvdcomp DistributedOptimizers for the new world (module
     docstring).  ValueError on every rank, before anything collective, for a ``state``
     holding an hvdcomp optimizer whose compressor cannot follow a change of the ranks
-    (LAQ, NDQSG)."""
+    (LAQ, NDQSG) or that was built with a Transport instance (it connects one world)."""
     inner = run_fn(func, _reset)
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         global _running
-        for opt in _hvdcomp_optimizers(state):
-            _check_elastic(opt)
+        for opt in {id(o): o for o in live() + _hvdcomp_optimizers(state)}.values():
+            _check_elastic(opt)       # (every open one is rebuilt at a reset)
         _running += 1
         try:
             return inner(state, *args, **kwargs)
@@ -75,6 +76,10 @@ def _hvdcomp_optimizers(state) -> list:
 
 
 def _check_elastic(opt) -> None:
+    if not (opt._transport_arg is None or isinstance(opt._transport_arg, str)):
+        raise ValueError("hvdcomp: a DistributedOptimizer built with a Transport instance "
+                         "cannot follow an elastic reset (the instance connects the old "
+                         "world); pass transport=None, 'horovod' or 'mpi'")
     comp = opt._driver.compression
     if comp.absent_rank != ABSENT_ZEROS:
         raise ValueError(
@@ -91,12 +96,38 @@ def _reset() -> None:
     in their constructors, before its first sync)."""
     from . import init
     opts = live()
-    saved = [o._leave_world() for o in opts]
+    saved = [_leave_world(o) for o in opts]
     _hvd.shutdown()
     init()
     restart_names()
     for o, state in zip(opts, saved):
-        o._join_world(state)
+        _join_world(o, state)
+
+
+def _leave_world(opt):
+    """Before Horovod shuts down: hvdcomp's state of ``opt`` kept aside and returned, its
+    exchange's threads stopped and the carriers built for it freed.  A step that Horovod
+    broke (a rank failed) is finished and its averages dropped."""
+    d = opt._driver
+    try:
+        d.drop()
+    except Exception as e:        # noqa: BLE001 - the step a failed rank broke
+        logger.warning("hvdcomp: the step interrupted by the reset is dropped (%s)", e)
+    saved = d.state_dict()
+    d.close()
+    opt._passes, opt._fresh, opt._queued, opt._fired = 0, False, False, set()
+    return saved
+
+
+def _join_world(opt, saved) -> None:
+    """After Horovod's re-init: the settings handshake and the exchange of ``opt`` built
+    again for the new world (as the constructor of a worker that joins now builds them),
+    then ``saved`` loaded (:meth:`hvdcomp.exchange.checkpoint.Checkpoints.load_state_dict`:
+    bit for bit at the same world size; at another, the shared state kept and the per-rank
+    state reset with a warning)."""
+    opt._agree([])
+    opt._build_driver()
+    opt._driver.load_state_dict(saved)
 
 
 class _HvdcompOptimizerType(type):

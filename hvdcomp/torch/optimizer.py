@@ -26,7 +26,6 @@ from ..exchange import StepStats
 from ..exchange.backward import inside_function_backward
 from ..exchange.driver import Driver, Settings, plain
 from ..exchange.owners import Door, Owner, agree, take_over
-from ..log import logger
 from ..transport import HorovodAllreduce, HorovodTransport
 from ..transport.horovod import name_unnamed_collectives
 from ..transport import select as select_transport
@@ -112,36 +111,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               owns_carriers=transport is None or isinstance(transport, str))
         self._driver.momentum.attach(self)   # DGC with SGD: momentum correction (momentum.py)
         self._exchange = self._driver.exchange
-
-    def _leave_world(self):
-        """Before Horovod shuts down for an elastic reset (:mod:`hvdcomp.torch.elastic`):
-        hvdcomp's state (:meth:`Driver.state_dict`) kept aside and returned, the exchange's
-        threads stopped and the carriers built for it freed.  A step that Horovod broke (a
-        rank failed) is finished and its averages dropped."""
-        d = self._driver
-        try:
-            d.drop()
-        except Exception as e:        # noqa: BLE001 - the step a failed rank broke
-            logger.warning("hvdcomp: the step interrupted by the reset is dropped (%s)", e)
-        saved = d.state_dict()
-        d.close()
-        self._passes, self._fresh, self._queued, self._fired = 0, False, False, set()
-        return saved
-
-    def _join_world(self, saved) -> None:
-        """After Horovod re-initialised for an elastic reset: the handshake and the exchange
-        rebuilt for the new world (as a worker that joins now builds them in its
-        constructor), then ``saved`` (:meth:`_leave_world`'s) loaded: bit for bit at the
-        same world size; at another, the shared state kept and the per-rank state reset
-        with a warning (:meth:`hvdcomp.exchange.checkpoint.Checkpoints.load_state_dict`)."""
-        if not (self._transport_arg is None or isinstance(self._transport_arg, str)):
-            raise RuntimeError("hvdcomp: a DistributedOptimizer built with a Transport "
-                               "instance cannot follow an elastic reset (the instance "
-                               "connects the old world); pass transport=None, 'horovod' or "
-                               "'mpi'")
-        self._agree([])
-        self._build_driver()
-        self._driver.load_state_dict(saved)
 
     # --- the exchange, driven by backward -----------------------------------------------
     def _hook_trainable(self) -> None:

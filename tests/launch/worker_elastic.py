@@ -1,15 +1,16 @@
 """Worker of tests/launch/test_horovod_elastic.py: hvdcomp's DistributedOptimizer under
-``horovodrun --gloo --min-np 2 --max-np 3 --host-discovery-script`` going 2 -> 3 -> 2 ranks.
+``horovodrun --gloo --min-np 2 --max-np 3 --host-discovery-script``, 2 -> 3 -> 2 ranks.
 
 The schedule (steps, the step of the growth, the step of the shrink, the model's width)
-and SGD's lr and momentum come from the test ($ELASTIC_SCHEDULE, $ELASTIC_SGD).  Two models, each with its own hvdcomp optimizer in one ``hvd.elastic.TorchState``:
-``a`` with compression "none" (checked by the test against plain torch), ``b`` with
-PowerSGD (shared state Q, per-rank residuals).  Rank 0 rewrites the discovery script's host
-list before step GROW (localhost:3) and before step SHRINK (localhost:2); the ranks then
-poll Horovod's host updates until the reset comes.  After every (re)start of the training
-function, each rank gathers everyone's parameters, hvdcomp steps, Q and residual norms and
-rank 0 appends them to $HVDCOMP_TEST_OUT/events.jsonl; at the end rank 0 writes the final
-parameters to final.pt.
+and SGD's lr and momentum come from the test ($ELASTIC_SCHEDULE, $ELASTIC_SGD).  Two
+models, each with its own hvdcomp optimizer in one ``hvd.elastic.TorchState``: ``a`` with
+compression "none" (checked by the test against plain torch), ``b`` with PowerSGD (shared
+state Q, per-rank residuals).  Rank 0 rewrites the discovery script's host list before
+step GROW (localhost:3) and before step SHRINK (localhost:2); the ranks then poll Horovod's
+host updates until the reset comes.  After every (re)start of the training function, and
+just before each reset, each rank gathers everyone's parameters, hvdcomp steps, Q and
+residual norms, and rank 0 appends them to $HVDCOMP_TEST_OUT/events.jsonl; at the end
+rank 0 writes the final parameters to final.pt.
 """
 import json
 import os
@@ -68,7 +69,8 @@ def snapshot(opt):
 
 
 def record(state, starts):
-    """Every rank's view after the (re)start, gathered; rank 0 appends it."""
+    """Every rank's view, gathered (``starts``: how many times the training function
+    started, or "before" a reset); rank 0 appends it."""
     q, res = snapshot(opt_b)
     mine = {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "pid": os.getpid(),
             "starts": starts, "hvdcomp_steps": [opt_a._driver.step, opt_b._driver.step],
@@ -81,6 +83,7 @@ def record(state, starts):
 
 
 def request(hosts):
+    record(state, "before")
     if hvd.rank() == 0:
         with open(HOSTS + ".tmp", "w") as f:
             f.write(hosts + "\n")
