@@ -1,6 +1,7 @@
 """``import hvdcomp.torch as hvd``: all of horovod.torch, with a DistributedOptimizer whose
-``compression=`` takes any hvdcomp compressor and sends its real encoded bytes, and an
-``init()`` that lets mpi4py own MPI (see :func:`init`)."""
+``compression=`` takes any hvdcomp compressor and sends its real encoded bytes, an
+``init()`` that lets mpi4py own MPI (see :func:`init`), and an ``elastic`` whose ``run``
+rebuilds hvdcomp's exchange at every reset (:mod:`hvdcomp.torch.elastic`)."""
 import os
 
 try:
