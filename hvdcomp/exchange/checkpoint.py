@@ -104,6 +104,17 @@ class Checkpoints:
         ex.params_before = None if before is None else [
             b.to(e.param.device, copy=True) for b, e in zip(before, ex.entries.values())]
 
+    def load_shared(self, state: Dict[str, Any]) -> None:
+        """From ``state`` (another rank's :meth:`state_dict`, e.g. rank 0's broadcast after an
+        elastic reset), the step and the state every rank shares (``Compressor.shared_state``:
+        fitted levels, PowerSGD's Q); this rank's per-rank state (residuals, DGC's momentum,
+        the second stage's) stays as it is.  :meth:`check_state` first (ValueError)."""
+        self.check_state(state)
+        own = self.state_dict()
+        comp = dict(own["compressor_state"])
+        comp.update(_shared(self.compression, state["compressor_state"])[0])
+        self.load_state_dict(dict(own, step=state["step"], compressor_state=comp))
+
     def check_state(self, state) -> None:
         """ValueError unless ``state`` is a :meth:`state_dict` this exchange can load (also
         one saved before ``format`` existed): the keys, the compressor, the hierarchy (at

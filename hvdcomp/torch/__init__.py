@@ -1,6 +1,7 @@
 """``import hvdcomp.torch as hvd``: all of horovod.torch, with a DistributedOptimizer whose
-``compression=`` takes any hvdcomp compressor and sends its real encoded bytes, and an
-``init()`` that lets mpi4py own MPI (see :func:`init`)."""
+``compression=`` takes any hvdcomp compressor and sends its real encoded bytes, an
+``init()`` that lets mpi4py own MPI (see :func:`init`), and an ``elastic`` whose ``run``
+rebuilds hvdcomp's exchange at every reset (:mod:`hvdcomp.torch.elastic`)."""
 import os
 
 try:
@@ -20,6 +21,10 @@ from ..exchange.driver import Settings  # noqa: E402
 from .wrapped import make as _make  # noqa: E402
 from .join import join  # noqa: E402,F401  (hvdcomp's, over Horovod's)
 from .broadcast import broadcast_optimizer_state, broadcast_state  # noqa: E402,F401
+# hvdcomp's elastic module over Horovod's (the star import bound ``elastic`` to
+# horovod.torch.elastic, so ``from . import elastic`` alone would not load ours)
+import importlib as _importlib  # noqa: E402
+elastic = _importlib.import_module(__name__ + ".elastic")
 
 _MPI_LAUNCH = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 

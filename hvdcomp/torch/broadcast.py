@@ -16,7 +16,7 @@ from .wrapped import is_hvdcomp
 __all__ = ["broadcast_state", "broadcast_optimizer_state"]
 
 
-def broadcast_state(optimizer, root_rank: int = 0) -> None:
+def broadcast_state(optimizer, root_rank: int = 0, per_rank: bool = True) -> None:
     """Make hvdcomp's state of ``optimizer`` (an hvdcomp DistributedOptimizer) on every
     rank equal to ``root_rank``'s: the step counter (the messages' step and Philox keys)
     and the compressor's state (:meth:`hvdcomp.exchange.driver.Driver.state_dict`: level
@@ -29,6 +29,9 @@ def broadcast_state(optimizer, root_rank: int = 0) -> None:
     its own, and LAQ's receivers would disagree); when every rank restored its own, load
     each rank's checkpoint instead and do not call this.  The level tables and the step
     are the same on every rank anyway after a run; this makes them so after a restore.
+    ``per_rank=False``: only the step and the state every rank shares (level tables,
+    PowerSGD's Q: ``Compressor.shared_state``) come from ``root_rank``; each rank keeps its
+    own per-rank state (what an elastic reset needs: :mod:`hvdcomp.torch.elastic`).
 
     Raises TypeError for an optimizer that is not hvdcomp's, RuntimeError during a step
     (gradients of a backward pass not applied yet) or on a closed optimizer, ValueError
@@ -50,10 +53,14 @@ def broadcast_state(optimizer, root_rank: int = 0) -> None:
                            "steps, on every rank")
     got = hvd.broadcast_object(d.state_dict() if hvd.rank() == root_rank else None,
                                root_rank, name=name)
-    d.load_state_dict(got)
+    if per_rank:
+        d.load_state_dict(got)
+    else:
+        d.load_shared(got)
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
+def broadcast_optimizer_state(optimizer, root_rank: int, model=None, *,
+                              per_rank: bool = True) -> None:
     """``horovod.torch.broadcast_optimizer_state``, then, for an hvdcomp
     DistributedOptimizer, :func:`broadcast_state`: the wrapped optimizer's state and
     options and hvdcomp's state equal ``root_rank``'s on every rank.  Other optimizers:
@@ -64,14 +71,15 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     tensors whose momentum DGC applies itself left out, as every hvdcomp step leaves them
     out), so that a rank restored from a checkpoint and fresh ones hold the same entries
     (Horovod's helper alone would give the fresh ranks SGD momentum buffers for DGC's
-    tensors that the restored rank lacks: a mismatch error in the broadcast)."""
+    tensors that the restored rank lacks: a mismatch error in the broadcast).
+    ``per_rank``: as :func:`broadcast_state`'s."""
     import horovod.torch as hvd
     if is_hvdcomp(optimizer):
         optimizer._check_open()
         _init_state(optimizer, model)
     hvd.broadcast_optimizer_state(optimizer, root_rank, model=model)
     if is_hvdcomp(optimizer):
-        broadcast_state(optimizer, root_rank)
+        broadcast_state(optimizer, root_rank, per_rank=per_rank)
 
 
 def _init_state(optimizer, model) -> None:

@@ -57,21 +57,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  transport, hvd, refused=None):
         super(self.__class__, self).__init__(params)
         self._ident = next(_created)
-        # Every setting, agreed over one fixed channel (Horovod's allgather under a fixed
-        # name) before anything that depends on them: building the transport is itself
-        # collective, so ranks that differ in any setting are reported instead of hanging.
-        # An open hvdcomp optimizer that already hooks these parameters (the optimizer
-        # built again, e.g. to change the learning rate) is replaced once the ranks agree
-        # (hvdcomp.exchange.owners), so that each backward pass exchanges once.
-        old = agree(
-            settings, HorovodTransport(prefix="hvdcomp.agree", numbered=False),
-            "the DistributedOptimizer settings", live(), named, self._ident,
+        self._named = named
+        self._settings, self._transport_arg, self._hvd = settings, transport, hvd
+        self._record = dict(
             optimizer=type(self).__name__, **{"optimizer number": self._ident},
             transport=(transport if isinstance(transport, str) else "auto" if transport is None
                        else type(transport).__name__),
             backward_passes_per_step=plain(backward_passes_per_step),
-            op={hvd.Average: "Average", hvd.Sum: "Sum"}.get(op, repr(op)),
-            refused=refused)
+            op={hvd.Average: "Average", hvd.Sum: "Sum"}.get(op, repr(op)))
+        old = self._agree(live(), refused)
         # (after the handshake: every rank raises the same error)
         if refused:
             raise ValueError(refused)
@@ -85,14 +79,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # the application's unnamed Horovod collectives get names that hvdcomp's threads
         # cannot shift (every rank here, before the exchange's first thread)
         name_unnamed_collectives()
-        # a carrier built here (not handed in) is freed by close()
-        self._driver = Driver(named, settings, select_transport(transport, hvd),
-                              HorovodAllreduce(hvd) if settings.allreduce_summable else None,
-                              ident=self._ident,
-                              owns_carriers=transport is None or isinstance(transport, str))
-        self._driver.momentum.attach(self)   # DGC with SGD: momentum correction (momentum.py)
-        self._exchange = self._driver.exchange
-        self._named = named
+        self._build_driver()
         self._passes = 0          # backward passes since the last exchange
         self._fresh = False       # p.grad holds averages that no step() has applied yet
         self._queued = False      # the end-of-backward callback is queued
@@ -101,6 +88,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks: Dict[str, object] = {}
         self._hook_trainable()
         register(self._ident, self)     # for join()
+
+    def _agree(self, candidates, refused=None):
+        """The settings handshake: every setting, agreed over one fixed channel (Horovod's
+        allgather under a fixed name) before anything that depends on them (building the
+        transport is itself collective, so ranks that differ in any setting are reported
+        instead of hanging).  Returns the open hvdcomp optimizers among ``candidates`` that
+        already hook these parameters (the optimizer built again, e.g. to change the
+        learning rate), to be replaced once the ranks agree (hvdcomp.exchange.owners), so
+        that each backward pass exchanges once."""
+        return agree(self._settings, HorovodTransport(prefix="hvdcomp.agree", numbered=False),
+                     "the DistributedOptimizer settings", candidates, self._named,
+                     self._ident, **self._record, refused=refused)
+
+    def _build_driver(self) -> None:
+        """The exchange for Horovod's world as it is now (collective)."""
+        transport, hvd = self._transport_arg, self._hvd
+        # a carrier built here (not handed in) is freed by close()
+        self._driver = Driver(self._named, self._settings, select_transport(transport, hvd),
+                              HorovodAllreduce(hvd) if self._settings.allreduce_summable
+                              else None, ident=self._ident,
+                              owns_carriers=transport is None or isinstance(transport, str))
+        self._driver.momentum.attach(self)   # DGC with SGD: momentum correction (momentum.py)
+        self._exchange = self._driver.exchange
 
     # --- the exchange, driven by backward -----------------------------------------------
     def _hook_trainable(self) -> None:

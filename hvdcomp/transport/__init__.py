@@ -33,13 +33,14 @@ from .base import Allreduce, Transport
 from .framing import (Incoming, Outgoing, Stamp, check_stamps, error_frame, frame_error,
                       join_frames, split_frames)
 from .horovod import HorovodAllreduce, HorovodTransport
+from .horovod import restart_names as _restart_horovod_names
 from .mpi import MPITransport, mpi_world, thread_level_problem
 from .torch_dist import TorchDistAllreduce, TorchDistTransport
 
 __all__ = ["Transport", "Allreduce", "MPITransport", "HorovodTransport", "HorovodAllreduce",
-           "TorchDistTransport", "TorchDistAllreduce", "make", "select", "Outgoing",
-           "Incoming", "Stamp", "split_frames", "join_frames", "error_frame", "frame_error",
-           "check_stamps"]
+           "TorchDistTransport", "TorchDistAllreduce", "make", "select", "restart_names",
+           "Outgoing", "Incoming", "Stamp", "split_frames", "join_frames", "error_frame",
+           "frame_error", "check_stamps"]
 
 # set by MPI launchers in every process they start (Open MPI; MPICH/Hydra and PMI-2; PMIx)
 LAUNCHER_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
@@ -56,6 +57,14 @@ def make(name: str, **kwargs) -> Transport:
     if name == "torch":
         return TorchDistTransport(**kwargs)
     raise ValueError(f"unknown transport {name!r}; valid: 'mpi', 'horovod', 'torch'")
+
+
+def restart_names() -> None:
+    """:func:`.horovod.restart_names`, and the transport choice's own checks counted from
+    zero (an elastic reset: every rank, at the same point, as in a new process)."""
+    global _checks
+    _checks = itertools.count()
+    _restart_horovod_names()
 
 
 def _mpi_is_horovods(hvd, thread_level: bool) -> Tuple[bool, Union[str, ImportError]]:

@@ -23,7 +23,8 @@ import torch
 
 from .base import Allreduce, Transport
 
-__all__ = ["HorovodTransport", "HorovodAllreduce", "name_unnamed_collectives"]
+__all__ = ["HorovodTransport", "HorovodAllreduce", "name_unnamed_collectives",
+           "restart_names"]
 
 
 _instances = itertools.count()
@@ -161,6 +162,14 @@ def name_unnamed_collectives() -> None:
             if fn is not None:
                 setattr(ops, fn_name, _with_a_name(fn))
         _named_ops = ops
+
+
+def restart_names() -> None:
+    """Count the carriers' and the unnamed collectives' names from zero again, as in a new
+    process: after Horovod was shut down and initialised again (an elastic reset), where
+    the workers that join build their carriers from zero.  Every rank, at the same point."""
+    global _instances, _unnamed
+    _instances, _unnamed = itertools.count(), itertools.count()
 
 
 def _with_a_name(fn):
