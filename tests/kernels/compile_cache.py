@@ -1,7 +1,7 @@
 """A compile check run once per exact input, as ccache does for objects.
 
 The warning checks of tests/kernels/test_compile.py compile every kernel source with nvcc
-(two architectures) and the whole host library with g++ -Werror: about 110 s of one test
+and NVRTC (two architectures each) and the whole host library with g++ -Werror: about 110 s of one test
 run on the project's 2-core machines, to answer a question whose inputs rarely change.  The
 answer is a function of the command line, the compiler (its ``--version`` text) and the
 kernel sources (every file of kernels/), so a successful result is kept under that key in
@@ -28,12 +28,17 @@ def cache_dir() -> str:
 
 
 def _key(cmd: List[str], scratch: str) -> str:
-    h = hashlib.sha256()
     ver = subprocess.run([cmd[0], "--version"], capture_output=True, text=True,
                          timeout=60).stdout
-    h.update(ver.encode() + b"\0")
-    for arg in cmd:                               # the scratch folder's name does not count
-        h.update(arg.replace(scratch, "<scratch>").encode() + b"\0")
+    # the scratch folder's name does not count
+    return _key_of([ver] + [arg.replace(scratch, "<scratch>") for arg in cmd])
+
+
+def _key_of(parts: List[str]) -> str:
+    """The key of ``parts`` (strings naming the inputs) and every file of kernels/."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode() + b"\0")
     kdir = _common.kernel_dir()
     for path in sorted(glob.glob(os.path.join(kdir, "*"))):
         if os.path.isfile(path):
@@ -41,6 +46,27 @@ def _key(cmd: List[str], scratch: str) -> str:
             with open(path, "rb") as f:
                 h.update(hashlib.sha256(f.read()).digest())
     return h.hexdigest()[:32]
+
+
+def memo(parts: List[str], check):
+    """``check()``'s (returncode, log) kept under the key of ``parts`` (strings that name
+    every input besides the kernel sources: the compiler library's file and size, the
+    options), for an in-process compile (NVRTC through ctypes).  Returns (returncode, log,
+    cached); only returncode 0 is kept."""
+    use = os.environ.get("HVDCOMP_NO_COMPILE_CACHE") != "1"
+    path = os.path.join(cache_dir(), _key_of(["memo"] + list(parts)) + ".json") if use else None
+    if path and os.path.exists(path):
+        with open(path) as f:
+            got = json.load(f)
+        return got["returncode"], got["log"], True
+    rc, log = check()
+    if path and rc == 0:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"returncode": rc, "log": log, "parts": list(parts)}, f)
+        os.replace(tmp, path)
+    return rc, log, False
 
 
 def run(cmd: List[str], scratch: str, timeout: int = 600):

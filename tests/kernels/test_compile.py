@@ -189,7 +189,12 @@ def test_nvrtc_compiles_as_cupy_does(arch, source):
     from hvdcomp.backends import cuda
     options = list(cuda.compile_options()) + [f"-arch=compute_{arch}"]
     text = open(os.path.join(KDIR, source)).read()
-    rc, log = _nvrtc_compile(lib, text, source, options)
+    version = (ctypes.c_int(), ctypes.c_int())
+    lib.nvrtcVersion(ctypes.byref(version[0]), ctypes.byref(version[1]))
+    rc, log, _ = compile_cache.memo(
+        ["nvrtc", os.path.realpath(where), str(os.path.getsize(os.path.realpath(where))),
+         f"{version[0].value}.{version[1].value}", source, *options],
+        lambda: _nvrtc_compile(lib, text, source, options))
     if rc != 0 and "libnvrtc-builtins" in log:
         pytest.skip(f"NVRTC at {where} cannot find its builtins library: {log.strip()}")
     assert rc == 0, f"NVRTC ({where}) {options}:\n{log}"
