@@ -106,8 +106,7 @@ class Checkpoints:
                 layer = dict(layer, states={s: _shared(ex.layer.by_spec[s], st)[0]
                                             for s, st in layer["states"].items()})
             ex.layer.load_state_dict(layer)
-            if not ex.layer.pending:
-                ex.adopt_layer_plan()
+            ex.layer.adopt(ex.plan)
         for c, st in zip(ex.second_stages(), stage_states):
             c.load_state_dict(st)
         self.step = int(state["step"])

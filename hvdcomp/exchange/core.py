@@ -19,7 +19,6 @@ import torch
 
 from ..auto import Auto
 from ..compressors import Compressor
-from ..errors import ConfigError
 from ..log import logger
 from ..transport import Allreduce, Transport
 from ..transport.mpi import cuda_aware
@@ -28,7 +27,7 @@ from . import shutdown
 from .buckets import agree_settings, check_replicas, fuse, handshake
 from .collective import Allgather
 from .hier import Hierarchical, plan_hierarchy
-from .layer_plan import LayerPlanner
+from .layer_plan import planner
 from .loop import LoopProtocols, refit
 from .pipeline import Done, Pipeline
 from .plan import Entry, Plan, qualifies
@@ -99,19 +98,8 @@ class Exchange(LoopProtocols):
                          min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                          collective=collective)
         self.collective_setting = collective
-        #: a per-layer Auto's planner (:mod:`.layer_plan`: measures every candidate's costs
-        #: now, decides after the first step), else None
-        self.layer: Optional[LayerPlanner] = None
-        self._first_grads: Dict[str, Optional[torch.Tensor]] = {}
-        if self.plan.layer_shapes:
-            if hierarchy == "host":
-                raise ConfigError("Auto(per_layer=True) plans the flat exchange; use "
-                                  "hierarchy='flat' or 'auto' (flat with it)")
-            hierarchy = "flat"
-            dev = self.entries[next(iter(self.plan.layer_shapes))].param.device
-            self.layer = LayerPlanner(self.plan.auto, self.plan.layer_shapes, transport,
-                                      allreduce, device=dev)
-        # several ranks per host: compression only across hosts (hier.py)
+        #: a per-layer Auto's planner (:mod:`.layer_plan`), else None; its exchange is flat
+        self.layer, hierarchy = planner(self.plan, hierarchy, transport, allreduce)
         self.hierarchy = plan_hierarchy(hierarchy, transport, self.compression, collective)
         across = None                  # the hierarchy's collective across hosts
         if self.hierarchy is not None:
@@ -238,26 +226,16 @@ class Exchange(LoopProtocols):
         failed to encode) on the calling thread."""
         results, stats = self.pipeline.finish()
         if self.layer is not None and self.layer.pending:
-            self.settle_plan(None if self.averaging.joined else
-                             {n: self.entries[n].param.grad for n in self.layer.shapes})
+            self.layer.record(None if self.averaging.joined else
+                              {n: self.entries[n].param.grad for n in self.layer.shapes})
+            self.settle_plan()
         return results, stats
 
-    def settle_plan(self, grads: Optional[Dict[str, Optional[torch.Tensor]]] = None) -> None:
-        """A per-layer Auto's plan, while pending: measure the candidates' errors on this
-        rank's first gradients (``grads``, else those :meth:`call` recorded), decide and
-        adopt it (collective, between steps: every rank together; nothing otherwise)."""
-        if self.layer is None or not self.layer.pending:
-            return
-        got = self._first_grads if grads is None else grads
-        self._first_grads = {}
-        self.layer.decide(got, self.transport)
-        self.adopt_layer_plan()
-
-    def adopt_layer_plan(self) -> None:
-        """Send every planned tensor as the per-layer plan says (after ``decide`` or a
-        checkpoint's plan)."""
-        for name in self.layer.choices:
-            self.plan.assign(name, self.layer.compressor(name))
+    def settle_plan(self) -> None:
+        """A per-layer Auto's plan, while pending: decided from the first step's gradients
+        and adopted (:meth:`~.layer_plan.LayerPlanner.settle`; collective, between steps)."""
+        if self.layer is not None:
+            self.layer.settle(self.plan, self.transport)
 
     def check_replicas_once(self) -> None:
         """The first time only, if built with ``check_replicas``: compare the parameters'
@@ -290,8 +268,7 @@ class Exchange(LoopProtocols):
         if unknown:
             raise ValueError(f"call(): not parameters of this exchange: {unknown}")
         if self.layer is not None and self.layer.pending and not self.averaging.joined:
-            self._first_grads.update({n: grads[n].detach().clone() for n in names
-                                      if n in self.layer.shapes and grads.get(n) is not None})
+            self.layer.record(grads, copy=True)
         self.pipeline.call(k, [self.entries[n] for n in names], step, grads, done, failure,
                            out)
 

@@ -70,7 +70,8 @@ from ..errors import ConfigError
 from ..log import logger
 from .rounds import simulate
 
-__all__ = ["Choice", "LayerPlanner", "candidates", "local_error", "measure_errors", "solve"]
+__all__ = ["Choice", "LayerPlanner", "candidates", "local_error", "measure_errors", "solve",
+           "planner"]
 
 #: Relative slack of the budget test (sums of the same errors in another order may differ
 #: in the last bits).
@@ -266,6 +267,7 @@ class LayerPlanner:
         self.carrier = allreduce is not None
         self.dtypes = tuple(allreduce.dtypes) if allreduce is not None else ()
         self.pending = True
+        self.first: Dict[str, Optional[torch.Tensor]] = {}    # this rank's first gradients
         self.choices: Dict[str, Choice] = {}
         self.budget: Optional[float] = None
         self.reference: Optional[float] = None       # the user's compressor's total error
@@ -338,6 +340,28 @@ class LayerPlanner:
             self.log()
         return self.choices
 
+    def record(self, grads: Optional[Dict[str, Optional[torch.Tensor]]],
+               copy: bool = False) -> None:
+        """Keep this rank's gradients of the planned tensors among ``grads`` ({name:
+        tensor or None}; None: this rank has none, e.g. joined) for :meth:`settle`;
+        ``copy``: clone them (the caller reuses its buffers)."""
+        for n, g in (grads or {}).items():
+            if n in self.shapes and g is not None:
+                self.first[n] = g.detach().clone() if copy else g.detach()
+
+    def settle(self, plan, transport) -> None:
+        """While pending: :meth:`decide` on the recorded gradients, then :meth:`adopt`
+        (collective, between steps: every rank together); nothing afterwards."""
+        if self.pending:
+            got, self.first = self.first, {}
+            self.decide(got, transport)
+            self.adopt(plan)
+
+    def adopt(self, plan) -> None:
+        """Send every planned tensor of ``plan`` (:class:`~.plan.Plan`) with its choice."""
+        for name in self.choices:
+            plan.assign(name, self.compressor(name))
+
     def compressor(self, name: str) -> Compressor:
         """The compressor instance ``name`` travels with (one instance per candidate)."""
         return self.by_spec[self.choices[name].spec]
@@ -406,3 +430,18 @@ def _measure_rounds(comp: Compressor, transport, numel: int) -> CodecCost:
             best = min(best, time.perf_counter() - t0)
     (t,) = _slowest(transport, [best])
     return CodecCost(0.0, t / (rows * cols), 0.0, 0.0, 0.0, 0.0)
+
+
+def planner(plan, hierarchy: str, transport, allreduce=None
+            ) -> Tuple[Optional[LayerPlanner], str]:
+    """``(LayerPlanner or None, hierarchy)`` of an exchange's :class:`~.plan.Plan` (a
+    planner where a per-layer Auto plans some tensors: built now, measuring the costs on
+    every rank together) and the hierarchy it runs with: "flat" with a planner (module
+    docstring; ConfigError for "host"), else ``hierarchy`` unchanged."""
+    if not plan.layer_shapes:
+        return None, hierarchy
+    if hierarchy == "host":
+        raise ConfigError("Auto(per_layer=True) plans the flat exchange; use hierarchy="
+                          "'flat' or 'auto' (flat with it)")
+    dev = plan.entries[next(iter(plan.layer_shapes))].param.device
+    return LayerPlanner(plan.auto, plan.layer_shapes, transport, allreduce, device=dev), "flat"
