@@ -55,6 +55,7 @@ of a compression-ratio objective and PowerSGD and top-k among the choices.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -68,6 +69,7 @@ from ..compressors import Compressor, TensorKey, get
 from ..compressors.protocols import SummedRounds
 from ..errors import ConfigError
 from ..log import logger
+from .buckets import agree
 from .rounds import simulate
 
 __all__ = ["Choice", "LayerPlanner", "candidates", "local_error", "measure_errors", "solve",
@@ -82,10 +84,9 @@ def candidates(compressor: Compressor, fallbacks: Sequence[str] = ("none", "fp16
                bits: Sequence[int] = (2, 3, 4, 5), densities: Sequence[float] = (0.01, 0.001),
                ranks: Sequence[int] = (1, 2, 4)) -> List[Compressor]:
     """The candidates of a per-layer plan (module docstring), without duplicates (by spec),
-    the user's ``compressor`` itself (its instance) among them.  Bit widths outside the
+    the user's ``compressor`` itself (its instance) first.  Bit widths outside the
     family's range are skipped.  ConfigError for a bad setting."""
-    out: List[Compressor] = [get(f) for f in fallbacks]
-    out.append(compressor)
+    out: List[Compressor] = [compressor] + [get(f) for f in fallbacks]   # its own first
     s = compressor.settings()
     if "bits" in s:
         for b in bits:
@@ -336,6 +337,9 @@ class LayerPlanner:
             self.choices[n] = Choice(c.spec(), self.path(c), float(pred[n][j][1]),
                                      float(pred[n][j][0]), float(errs[n][j]))
         self.pending = False
+        # every rank computed it from the same numbers; the digest guards that promise
+        agree(transport, json.dumps({n: asdict(c) for n, c in self.choices.items()},
+                                    sort_keys=True), "the per-layer plan")
         if transport.rank == 0:
             self.log()
         return self.choices

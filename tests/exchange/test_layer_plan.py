@@ -87,10 +87,16 @@ def _error(spec, g):
 
 
 def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(256, 384), torch.nn.ReLU(),
+    """The same parameters on every rank (from a generator of their own: the ranks are
+    threads sharing torch's global one)."""
+    m = torch.nn.Sequential(torch.nn.Linear(256, 384), torch.nn.ReLU(),
                                torch.nn.Linear(384, 256), torch.nn.ReLU(),
                                torch.nn.Linear(256, 128))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return m
 
 
 def _grads(named, rank, step):
@@ -230,3 +236,65 @@ def test_spec_strings_and_bad_settings():
 
     err, _ = run_ranks(2, body)
     assert isinstance(err, ConfigError) and "per_layer" in str(err)
+
+
+def test_nonfinite_first_gradients_and_the_log(caplog):
+    """A NaN gradient is left out of the errors (the other rank's alone count); a tensor no
+    rank had a finite gradient for keeps the user's compressor; rank 0 logs every tensor's
+    choice with its predicted bytes, seconds and error."""
+    def body(rank, tp):
+        named = list(_model().named_parameters())
+        auto = hvdcomp.Auto("qsgd:bits=3", per_layer=True, ranks=(), link=SLOW,
+                            codecs=_codecs("qsgd:bits=3", ranks=()))
+        ex = Exchange(named, auto, tp, min_compress_numel=16)
+        grads = _grads(named, rank, 0)
+        if rank == 1:
+            grads["2.weight"][3, 5] = float("nan")
+        grads["4.weight"][0, 0] = float("inf")
+        for n, p in named:
+            p.grad = grads[n].clone()
+        ex.begin(0)
+        for n, _ in named:
+            ex.ready(n)
+        ex.finish()
+        ex.close()
+        return ex.layer
+
+    caplog.set_level("INFO", logger="hvdcomp")
+    layer, other = run_ranks(2, body)
+    assert layer.state_dict()["plan"] == other.state_dict()["plan"]
+    c = layer.choices["2.weight"]
+    g0 = _grads(list(_model().named_parameters()), 0, 0)["2.weight"]
+    assert c.error == pytest.approx(_error(c.spec, g0), rel=1e-9)   # rank 0's alone
+    assert layer.choices["4.weight"].spec == hvdcomp.get("qsgd:bits=3").spec()
+    w0 = _grads(list(_model().named_parameters()), 0, 0)["0.weight"]
+    w1 = _grads(list(_model().named_parameters()), 1, 0)["0.weight"]
+    want = (_error(layer.choices["0.weight"].spec, w0)
+            + _error(layer.choices["0.weight"].spec, w1)) / 2       # both ranks' mean
+    assert layer.choices["0.weight"].error == pytest.approx(want, rel=1e-9)
+    lines = [r.getMessage() for r in caplog.records if r.name == "hvdcomp"]
+    assert sum("Auto per layer: budget" in x for x in lines) == 1     # rank 0 only
+    for n, ch in layer.choices.items():
+        assert any(x.startswith(f"  {n}: {ch.spec} via {ch.path}, {int(ch.bytes)} bytes")
+                   for x in lines), (n, lines)
+
+
+def test_powersgd_as_the_compressor_plans_its_ranks():
+    """PowerSGD (summed in rounds) may be the user's compressor: its ranks are candidates,
+    and the budget is its own error at its rank."""
+    def body(rank, tp):
+        named = list(_model().named_parameters())
+        auto = hvdcomp.Auto("powersgd:rank=2", per_layer=True, link=SLOW,
+                            codecs=_codecs("powersgd:rank=2"))
+        ex = Exchange(named, auto, tp, min_compress_numel=16)
+        out = [_step(ex, named, rank, s) for s in range(2)]
+        ex.close()
+        return ex.layer, out
+
+    (layer, a), (_, b) = run_ranks(2, body)
+    specs = [c.spec() for c in layer.cands]
+    assert specs[0] == hvdcomp.get("powersgd:rank=2").spec()
+    assert {s for s in specs if s.startswith("powersgd")} == {
+        hvdcomp.get(f"powersgd:rank={r}").spec() for r in (1, 2, 4)}
+    assert layer.totals()["error"] <= layer.budget * (1 + 1e-9)
+    assert all(torch.equal(a[1][n], b[1][n]) for n in a[1])
