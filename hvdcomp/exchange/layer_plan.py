@@ -107,10 +107,11 @@ def candidates(compressor: Compressor, fallbacks: Sequence[str] = ("none", "fp16
 def local_error(comp: Compressor, g: torch.Tensor, name: str = "t") -> float:
     """``||C(g) - g||^2`` (float64 sum of squares) of one compress and decompress of
     ``g`` (any shape, float) by a fresh copy of ``comp`` (``comp``'s state is untouched),
-    as rank 0 of a world of one at step 0.  NaN where ``g`` is not finite."""
+    as rank 0 of a world of one at step 0, in float32 (a float16 / bfloat16 gradient is
+    cast first).  Meaningless for a non-finite ``g`` (:func:`measure_errors` skips those)."""
     fresh = get(comp.spec())
     g32 = g.detach().to(torch.float32)
-    key = TensorKey(name, 0, 0, 0, 1, 0, shape=tuple(g.shape), dtype=g.dtype)
+    key = TensorKey(name, 0, 0, 0, 1, 0, shape=tuple(g.shape), dtype=torch.float32)
     if isinstance(fresh, SummedRounds):            # (simulate's buffers are on the host)
         g32 = g32.cpu()
         out = simulate([fresh], [g32], [key])[0]
@@ -166,8 +167,8 @@ def solve(times: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], b
     (seconds and squared error of each option, finite, >= 0) minimizing ``sum times``
     subject to ``sum errors <= budget`` (module docstring: greedy start, then branch and
     bound); ``proven``: the search finished (the choice is optimal; else it is the best
-    found within ``max_nodes``).  Ties go to the lower total error, then to the earlier
-    option.  ConfigError when even the least-error plan exceeds the budget (naming both)."""
+    found within ``max_nodes``).  Of plans equally fast, the one with less total error.
+    ConfigError when even the least-error plan exceeds the budget (naming both)."""
     T = len(times)
     if T == 0:
         return [], True
@@ -336,6 +337,7 @@ class LayerPlanner:
             c = self.cands[j]
             self.choices[n] = Choice(c.spec(), self.path(c), float(pred[n][j][1]),
                                      float(pred[n][j][0]), float(errs[n][j]))
+            self.auto.plan[n] = c.name
         self.pending = False
         # every rank computed it from the same numbers; the digest guards that promise
         agree(transport, json.dumps({n: asdict(c) for n, c in self.choices.items()},
@@ -349,8 +351,8 @@ class LayerPlanner:
         """Keep this rank's gradients of the planned tensors among ``grads`` ({name:
         tensor or None}; None: this rank has none, e.g. joined) for :meth:`settle`;
         ``copy``: clone them (the caller reuses its buffers)."""
-        for n, g in (grads or {}).items():
-            if n in self.shapes and g is not None:
+        for n, g in (grads or {}).items():      # (a sparse gradient is not measured)
+            if n in self.shapes and g is not None and not g.is_sparse:
                 self.first[n] = g.detach().clone() if copy else g.detach()
 
     def settle(self, plan, transport) -> None:

@@ -6,7 +6,8 @@ DGC and CGX reference codes do; the others use the compression.  A bfloat16 tens
 would be cast to fp16 is sent as bf16 instead (the same bytes, and bfloat16's own range).  With an
 :class:`hvdcomp.Auto`, the tensors that would be compressed get Auto's per-tensor choice
 (fp32, fp16 or its compressor over a collective) from costs measured on every rank
-together.  A tensor whose compressor is summable (a dtype cast) travels through the
+together; with ``Auto(..., per_layer=True)`` they travel in fp32 at first (``layer_shapes``)
+and get a compressor each after the first step (:mod:`.layer_plan`, :meth:`Plan.assign`).  A tensor whose compressor is summable (a dtype cast) travels through the
 :class:`~hvdcomp.transport.Allreduce` carrier when there is one and it sums that dtype; all
 others travel as wire messages: over the allgather, or, for the tensors that use the
 compression, over the reduce-scatter (:mod:`hvdcomp.exchange.scatter`) when the collective
