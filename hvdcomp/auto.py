@@ -76,9 +76,10 @@ _COLLECTIVE_PREFIXES = {"rs+": "reduce_scatter", "ag+": "allgather"}
 
 def from_spec(spec: str) -> Tuple[object, Optional[str]]:
     """``(compression, collective)`` of a spec string ``[auto+[layer+]][rs+|ag+]SPEC``:
-    ``"auto+"`` gives ``Auto(SPEC)`` (``"auto+layer+"``: ``Auto(SPEC, per_layer=True)``), else the compressor ``hvdcomp.get(SPEC)``; ``"rs+"`` the collective
-    "reduce_scatter", ``"ag+"`` "allgather", neither None (the exchange's default: "auto"
-    with Auto, else "allgather").  Raises ConfigError for a bad spec."""
+    ``"auto+"`` gives ``Auto(SPEC)`` (``"auto+layer+"``: ``Auto(SPEC, per_layer=True)``),
+    else the compressor ``hvdcomp.get(SPEC)``; ``"rs+"`` the collective "reduce_scatter",
+    ``"ag+"`` "allgather", neither None (the exchange's default: "auto" with Auto, else
+    "allgather").  Raises ConfigError for a bad spec."""
     s = spec.strip()
     auto = s.lower().startswith(AUTO_PREFIX)
     if auto:
@@ -271,7 +272,8 @@ class Auto:
         return f"auto({self.compressor.spec()}; fallbacks={','.join(self.fallbacks)}{layer})"
 
     def __repr__(self) -> str:
-        return f"hvdcomp.Auto({self.compressor.spec()!r}, fallbacks={self.fallbacks})"
+        layer = f", per_layer=True, budget={self.budget!r}" if self.per_layer else ""
+        return f"hvdcomp.Auto({self.compressor.spec()!r}, fallbacks={self.fallbacks}{layer})"
 
     # --- planning (called by hvdcomp.exchange.plan.Plan, on every rank together) --------
     def settings(self) -> str:
