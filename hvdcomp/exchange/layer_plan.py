@@ -45,8 +45,9 @@ a restart keeps the same plan.
 The solver (:func:`solve`): dominated candidates dropped per tensor; a greedy start (from
 the least-error choice, repeatedly the move with the most seconds saved per unit of error
 added that still fits the budget: the Lagrangian's marginal rate); then an exact
-branch-and-bound search (bounds: the remaining tensors' least time and least error), which
-returns the proven optimum, or the best found within ``max_nodes`` nodes (logged).
+branch-and-bound search (bounds: the remaining tensors' least error, and the linear
+relaxation's least time within the error left: :class:`_LPBound`), which returns the
+proven optimum, or the best found within ``max_nodes`` nodes (logged).
 
 Per-layer choices under an error budget are those of L-GreCo (Markov et al., "L-GreCo:
 Layerwise-adaptive gradient compression for efficient data-parallel deep learning", MLSys
@@ -55,6 +56,7 @@ of a compression-ratio objective and PowerSGD and top-k among the choices.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import time
@@ -78,6 +80,8 @@ __all__ = ["Choice", "LayerPlanner", "candidates", "local_error", "measure_error
 #: Relative slack of the budget test (sums of the same errors in another order may differ
 #: in the last bits).
 SLACK = 1e-9
+#: The search skips a branch that cannot beat the best plan by more than this factor.
+NEAR = 1 - 1e-12
 
 
 def candidates(compressor: Compressor, fallbacks: Sequence[str] = ("none", "fp16"),
@@ -167,8 +171,7 @@ def solve(times: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], b
     (seconds and squared error of each option, finite, >= 0) minimizing ``sum times``
     subject to ``sum errors <= budget`` (module docstring: greedy start, then branch and
     bound); ``proven``: the search finished (the choice is optimal; else it is the best
-    found within ``max_nodes``).  Of plans equally fast, the one with less total error.
-    ConfigError when even the least-error plan exceeds the budget (naming both)."""
+    found within ``max_nodes``).  ConfigError when even the least-error plan exceeds the budget (naming both)."""
     T = len(times)
     if T == 0:
         return [], True
@@ -198,16 +201,14 @@ def solve(times: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], b
         pick[i], used = p, used + de
     inc = [opts[i][pick[i]] for i in range(T)]
     best_t = sum(times[i][inc[i]] for i in range(T))
-    best_e = sum(errors[i][inc[i]] for i in range(T))
     # branch and bound, tensors with the widest time spread first
     order = sorted(range(T), key=lambda i: -(times[i][opts[i][0]] - times[i][opts[i][-1]]))
-    min_t = [min(times[i][j] for j in opts[i]) for i in order]
     min_e = [errors[i][opts[i][0]] for i in order]
-    rest_t = [sum(min_t[k:]) for k in range(T + 1)]
     rest_e = [sum(min_e[k:]) for k in range(T + 1)]
+    bound = _LPBound([[(errors[i][j], times[i][j]) for j in opts[i]] for i in order])
     cur = [0] * T
     nodes = 0
-    state = {"t": best_t, "e": best_e, "sol": list(inc)}
+    state = {"t": best_t, "sol": list(inc)}
 
     def dfs(k: int, t: float, e: float) -> bool:
         nonlocal nodes
@@ -215,16 +216,17 @@ def solve(times: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], b
         if nodes > max_nodes:
             return False
         if k == T:
-            if t < state["t"] or (t == state["t"] and e < state["e"]):
+            if t < state["t"]:
                 sol = [0] * T
                 for kk, i in enumerate(order):
                     sol[i] = cur[kk]
-                state.update(t=t, e=e, sol=sol)
+                state.update(t=t, sol=sol)
             return True
         i = order[k]
         for j in sorted(opts[i], key=lambda j: (times[i][j], errors[i][j], j)):
             t2, e2 = t + times[i][j], e + errors[i][j]
-            if e2 + rest_e[k + 1] > cap or t2 + rest_t[k + 1] > state["t"]:
+            if (e2 + rest_e[k + 1] > cap
+                    or t2 + bound(k + 1, cap - e2 - rest_e[k + 1]) >= state["t"] * NEAR):
                 continue
             cur[k] = j
             if not dfs(k + 1, t2, e2):
@@ -233,6 +235,51 @@ def solve(times: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], b
 
     proven = dfs(0, 0.0, 0.0)
     return state["sol"], proven
+
+
+class _LPBound:
+    """The linear relaxation's least time of the tensors ``k..`` within an error allowance
+    (Sinha and Zoltners, "The multiple-choice knapsack problem", Oper. Res. 27(3), 1979):
+    from each tensor's least-error option, the segments of its lower convex hull in (error,
+    time), taken by decreasing seconds saved per unit of error, the last one in part.
+    ``options[k]``: tensor k's [(error, time)] by increasing error and decreasing time."""
+
+    def __init__(self, options: Sequence[Sequence[Tuple[float, float]]]):
+        T = len(options)
+        segs: List[List[Tuple[float, float, float]]] = []    # per tensor (rate, de, dt)
+        for o in options:
+            hull = [o[0]]
+            for pt in o[1:]:
+                while len(hull) >= 2 and _rate(hull[-2], hull[-1]) <= _rate(hull[-2], pt):
+                    hull.pop()
+                hull.append(pt)
+            segs.append([(_rate(a, b), b[0] - a[0], a[1] - b[1])
+                         for a, b in zip(hull, hull[1:])])
+        self.base = [0.0] * (T + 1)
+        self.cum: List[Tuple[List[float], List[float], List[Tuple[float, float]]]] = []
+        for k in range(T - 1, -1, -1):
+            self.base[k] = self.base[k + 1] + options[k][0][1]
+        for k in range(T + 1):
+            pool = sorted((x for t in segs[k:] for x in t), key=lambda x: -x[0])
+            ce, ct = [0.0], [0.0]
+            for _, de, dt in pool:
+                ce.append(ce[-1] + de)
+                ct.append(ct[-1] + dt)
+            self.cum.append((ce, ct, [(de, dt) for _, de, dt in pool]))
+
+    def __call__(self, k: int, allowance: float) -> float:
+        ce, ct, pool = self.cum[k]
+        p = bisect.bisect_right(ce, allowance) - 1       # whole segments that fit
+        saved = ct[p]
+        if p < len(pool):
+            de, dt = pool[p]
+            saved += dt * (allowance - ce[p]) / de
+        return self.base[k] - saved
+
+
+def _rate(a: Tuple[float, float], b: Tuple[float, float]) -> float:
+    """Seconds saved per unit of error added from option a to option b (error, time)."""
+    return (a[1] - b[1]) / (b[0] - a[0])
 
 
 @dataclass

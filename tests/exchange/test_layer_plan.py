@@ -53,8 +53,8 @@ def _optimum(times, errors, budget):
 
 def test_solver_equals_brute_force_on_small_cases():
     rnd = random.Random(3)
-    for case in range(60):
-        T, K = rnd.randint(1, 5), rnd.randint(1, 5)
+    for case in range(150):
+        T, K = rnd.randint(1, 6), rnd.randint(1, 6)
         times = [[rnd.uniform(0, 10) for _ in range(K)] for _ in range(T)]
         errors = [[rnd.choice([0.0, rnd.uniform(0, 5)]) for _ in range(K)] for _ in range(T)]
         least = sum(min(e) for e in errors)
@@ -64,6 +64,9 @@ def test_solver_equals_brute_force_on_small_cases():
         assert proven
         assert sum(errors[i][j] for i, j in enumerate(pick)) <= budget + 1e-9
         assert sum(times[i][j] for i, j in enumerate(pick)) == pytest.approx(t_best, abs=1e-12)
+        # cut short, the search still returns a plan within the budget (the greedy one)
+        cut, proven = solve(times, errors, budget, max_nodes=1)
+        assert sum(errors[i][j] for i, j in enumerate(cut)) <= budget + 1e-9
 
 
 def test_solver_hand_case_and_infeasible_budget():
