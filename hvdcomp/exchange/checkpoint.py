@@ -104,7 +104,8 @@ class Checkpoints:
         if layer is not None:
             if size != ex.size:          # the candidates' per-rank state is reset too
                 layer = dict(layer, states={s: _shared(ex.layer.by_spec[s], st)[0]
-                                            for s, st in layer["states"].items()})
+                                            for s, st in layer["states"].items()
+                                            if s in ex.layer.by_spec})
             ex.layer.load_state_dict(layer)
             ex.layer.adopt(ex.plan)
         for c, st in zip(ex.second_stages(), stage_states):
