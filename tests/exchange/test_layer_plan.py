@@ -301,3 +301,40 @@ def test_powersgd_as_the_compressor_plans_its_ranks():
         hvdcomp.get(f"powersgd:rank={r}").spec() for r in (1, 2, 4)}
     assert layer.totals()["error"] <= layer.budget * (1 + 1e-9)
     assert all(torch.equal(a[1][n], b[1][n]) for n in a[1])
+
+
+def test_checkpoint_refused_where_the_plan_cannot_be_kept():
+    """A per-layer plan loaded by an exchange without a per-layer Auto, or by one that does
+    not offer the plan's candidates: ValueError, nothing changed."""
+    def body(rank, tp):
+        named = list(_model().named_parameters())
+
+        def driver(auto, ident):
+            return Driver(named, Settings(compression=auto, min_compress_numel=16), tp,
+                          ident=ident)
+
+        d = driver(hvdcomp.Auto("alq:bits=3", per_layer=True, link=SLOW,
+                                codecs=_codecs("alq:bits=3")), 0)
+        _step(d.exchange, named, rank, 0)
+        sd = d.state_dict()
+        errors = []
+        for other in (hvdcomp.Auto("alq:bits=3", link=SLOW, codec=CodecCost(0, 1e-9, 0, 1e-9,
+                                                                            0, 0.5)),
+                      hvdcomp.Auto("alq:bits=3", per_layer=True, link=SLOW, bits=(3,),
+                                   densities=(), ranks=(), codecs=_codecs("alq:bits=3"))):
+            e = driver(other, 1)
+            before = e.exchange.plan.compressor_names()
+            try:
+                e.load_state_dict(sd)
+            except ValueError as exc:
+                errors.append(str(exc))
+            assert e.exchange.plan.compressor_names() == before
+            e.exchange.close()
+        d.exchange.close()
+        return sd["layer_plan"]["plan"], errors
+
+    for plan, errors in run_ranks(2, body):
+        used = {c["spec"] for c in plan.values()} - {hvdcomp.get("alq:bits=3").spec(),
+                                                     "none", "fp16"}
+        assert used and len(errors) == 2, (plan, errors)     # (top-k, PowerSGD: see above)
+        assert "per-layer Auto" in errors[0] and "does not offer" in errors[1]
