@@ -364,10 +364,12 @@ class LayerPlanner:
 
     # --- the decision ------------------------------------------------------------------
     def decide(self, grads: Dict[str, Optional[torch.Tensor]], transport) -> Dict[str, Choice]:
-        """Measure every candidate's error on ``grads`` ({name: this rank's first gradient or
-        None}, every planned name), solve, and record the plan (collective; every rank gets
-        the same plan).  A tensor no rank had a finite gradient for keeps the user's
-        compressor (outside the budget).  ConfigError when the budget cannot be met."""
+        """Measure every candidate's error on ``grads`` ({name: this rank's first gradient,
+        of the parameter's shape, or None}; errors in the gradient's units squared), solve,
+        and record the plan (collective; every rank gets the same plan, logged on rank 0).
+        A tensor no rank had a finite gradient for keeps the user's compressor (outside the
+        budget).  ConfigError when the budget cannot be met (every rank alike);
+        :class:`~hvdcomp.errors.Mismatch` if the ranks' plans differ (a digest check)."""
         errs = measure_errors(self.cands, {n: grads.get(n) for n in self.shapes}, transport)
         user = self.cands.index(self.auto.compressor)
         names = sorted(self.shapes)
