@@ -69,23 +69,28 @@ __all__ = ["Auto", "CostModel", "LinkCost", "CodecCost", "fit_line", "from_spec"
            "merge_collective", "COLLECTIVES"]
 
 AUTO_PREFIX = "auto+"
+LAYER_PREFIX = "layer+"      # after "auto+": Auto(..., per_layer=True)
 COLLECTIVES = ("allgather", "reduce_scatter", "auto")
 _COLLECTIVE_PREFIXES = {"rs+": "reduce_scatter", "ag+": "allgather"}
 
 
 def from_spec(spec: str) -> Tuple[object, Optional[str]]:
-    """``(compression, collective)`` of a spec string ``[auto+][rs+|ag+]SPEC``: ``"auto+"``
-    gives ``Auto(SPEC)``, else the compressor ``hvdcomp.get(SPEC)``; ``"rs+"`` the collective
-    "reduce_scatter", ``"ag+"`` "allgather", neither None (the exchange's default: "auto"
-    with Auto, else "allgather").  Raises ConfigError for a bad spec."""
+    """``(compression, collective)`` of a spec string ``[auto+[layer+]][rs+|ag+]SPEC``:
+    ``"auto+"`` gives ``Auto(SPEC)`` (``"auto+layer+"``: ``Auto(SPEC, per_layer=True)``),
+    else the compressor ``hvdcomp.get(SPEC)``; ``"rs+"`` the collective "reduce_scatter",
+    ``"ag+"`` "allgather", neither None (the exchange's default: "auto" with Auto, else
+    "allgather").  Raises ConfigError for a bad spec."""
     s = spec.strip()
     auto = s.lower().startswith(AUTO_PREFIX)
     if auto:
         s = s[len(AUTO_PREFIX):]
+    layer = auto and s.lower().startswith(LAYER_PREFIX)
+    if layer:
+        s = s[len(LAYER_PREFIX):]
     collective = _COLLECTIVE_PREFIXES.get(s[:3].lower())
     if collective is not None:
         s = s[3:]
-    return (Auto(s) if auto else get(s)), collective
+    return (Auto(s, per_layer=layer) if auto else get(s)), collective
 
 
 def spec_collective(spec: str) -> Optional[str]:
@@ -94,6 +99,7 @@ def spec_collective(spec: str) -> Optional[str]:
     s = str(spec).strip().lower()
     if s.startswith(AUTO_PREFIX):
         s = s[len(AUTO_PREFIX):]
+        s = s[len(LAYER_PREFIX):] if s.startswith(LAYER_PREFIX) else s
     return _COLLECTIVE_PREFIXES.get(s[:3])
 
 
@@ -217,16 +223,25 @@ class Auto:
     link / codec: LinkCost / CodecCost to use instead of measuring (tests, or a plan made
       elsewhere); every rank must pass the same values.
     calibrate_numel: elements of the tensor encoded and decoded to measure the compressor.
+    per_layer: choose per tensor among fp32/fp16 (``fallbacks``), the compressor's family
+      at each of ``bits``, top-k at each of ``densities`` and PowerSGD at each of ``ranks``,
+      the fastest plan whose total squared error (measured on the first step's gradients)
+      is at most ``budget`` (a factor, >= 0) times that of ``compressor`` at its settings
+      (:mod:`hvdcomp.exchange.layer_plan`; spec "auto+layer+SPEC").  ``codecs``: {candidate
+      spec: CodecCost} given instead of measured; ``max_nodes``: the exact search's limit.
 
     Used through ``hvdcomp.torch.DistributedOptimizer(..., compression=Auto(...))``; the
     optimizer's ``compression`` is then the inner compressor, ``plan`` the compressor per
     tensor and ``paths`` the collective per tensor.  Raises ValueError for an unknown
-    fallback, ConfigError for a bad spec.
+    fallback or budget, ConfigError for a bad spec.
     """
 
     def __init__(self, compressor="alq:bits=3", fallbacks: Sequence[str] = ("none", "fp16"),
                  *, link: Optional[LinkCost] = None, codec: Optional[CodecCost] = None,
-                 calibrate_numel: int = 2**22):
+                 calibrate_numel: int = 2**22, per_layer: bool = False, budget: float = 1.0,
+                 bits: Sequence[int] = (2, 3, 4, 5), densities: Sequence[float] = (0.01, 0.001),
+                 ranks: Sequence[int] = (1, 2, 4), codecs: Optional[Dict[str, CodecCost]] = None,
+                 max_nodes: int = 200_000):
         self.compressor: Compressor = (get(compressor) if isinstance(compressor, str)
                                        else compressor)
         if not isinstance(self.compressor, Compressor):
@@ -242,18 +257,30 @@ class Auto:
             raise ValueError(f"calibrate_numel must be > {CALIBRATE_SMALL}, got {calibrate_numel}")
         self.model: Optional[CostModel] = None
         self.plan: Dict[str, str] = {}
+        # per layer (hvdcomp.exchange.layer_plan): the candidates and the error budget
+        self.per_layer = bool(per_layer)
+        self.budget = float(budget)
+        if not self.budget >= 0 or self.budget == float("inf"):
+            raise ValueError(f"budget must be a finite number >= 0, got {budget!r}")
+        self.bits, self.ranks = tuple(int(b) for b in bits), tuple(int(r) for r in ranks)
+        self.densities = tuple(float(d) for d in densities)
+        self.codecs, self.max_nodes = codecs, int(max_nodes)
 
     def spec(self) -> str:
-        return f"auto({self.compressor.spec()}; fallbacks={','.join(self.fallbacks)})"
+        layer = (f"; per_layer budget={self.budget!r} bits={self.bits} densities="
+                 f"{self.densities} ranks={self.ranks}" if self.per_layer else "")
+        return f"auto({self.compressor.spec()}; fallbacks={','.join(self.fallbacks)}{layer})"
 
     def __repr__(self) -> str:
-        return f"hvdcomp.Auto({self.compressor.spec()!r}, fallbacks={self.fallbacks})"
+        layer = f", per_layer=True, budget={self.budget!r}" if self.per_layer else ""
+        return f"hvdcomp.Auto({self.compressor.spec()!r}, fallbacks={self.fallbacks}{layer})"
 
     # --- planning (called by hvdcomp.exchange.plan.Plan, on every rank together) --------
     def settings(self) -> str:
         """What every rank must agree on before measuring (checked by the exchange)."""
         return (f"{self.spec()} link={self.link} codec={self.codec} "
-                f"calibrate_numel={self.calibrate_numel}")
+                f"calibrate_numel={self.calibrate_numel}"
+                + (f" codecs={self.codecs}" if self.per_layer else ""))
 
     def make_plan(self, sizes: Dict[str, int], transport, allreduce=None, device=None,
                   collectives: Sequence[str] = ("allgather",),

@@ -46,7 +46,8 @@ class Checkpoints:
         ``second_stage_state`` (the reduce-scatter's) and ``params_before`` (LAQ's
         parameters of the last step, between before_step and after_step; else None); for a
         hierarchical exchange also ``hierarchy`` (:meth:`hierarchy_record`: the state is
-        that of this rank's pieces)."""
+        that of this rank's pieces); with a per-layer Auto ``layer_plan`` (its budget, plan
+        and candidates' states: :meth:`~.layer_plan.LayerPlanner.state_dict`)."""
         ex, comp = self.exchange, self.compression
         before = ex.params_before
         out = {"format": FORMAT, "rank": ex.rank, "world_size": ex.size,
@@ -56,6 +57,8 @@ class Checkpoints:
                "params_before": None if before is None else [b.clone() for b in before]}
         if ex.hierarchy is not None:
             out["hierarchy"] = self.hierarchy_record()
+        if ex.layer is not None:
+            out["layer_plan"] = ex.layer.state_dict()
         return out
 
     def hierarchy_record(self) -> Optional[list]:
@@ -97,6 +100,14 @@ class Checkpoints:
                              f"({self.compression.name}: {', '.join(dropped)}); shared state "
                              f"kept ({', '.join(self.compression.shared_state) or 'none'})")
         self.compression.load_state_dict(comp_state)
+        layer = state.get("layer_plan")
+        if layer is not None:
+            if size != ex.size:          # the candidates' per-rank state is reset too
+                layer = dict(layer, states={s: _shared(ex.layer.by_spec[s], st)[0]
+                                            for s, st in layer["states"].items()
+                                            if s in ex.layer.by_spec})
+            ex.layer.load_state_dict(layer)
+            ex.layer.adopt(ex.plan)
         for c, st in zip(ex.second_stages(), stage_states):
             c.load_state_dict(st)
         self.step = int(state["step"])
@@ -142,6 +153,9 @@ class Checkpoints:
                              f"{say(mine)}: the compressor's state belongs to the pieces a "
                              f"rank owns (hierarchy=, docs/settings.md), so it cannot be "
                              f"carried over")
+        if state.get("layer_plan") is not None and self.exchange.layer is None:
+            raise ValueError("checkpoint was saved with a per-layer Auto (Auto(per_layer="
+                             "True)), this exchange has none: its plan cannot be kept")
         saved, stages = state.get("second_stage_state", []), self.exchange.second_stages()
         if len(saved) != len(stages):
             raise ValueError(f"checkpoint holds {len(saved)} second-stage states, this "

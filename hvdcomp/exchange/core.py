@@ -27,6 +27,7 @@ from . import shutdown
 from .buckets import agree_settings, check_replicas, fuse, handshake
 from .collective import Allgather
 from .hier import Hierarchical, plan_hierarchy
+from .layer_plan import planner
 from .loop import LoopProtocols, refit
 from .pipeline import Done, Pipeline
 from .plan import Entry, Plan, qualifies
@@ -97,7 +98,8 @@ class Exchange(LoopProtocols):
                          min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                          collective=collective)
         self.collective_setting = collective
-        # several ranks per host: compression only across hosts (hier.py)
+        #: a per-layer Auto's planner (:mod:`.layer_plan`), else None; its exchange is flat
+        self.layer, hierarchy = planner(self.plan, hierarchy, transport, allreduce)
         self.hierarchy = plan_hierarchy(hierarchy, transport, self.compression, collective)
         across = None                  # the hierarchy's collective across hosts
         if self.hierarchy is not None:
@@ -222,7 +224,18 @@ class Exchange(LoopProtocols):
         tensors live in buffers that the next step reuses: copy what you keep.  Re-raises
         the step's first error (e.g. WireFormatError, or a RuntimeError naming a rank that
         failed to encode) on the calling thread."""
-        return self.pipeline.finish()
+        results, stats = self.pipeline.finish()
+        if self.layer is not None and self.layer.pending:
+            self.layer.record(None if self.averaging.joined else
+                              {n: self.entries[n].param.grad for n in self.layer.shapes})
+            self.settle_plan()
+        return results, stats
+
+    def settle_plan(self) -> None:
+        """A per-layer Auto's plan, while pending: decided from the first step's gradients
+        and adopted (:meth:`~.layer_plan.LayerPlanner.settle`; collective, between steps)."""
+        if self.layer is not None:
+            self.layer.settle(self.plan, self.transport)
 
     def check_replicas_once(self) -> None:
         """The first time only, if built with ``check_replicas``: compare the parameters'
@@ -254,6 +267,8 @@ class Exchange(LoopProtocols):
         unknown = [n for n in names if n not in self.entries]
         if unknown:
             raise ValueError(f"call(): not parameters of this exchange: {unknown}")
+        if self.layer is not None and self.layer.pending and not self.averaging.joined:
+            self.layer.record(grads, copy=True)
         self.pipeline.call(k, [self.entries[n] for n in names], step, grads, done, failure,
                            out)
 

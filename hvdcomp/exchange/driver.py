@@ -318,6 +318,8 @@ class Driver(Checkpoints):
         change since the last step (LAQ) and the parameters copied for the next one.
         :attr:`step_stats` collects the calls' statistics (:meth:`call_done`)."""
         ex = self.exchange
+        if self.step > 0:
+            ex.settle_plan()         # a per-layer Auto's plan, from the first step's calls
         self.step_stats = StepStats(step=self.step)
         ex.set_joined(joined)
         self.momentum.set_momentum()

@@ -66,11 +66,15 @@ class LoopProtocols:
             self.compression.after_step(step, sq)
 
     def refit_levels(self, step: int) -> None:
-        """An AdaptiveLevels compressor that collected statistics during ``step`` refits
+        """Each AdaptiveLevels compressor in use that collected statistics during ``step``
+        refits (the exchange's, then the others of a per-layer plan, in entry order)
         (:func:`refit`; collective: every rank calls it, with no call in flight)."""
-        comp = self.compression
-        if isinstance(comp, AdaptiveLevels) and comp.wants_stats(step):
-            refit(comp, self.transport, step)
+        seen: list = []         # (a per-layer plan's tensors may use several instances)
+        for comp in [self.compression] + [e.compressor for e in self.entries.values()]:
+            if isinstance(comp, AdaptiveLevels) and not any(comp is c for c in seen):
+                seen.append(comp)
+                if comp.wants_stats(step):
+                    refit(comp, self.transport, step)
 
 
 def refit(comp: AdaptiveLevels, transport: Transport, step: int) -> None:

@@ -6,7 +6,8 @@ DGC and CGX reference codes do; the others use the compression.  A bfloat16 tens
 would be cast to fp16 is sent as bf16 instead (the same bytes, and bfloat16's own range).  With an
 :class:`hvdcomp.Auto`, the tensors that would be compressed get Auto's per-tensor choice
 (fp32, fp16 or its compressor over a collective) from costs measured on every rank
-together.  A tensor whose compressor is summable (a dtype cast) travels through the
+together; with ``Auto(..., per_layer=True)`` they travel in fp32 at first (``layer_shapes``)
+and get a compressor each after the first step (:mod:`.layer_plan`, :meth:`Plan.assign`).  A tensor whose compressor is summable (a dtype cast) travels through the
 :class:`~hvdcomp.transport.Allreduce` carrier when there is one and it sums that dtype; all
 others travel as wire messages: over the allgather, or, for the tensors that use the
 compression, over the reduce-scatter (:mod:`hvdcomp.exchange.scatter`) when the collective
@@ -125,12 +126,22 @@ class Plan:
         self.auto: Optional[Auto] = None
         if isinstance(compression, Auto):
             self.auto, compression = compression, compression.compressor
-            if isinstance(compression, SummedRounds):
+            if isinstance(compression, SummedRounds) and not self.auto.per_layer:
                 raise ConfigError(f"{compression.name} is summed by allreduces in rounds, "
                                   f"which Auto's cost model does not plan; pass it without "
                                   f"Auto")
         self.compression: Compressor = compression
-        allowed = collectives(compression, collective, transport.size)
+        layer = self.auto is not None and self.auto.per_layer
+        if layer and collective == "reduce_scatter":
+            raise ConfigError("Auto(per_layer=True) plans the allgather exchange (its "
+                              "reduce-scatter's shards are fixed before the errors are "
+                              "measured: hvdcomp.exchange.layer_plan); use collective="
+                              "'allgather' or 'auto'")
+        allowed = ["allgather"] if layer else collectives(compression, collective,
+                                                         transport.size)
+        self.allreduce = allreduce
+        #: {name: shape} of the tensors a per-layer Auto plans (:mod:`.layer_plan`), else {}
+        self.layer_shapes: Dict[str, Tuple[int, ...]] = {}
         if self.auto is None and len(allowed) > 1:
             self.auto = Auto(compression, fallbacks=())     # only the collective to choose
 
@@ -145,8 +156,12 @@ class Plan:
                                          allowed, sorted(sizes.items())]),
                   "the Auto settings")
             dev = next((p.device for n, p in named_params if n in sizes), None)
-            chosen = self.auto.make_plan(sizes, transport, allreduce, device=dev,
-                                         collectives=allowed, second_stage=second_stage)
+            if layer:       # fp32 until the first step's errors are measured (.layer_plan)
+                self.layer_shapes = {n: tuple(p.shape) for n, p in named_params if n in sizes}
+                chosen = {n: (get("none"), False) for n in sizes}
+            else:
+                chosen = self.auto.make_plan(sizes, transport, allreduce, device=dev,
+                                             collectives=allowed, second_stage=second_stage)
         order = {n: i for i, n in enumerate(sorted(names))}
         self.entries: Dict[str, Entry] = {}
         for name, p in named_params:
@@ -161,6 +176,16 @@ class Plan:
                       and wire_dtype(comp) in allreduce.dtypes)
             self.entries[name] = Entry(name, p, order[name], comp, summed,
                                        scatter and not summed and not rounds, rounds)
+
+    def assign(self, name: str, comp: Compressor) -> None:
+        """From now on ``name`` travels with ``comp`` over the allgather, the allreduce
+        carrier or in rounds (a per-layer plan's choice: between steps, every rank alike)."""
+        e = self.entries[name]
+        comp = keep_range(comp, e.param)
+        e.rounds, e.scatter = isinstance(comp, SummedRounds), False
+        e.allreduce = (not e.rounds and self.allreduce is not None and comp.summable
+                       and wire_dtype(comp) in self.allreduce.dtypes)
+        e.compressor = comp
 
     def compressor_names(self) -> Dict[str, str]:
         """{parameter name: name of the compressor its gradient travels with}."""

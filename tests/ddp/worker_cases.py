@@ -258,6 +258,44 @@ def check_auto(rank, size):
     state.close()
 
 
+def check_auto_per_layer(rank, size):
+    """Auto per layer (hvdcomp.exchange.layer_plan) through the hook: step 0 in fp32 (the
+    average of every rank's gradient), then the plan made from step 0's gradients when step
+    1 begins, the same on every rank, with averages identical across ranks; the plan is in
+    the hook's checkpoint."""
+    from hvdcomp.auto import LinkCost
+    model = small(width=64)
+    ddp = DDP(model)
+    auto = hvdcomp.Auto(QSGD, per_layer=True, link=LinkCost(1e-4, 1e-7, 1e-4, 1e-7),
+                        calibrate_numel=1 << 14)
+    state = hvdcomp.ddp.HookState(ddp, auto, seed=SEED, min_compress_numel=16)
+    ddp.register_comm_hook(state, hvdcomp.ddp.hook)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(3):
+        every = [grads_on_copy(model, lambda m, r=r: ce(m, r, step)) for r in range(size)]
+        opt.zero_grad()
+        ce(ddp, rank, step).backward()
+        for n, p in model.named_parameters():
+            got = [torch.empty_like(p.grad) for _ in range(size)]
+            dist.all_gather(got, p.grad.contiguous())
+            assert all(same(x, p.grad) for x in got), (step, n)
+            if step == 0:
+                want = sum(g[n] for g in every) / size
+                assert torch.allclose(p.grad, want, rtol=1e-6, atol=1e-8), (n, step)
+        layer = state.exchange.layer
+        assert layer.pending == (step == 0), step
+        opt.step()
+    plan = layer.state_dict()["plan"]
+    assert sorted(plan) == ["0.weight", "2.weight"], plan
+    plans = [None] * size
+    dist.all_gather_object(plans, json.dumps(plan, sort_keys=True))
+    assert len(set(plans)) == 1, plans
+    assert state.state_dict()["layer_plan"]["plan"] == plan
+    assert {n: c["spec"].split(":")[0] for n, c in plan.items()} == {
+        n: state.plan[n] for n in plan}
+    state.close()
+
+
 def raises_everywhere(rank, fn, here, elsewhere):
     """fn() raises on every rank: ``here`` (exception type, text) on rank 1, ``elsewhere``
     on the others."""
@@ -909,7 +947,8 @@ def check_dgc_groups(rank, size):
 
 
 CHECKS = ["check_transport", "check_stateless", "check_summable", "check_static_graph",
-          "check_unused_and_frozen", "check_no_sync", "check_auto", "check_errors",
+          "check_unused_and_frozen", "check_no_sync", "check_auto", "check_auto_per_layer",
+          "check_errors",
           "check_loops", "check_gan", "check_sparse",
           "check_join", "check_casts", "check_dgc_groups"]
 

@@ -192,6 +192,38 @@ def auto_measured_costs():
 
 
 @case
+def auto_per_layer():
+    """Auto per layer (hvdcomp.exchange.layer_plan) on both transports: step 0 is fp32 and
+    equals the hand-computed step; then every rank adopts the same plan, made from step
+    0's gradients, and the parameters stay identical on every rank (so do the averages);
+    the plan is in the optimizer's state_dict."""
+    from hvdcomp.auto import LinkCost
+    from common import exchange_of
+    for transport in TRANSPORTS:
+        auto = hvdcomp.Auto("qsgd:bits=4,bucket_size=64", per_layer=True,
+                            link=LinkCost(1e-4, 1e-7, 1e-4, 1e-7), calibrate_numel=1 << 14)
+        model, opt = train_steps(auto, transport, 1)      # step 0, against the reference
+        layer = exchange_of(opt).layer
+        assert not layer.pending and sorted(layer.choices) == ["0.weight", "2.weight"]
+        for step in range(1, 4):
+            opt.zero_grad()
+            x, y = batch(hvd.rank(), step)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            every = hvd.allgather_object(mine)
+            assert all(torch.equal(m, mine) for m in every), (transport, step)
+        plans = hvd.allgather_object(sorted((n, c.spec, c.path)
+                                            for n, c in layer.choices.items()))
+        assert all(p == plans[0] for p in plans), plans
+        sd = opt.state_dict()
+        assert any(v["layer_plan"]["plan"].keys() == layer.choices.keys()
+                   for v in sd.values() if isinstance(v, dict) and "layer_plan" in v), \
+            sorted(sd)
+        opt.close()
+
+
+@case
 def disagreeing_ranks():
     """Ranks that disagree on the compressor: every rank raises, nobody hangs."""
     spec = "alq:bits=3" if hvd.rank() == 0 else "alq:bits=4"

@@ -1,0 +1,502 @@
+"""Auto per layer: a compressor for each tensor, chosen under a total error budget.
+
+``hvdcomp.Auto(compressor, per_layer=True, budget=1.0)`` (spec ``"auto+layer+alq:bits=3"``)
+chooses, for every tensor that the exchange would compress, one of these candidates
+(:func:`candidates`):
+
+* fp32 and fp16 (Auto's ``fallbacks``), summed by the allreduce carrier (or, without one,
+  sent as messages over the allgather);
+* the user's compressor at its own settings and, for a compressor with a ``bits`` setting,
+  its family at each of ``bits`` (default 2..5), over the allgather;
+* top-k (:class:`hvdcomp.TopK`, error feedback) at each of ``densities``, over the allgather;
+* PowerSGD (:class:`hvdcomp.PowerSGD`) at each of ``ranks``, summed in rounds by the
+  allreduce carrier (:mod:`.rounds`).
+
+All of these travel together in one exchange: the allgather collective carries each
+tensor's messages with its own compressor, the sums of the casts and the rounds of PowerSGD
+in the same fusion bucket (:class:`~.collective.Allgather`).  The reduce-scatter is left
+out: its shard layout is fixed when the exchange is built (:class:`~.scatter.ReduceScatter`),
+before the errors can be measured; so is the hierarchical exchange (``hierarchy="auto"`` is
+flat with a per-layer Auto, ``"host"`` a ConfigError).
+
+The choice minimizes the predicted step time subject to the budget (:func:`solve`):
+
+    minimize  sum_i t_i(c_i)   subject to   sum_i e_i(c_i) <= B
+
+``t_i(c)``: the predicted seconds of tensor i with candidate c on this job's measured link
+and codec costs (:class:`hvdcomp.auto.CostModel`, fused: without the collectives'
+latencies; PowerSGD: its local rounds' measured seconds per element plus its
+``4 r (n + m)`` bytes through the allreduce); ``e_i(c) = ||C(g_i) - g_i||^2``, the squared
+error of candidate c on tensor i's real gradient, **measured**: each rank compresses and
+decompresses its own gradient of the first step with a fresh copy of each candidate (as a
+world of one, so without error feedback's history), and the errors are averaged over the
+ranks that had a finite gradient, in rank order (:func:`measure_errors`), so every rank
+holds the same numbers and computes the same plan.  ``B = budget x`` the total error of the
+user's compressor at its settings (``budget=1.0``: no more error than the user's choice,
+which is therefore always feasible).
+
+Timeline: the exchange is built with the qualifying tensors in fp32 (exact); the first
+step's gradients are recorded, and before the second step (the drop-in optimizer: at the
+end of the first step's ``finish``; the DDP hook: when the second step begins) the errors
+are measured and the plan is applied, on every rank together.  The plan, the budget and
+every candidate's state are part of the exchange's checkpoint (:meth:`LayerPlanner.state_dict`):
+a restart keeps the same plan.
+
+The solver (:func:`solve`): dominated candidates dropped per tensor; a greedy start (from
+the least-error choice, repeatedly the move with the most seconds saved per unit of error
+added that still fits the budget: the Lagrangian's marginal rate); then an exact
+branch-and-bound search (bounds: the remaining tensors' least error, and the linear
+relaxation's least time within the error left: :class:`_LPBound`), which returns the
+proven optimum, or the best found within ``max_nodes`` nodes (logged).
+
+Per-layer choices under an error budget are those of L-GreCo (Markov et al., "L-GreCo:
+Layerwise-adaptive gradient compression for efficient data-parallel deep learning", MLSys
+2024, Sec. 3: a knapsack of per-layer compression errors), here with measured times in place
+of a compression-ratio objective and PowerSGD and top-k among the choices.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..auto import Auto, CodecCost, CostModel, _slowest, measure_codec, measure_link
+from ..compressors import Compressor, TensorKey, get
+from ..compressors.protocols import SummedRounds
+from ..errors import ConfigError
+from ..log import logger
+from .buckets import agree
+from .rounds import simulate
+
+__all__ = ["Choice", "LayerPlanner", "candidates", "local_error", "measure_errors", "solve",
+           "planner"]
+
+#: Relative slack of the budget test (sums of the same errors in another order may differ
+#: in the last bits).
+SLACK = 1e-9
+#: The search skips a branch that cannot beat the best plan by more than this factor.
+NEAR = 1 - 1e-12
+
+
+def candidates(compressor: Compressor, fallbacks: Sequence[str] = ("none", "fp16"),
+               bits: Sequence[int] = (2, 3, 4, 5), densities: Sequence[float] = (0.01, 0.001),
+               ranks: Sequence[int] = (1, 2, 4)) -> List[Compressor]:
+    """The candidates of a per-layer plan (module docstring), without duplicates (by spec),
+    the user's ``compressor`` itself (its instance) first.  Bit widths outside the
+    family's range are skipped.  ConfigError for a bad setting."""
+    out: List[Compressor] = [compressor] + [get(f) for f in fallbacks]   # its own first
+    s = compressor.settings()
+    if "bits" in s:
+        for b in bits:
+            try:
+                out.append(type(compressor)(**dict(s, bits=int(b))))
+            except (ValueError, ConfigError):
+                pass
+    out += [get(f"topk:density={float(d)!r}") for d in densities]
+    out += [get(f"powersgd:rank={int(r)}") for r in ranks]
+    seen, uniq = set(), []
+    for c in out:
+        if c.spec() not in seen:
+            seen.add(c.spec())
+            uniq.append(c)
+    return uniq
+
+
+def local_error(comp: Compressor, g: torch.Tensor, name: str = "t") -> float:
+    """``||C(g) - g||^2`` (float64 sum of squares) of one compress and decompress of
+    ``g`` (any shape, float) by a fresh copy of ``comp`` (``comp``'s state is untouched),
+    as rank 0 of a world of one at step 0, in float32 (a float16 / bfloat16 gradient is
+    cast first).  Meaningless for a non-finite ``g`` (:func:`measure_errors` skips those)."""
+    fresh = get(comp.spec())
+    g32 = g.detach().to(torch.float32)
+    key = TensorKey(name, 0, 0, 0, 1, 0, shape=tuple(g.shape), dtype=torch.float32)
+    if isinstance(fresh, SummedRounds):            # (simulate's buffers are on the host)
+        g32 = g32.cpu()
+        out = simulate([fresh], [g32], [key])[0]
+    else:
+        msg = fresh.encode(g32, key)
+        out = torch.zeros(g32.numel(), device=g32.device)
+        fresh.combine([msg], [key], out)
+        out = fresh.finalize(out, key)
+    return float((out.view(-1) - g32.reshape(-1)).double().pow(2).sum())
+
+
+def measure_errors(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.Tensor]],
+                   transport) -> Dict[str, List[float]]:
+    """{name: [error of each candidate]}: :func:`local_error` on this rank's gradient of
+    each tensor of ``grads`` (None: this rank has none), averaged over the ranks whose
+    gradient was finite, in rank order (collective: every rank gets the same numbers).  A
+    tensor no rank had a finite gradient for gets NaN errors."""
+    names = sorted(grads)
+    vals = np.zeros((len(names), len(cands) + 1), dtype=np.float64)
+    for i, n in enumerate(names):
+        g = grads[n]
+        if g is None or not bool(torch.isfinite(g).all()):
+            continue
+        vals[i, :-1] = [local_error(c, g, n) for c in cands]
+        vals[i, -1] = 1.0
+    got = transport.allgather(vals.reshape(-1).view(np.uint8))
+    total = np.zeros_like(vals)
+    for r in got:                                  # rank order: the same sum everywhere
+        total += np.frombuffer(r.tobytes(), dtype=np.float64).reshape(vals.shape)
+    out = {}
+    for i, n in enumerate(names):
+        count = total[i, -1]
+        out[n] = ([float(x) for x in total[i, :-1] / count] if count > 0
+                  else [math.nan] * len(cands))
+    return out
+
+
+def _pareto(times: Sequence[float], errors: Sequence[float]) -> List[int]:
+    """Indices of the options no other option beats in both time and error (ties: the
+    first), by increasing error."""
+    order = sorted(range(len(times)), key=lambda j: (errors[j], times[j], j))
+    keep, best_t = [], math.inf
+    for j in order:
+        if times[j] < best_t:
+            keep.append(j)
+            best_t = times[j]
+    return keep
+
+
+def solve(times: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], budget: float,
+          max_nodes: int = 200_000) -> Tuple[List[int], bool]:
+    """``(choice, proven)``: for each tensor i the index into ``times[i]`` / ``errors[i]``
+    (seconds and squared error of each option, finite, >= 0) minimizing ``sum times``
+    subject to ``sum errors <= budget`` (module docstring: greedy start, then branch and
+    bound); ``proven``: the search finished (the choice is optimal; else it is the best
+    found within ``max_nodes``).  ConfigError when even the least-error plan exceeds the budget (naming both)."""
+    T = len(times)
+    if T == 0:
+        return [], True
+    opts = [_pareto(times[i], errors[i]) for i in range(T)]
+    cap = budget + SLACK * abs(budget)
+    least = sum(errors[i][opts[i][0]] for i in range(T))
+    if least > cap:
+        raise ConfigError(f"hvdcomp.Auto(per_layer=True): error budget {budget:.6g} cannot be "
+                          f"met: the least total error of any plan is {least:.6g}")
+    # greedy: from the least-error plan, the best seconds saved per error added that fits
+    pick = [0] * T                                # positions in opts[i]
+    used = least
+    while True:
+        best = None
+        for i in range(T):
+            o, cur = opts[i], opts[i][pick[i]]
+            for p in range(pick[i] + 1, len(o)):
+                de = errors[i][o[p]] - errors[i][cur]
+                dt = times[i][cur] - times[i][o[p]]
+                if used + de <= cap and dt > 0:
+                    rate = dt / de if de > 0 else math.inf
+                    if best is None or rate > best[0]:
+                        best = (rate, i, p, de)
+        if best is None:
+            break
+        _, i, p, de = best
+        pick[i], used = p, used + de
+    inc = [opts[i][pick[i]] for i in range(T)]
+    best_t = sum(times[i][inc[i]] for i in range(T))
+    # branch and bound, tensors with the widest time spread first
+    order = sorted(range(T), key=lambda i: -(times[i][opts[i][0]] - times[i][opts[i][-1]]))
+    min_e = [errors[i][opts[i][0]] for i in order]
+    rest_e = [sum(min_e[k:]) for k in range(T + 1)]
+    bound = _LPBound([[(errors[i][j], times[i][j]) for j in opts[i]] for i in order])
+    cur = [0] * T
+    nodes = 0
+    state = {"t": best_t, "sol": list(inc)}
+
+    def dfs(k: int, t: float, e: float) -> bool:
+        nonlocal nodes
+        nodes += 1
+        if nodes > max_nodes:
+            return False
+        if k == T:
+            if t < state["t"]:
+                sol = [0] * T
+                for kk, i in enumerate(order):
+                    sol[i] = cur[kk]
+                state.update(t=t, sol=sol)
+            return True
+        i = order[k]
+        for j in sorted(opts[i], key=lambda j: (times[i][j], errors[i][j], j)):
+            t2, e2 = t + times[i][j], e + errors[i][j]
+            if (e2 + rest_e[k + 1] > cap
+                    or t2 + bound(k + 1, cap - e2 - rest_e[k + 1]) >= state["t"] * NEAR):
+                continue
+            cur[k] = j
+            if not dfs(k + 1, t2, e2):
+                return False
+        return True
+
+    proven = dfs(0, 0.0, 0.0)
+    return state["sol"], proven
+
+
+class _LPBound:
+    """The linear relaxation's least time of the tensors ``k..`` within an error allowance
+    (Sinha and Zoltners, "The multiple-choice knapsack problem", Oper. Res. 27(3), 1979):
+    from each tensor's least-error option, the segments of its lower convex hull in (error,
+    time), taken by decreasing seconds saved per unit of error, the last one in part.
+    ``options[k]``: tensor k's [(error, time)] by increasing error and decreasing time."""
+
+    def __init__(self, options: Sequence[Sequence[Tuple[float, float]]]):
+        T = len(options)
+        segs: List[List[Tuple[float, float, float]]] = []    # per tensor (rate, de, dt)
+        for o in options:
+            hull = [o[0]]
+            for pt in o[1:]:
+                while len(hull) >= 2 and _rate(hull[-2], hull[-1]) <= _rate(hull[-2], pt):
+                    hull.pop()
+                hull.append(pt)
+            segs.append([(_rate(a, b), b[0] - a[0], a[1] - b[1])
+                         for a, b in zip(hull, hull[1:])])
+        self.base = [0.0] * (T + 1)
+        self.cum: List[Tuple[List[float], List[float], List[Tuple[float, float]]]] = []
+        for k in range(T - 1, -1, -1):
+            self.base[k] = self.base[k + 1] + options[k][0][1]
+        for k in range(T + 1):
+            pool = sorted((x for t in segs[k:] for x in t), key=lambda x: -x[0])
+            ce, ct = [0.0], [0.0]
+            for _, de, dt in pool:
+                ce.append(ce[-1] + de)
+                ct.append(ct[-1] + dt)
+            self.cum.append((ce, ct, [(de, dt) for _, de, dt in pool]))
+
+    def __call__(self, k: int, allowance: float) -> float:
+        ce, ct, pool = self.cum[k]
+        p = bisect.bisect_right(ce, allowance) - 1       # whole segments that fit
+        saved = ct[p]
+        if p < len(pool):
+            de, dt = pool[p]
+            saved += dt * (allowance - ce[p]) / de
+        return self.base[k] - saved
+
+
+def _rate(a: Tuple[float, float], b: Tuple[float, float]) -> float:
+    """Seconds saved per unit of error added from option a to option b (error, time)."""
+    return (a[1] - b[1]) / (b[0] - a[0])
+
+
+@dataclass
+class Choice:
+    """One tensor's entry of the plan: ``spec`` of its compressor, ``path`` ("allreduce",
+    "allgather" or "rounds"), predicted ``bytes`` sent per rank and ``seconds``, measured
+    squared ``error`` (as :func:`local_error`, averaged over ranks)."""
+    spec: str
+    path: str
+    bytes: float
+    seconds: float
+    error: float
+
+
+class LayerPlanner:
+    """The per-layer plan of one exchange (module docstring).
+
+    auto: the :class:`hvdcomp.Auto` built with ``per_layer=True`` (its compressor,
+    ``fallbacks``, ``budget`` factor, ``bits`` / ``densities`` / ``ranks``, and ``link`` /
+    ``codecs`` given instead of measured); shapes: {name: shape} of the tensors it plans;
+    transport / allreduce / device: as :meth:`hvdcomp.Auto.make_plan`.  Construction
+    measures the link and every candidate's codec costs (collective: every rank together,
+    the slowest rank's values).  ``pending`` until :meth:`decide`; ``choices``: {name:
+    :class:`Choice`}; ``budget``: the absolute budget (sum of squared errors) once decided.
+    """
+
+    def __init__(self, auto: Auto, shapes: Dict[str, Tuple[int, ...]], transport,
+                 allreduce=None, device=None):
+        self.auto, self.shapes = auto, dict(shapes)
+        self.size = transport.size
+        self.cands = candidates(auto.compressor, auto.fallbacks, auto.bits, auto.densities,
+                                auto.ranks)
+        self.by_spec = {c.spec(): c for c in self.cands}
+        self.carrier = allreduce is not None
+        self.dtypes = tuple(allreduce.dtypes) if allreduce is not None else ()
+        self.pending = True
+        self.first: Dict[str, Optional[torch.Tensor]] = {}    # this rank's first gradients
+        self.choices: Dict[str, Choice] = {}
+        self.budget: Optional[float] = None
+        self.reference: Optional[float] = None       # the user's compressor's total error
+        self.proven = True
+        numel = auto.calibrate_numel
+        link = auto.link or measure_link(transport, allreduce, device=device, large=min(
+            max(4 * sum(int(np.prod(s)) for s in shapes.values()), 1 << 20), 8 << 20))
+        self.codecs: Dict[str, CodecCost] = dict(auto.codecs or {})
+        for c in self.cands:
+            if c.spec() in self.codecs or c.spec() in ("none", "fp16"):
+                continue
+            if isinstance(c, SummedRounds):
+                self.codecs[c.spec()] = _measure_rounds(c, transport, numel)
+            else:
+                self.codecs[c.spec()] = measure_codec(c, transport, numel, device=device)
+        if "fp16" not in self.codecs:
+            some = next((v for k, v in self.codecs.items() if v.fp16_per_elem > 0), None)
+            self.codecs["fp16"] = some or CodecCost(0, 0, 0, 0, 0, 2, 0.0)
+        self.model = CostModel(link, self.codecs["fp16"], self.size, allreduce is not None)
+        auto.model = self.model
+
+    # --- prediction --------------------------------------------------------------------
+    def path(self, comp: Compressor) -> str:
+        """"rounds", "allreduce" (summed by the carrier) or "allgather" (messages)."""
+        if isinstance(comp, SummedRounds):
+            return "rounds"
+        wire = getattr(comp, "wire_dtype", None) or torch.float32
+        return "allreduce" if comp.summable and wire in self.dtypes else "allgather"
+
+    def predict(self, comp: Compressor, shape) -> Tuple[float, float]:
+        """(seconds, bytes sent per rank) of one exchange of a tensor of ``shape`` with
+        ``comp`` in a fusion bucket (module docstring)."""
+        n = int(np.prod(shape))
+        m = self.model
+        L, N = m.link, self.size
+        if comp.spec() in ("none", "fp16"):
+            return m.seconds(n, fused=True)[comp.spec()], (4 if comp.spec() == "none" else 2) * n
+        C = self.codecs[comp.spec()]
+        if isinstance(comp, SummedRounds):
+            nbytes = comp.message_bytes(tuple(shape))
+            per_byte = L.ar_per_byte if self.carrier else L.ag_per_byte
+            return C.encode(n) + per_byte * nbytes, nbytes
+        nbytes = C.message(n)
+        return C.encode(n) + L.ag_per_byte * nbytes + N * C.decode(n), nbytes
+
+    # --- the decision ------------------------------------------------------------------
+    def decide(self, grads: Dict[str, Optional[torch.Tensor]], transport) -> Dict[str, Choice]:
+        """Measure every candidate's error on ``grads`` ({name: this rank's first gradient,
+        of the parameter's shape, or None}; errors in the gradient's units squared), solve,
+        and record the plan (collective; every rank gets the same plan, logged on rank 0).
+        A tensor no rank had a finite gradient for keeps the user's compressor (outside the
+        budget).  ConfigError when the budget cannot be met (every rank alike);
+        :class:`~hvdcomp.errors.Mismatch` if the ranks' plans differ (a digest check)."""
+        errs = measure_errors(self.cands, {n: grads.get(n) for n in self.shapes}, transport)
+        user = self.cands.index(self.auto.compressor)
+        names = sorted(self.shapes)
+        known = [n for n in names if not any(math.isnan(e) for e in errs[n])]
+        pred = {n: [self.predict(c, self.shapes[n]) for c in self.cands] for n in names}
+        self.reference = sum(errs[n][user] for n in known)
+        self.budget = float(self.auto.budget) * self.reference
+        pick, self.proven = solve([[p[0] for p in pred[n]] for n in known],
+                                  [errs[n] for n in known], self.budget, self.auto.max_nodes)
+        chosen = dict(zip(known, pick))
+        self.choices = {}
+        for n in names:
+            j = chosen.get(n, user)
+            c = self.cands[j]
+            self.choices[n] = Choice(c.spec(), self.path(c), float(pred[n][j][1]),
+                                     float(pred[n][j][0]), float(errs[n][j]))
+            self.auto.plan[n] = c.name
+        self.pending = False
+        # every rank computed it from the same numbers; the digest guards that promise
+        agree(transport, json.dumps({n: asdict(c) for n, c in self.choices.items()},
+                                    sort_keys=True), "the per-layer plan")
+        if transport.rank == 0:
+            self.log()
+        return self.choices
+
+    def record(self, grads: Optional[Dict[str, Optional[torch.Tensor]]],
+               copy: bool = False) -> None:
+        """Keep this rank's gradients of the planned tensors among ``grads`` ({name:
+        tensor or None}; None: this rank has none, e.g. joined) for :meth:`settle`;
+        ``copy``: clone them (the caller reuses its buffers)."""
+        for n, g in (grads or {}).items():      # (a sparse gradient is not measured)
+            if n in self.shapes and g is not None and not g.is_sparse:
+                self.first[n] = g.detach().clone() if copy else g.detach()
+
+    def settle(self, plan, transport) -> None:
+        """While pending: :meth:`decide` on the recorded gradients, then :meth:`adopt`
+        (collective, between steps: every rank together); nothing afterwards."""
+        if self.pending:
+            got, self.first = self.first, {}
+            self.decide(got, transport)
+            self.adopt(plan)
+
+    def adopt(self, plan) -> None:
+        """Send every planned tensor of ``plan`` (:class:`~.plan.Plan`) with its choice."""
+        for name in self.choices:
+            plan.assign(name, self.compressor(name))
+
+    def compressor(self, name: str) -> Compressor:
+        """The compressor instance ``name`` travels with (one instance per candidate)."""
+        return self.by_spec[self.choices[name].spec]
+
+    def log(self) -> None:
+        """The plan, one line per tensor (INFO, :mod:`hvdcomp.log`)."""
+        tot = self.totals()
+        logger.info("Auto per layer: budget %.6g (x%.3g of %s's %.6g), plan error %.6g, "
+                    "predicted %.6g s, %d bytes per rank%s", self.budget, self.auto.budget,
+                    self.auto.compressor.spec(), self.reference, tot["error"],
+                    tot["seconds"], tot["bytes"], "" if self.proven else " (not proven optimal)")
+        for n, c in self.choices.items():
+            logger.info("  %s: %s via %s, %d bytes, %.3g s, error %.4g", n, c.spec, c.path,
+                        c.bytes, c.seconds, c.error)
+
+    def totals(self) -> Dict[str, float]:
+        """Sums over the plan's tensors of ``error``, ``seconds`` and ``bytes``."""
+        cs = self.choices.values()
+        return {"error": sum(c.error for c in cs), "seconds": sum(c.seconds for c in cs),
+                "bytes": sum(c.bytes for c in cs)}
+
+    # --- checkpoint --------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """``budget``, ``reference``, ``plan`` ({name: Choice as a dict}, {} while pending)
+        and ``states`` ({candidate spec: its compressor's state_dict})."""
+        return {"budget": self.budget, "reference": self.reference,
+                "plan": {n: asdict(c) for n, c in self.choices.items()},
+                "states": {s: c.state_dict() for s, c in self.by_spec.items()
+                           if c is not self.auto.compressor}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Adopt a :meth:`state_dict`'s plan and states.  ValueError when its tensors or
+        candidates are not this planner's."""
+        plan = state["plan"]
+        if plan and set(plan) != set(self.shapes):
+            raise ValueError(f"per-layer plan of tensors {sorted(plan)}, this exchange plans "
+                             f"{sorted(self.shapes)}")
+        bad = sorted({c["spec"] for c in plan.values()} - set(self.by_spec)
+                     | set(state["states"]) - set(self.by_spec))
+        if bad:
+            raise ValueError(f"per-layer plan uses candidates {bad} that this Auto does not "
+                             f"offer ({sorted(self.by_spec)})")
+        for s, st in state["states"].items():
+            self.by_spec[s].load_state_dict(st)
+        self.budget, self.reference = state["budget"], state["reference"]
+        self.choices = {n: Choice(**c) for n, c in plan.items()}
+        self.pending = not plan
+
+
+def _measure_rounds(comp: Compressor, transport, numel: int) -> CodecCost:
+    """A compressor summed in rounds, timed as one rank's rounds (:func:`simulate`, a
+    fresh copy each repetition) on a 1024-row matrix of about ``numel`` elements: seconds
+    per element as ``encode``; its bytes come from ``message_bytes`` (slowest rank)."""
+    rows = 1024
+    cols = max(numel // rows, 8)
+    gen = torch.Generator().manual_seed(12345 + transport.rank)
+    x = torch.randn(rows, cols, generator=gen) * 1e-3     # (simulate runs on the host)
+    key = TensorKey("hvdcomp.auto.calibration.rounds", 0, 0, 0, 1, 0, shape=(rows, cols),
+                    dtype=torch.float32)
+    best = math.inf
+    for rep in range(3):
+        fresh = get(comp.spec())
+        t0 = time.perf_counter()
+        simulate([fresh], [x], [key])
+        if rep:
+            best = min(best, time.perf_counter() - t0)
+    (t,) = _slowest(transport, [best])
+    return CodecCost(0.0, t / (rows * cols), 0.0, 0.0, 0.0, 0.0)
+
+
+def planner(plan, hierarchy: str, transport, allreduce=None
+            ) -> Tuple[Optional[LayerPlanner], str]:
+    """``(LayerPlanner or None, hierarchy)`` of an exchange's :class:`~.plan.Plan` (a
+    planner where a per-layer Auto plans some tensors: built now, measuring the costs on
+    every rank together) and the hierarchy it runs with: "flat" with a planner (module
+    docstring; ConfigError for "host"), else ``hierarchy`` unchanged."""
+    if not plan.layer_shapes:
+        return None, hierarchy
+    if hierarchy == "host":
+        raise ConfigError("Auto(per_layer=True) plans the flat exchange; use hierarchy="
+                          "'flat' or 'auto' (flat with it)")
+    dev = plan.entries[next(iter(plan.layer_shapes))].param.device
+    return LayerPlanner(plan.auto, plan.layer_shapes, transport, allreduce, device=dev), "flat"

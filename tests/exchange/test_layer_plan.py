@@ -1,0 +1,340 @@
+"""Auto per layer (hvdcomp.exchange.layer_plan): the solver against brute force, the budget
+on measured errors, two ranks with one plan and identical averages, the plan in the
+checkpoint."""
+import itertools
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hvdcomp  # noqa: E402
+from hvdcomp.auto import LinkCost, from_spec  # noqa: E402
+from hvdcomp.compressors import TensorKey  # noqa: E402
+from hvdcomp.errors import ConfigError  # noqa: E402
+from hvdcomp.exchange import Exchange  # noqa: E402
+from hvdcomp.exchange.driver import Driver, Settings  # noqa: E402
+from hvdcomp.auto import CodecCost  # noqa: E402
+from hvdcomp.exchange.layer_plan import candidates, solve  # noqa: E402
+from world import run_ranks  # noqa: E402
+
+# a slow link (10 MB/s), so that compressing pays and the choice is not trivial
+SLOW = LinkCost(ar_latency=1e-4, ar_per_byte=1e-7, ag_latency=1e-4, ag_per_byte=1e-7)
+
+
+def _codecs(spec, **kw):
+    """Hand-made codec costs of every candidate (1 ns per element to encode and decode: the
+    machine's load cannot change the plan), the bytes from a real message of 2^16 elements."""
+    out = {}
+    for c in candidates(hvdcomp.get(spec), **kw):
+        if c.spec() in ("none", "fp16") or c.name == "powersgd":
+            out[c.spec()] = CodecCost(0, 1e-9, 0, 0, 0, 0, 1e-10)
+            continue
+        key = TensorKey("c", 0, 0, 0, 1, 0, shape=(256, 256), dtype=torch.float32)
+        x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+        nbytes = len(c.encode(x, key).to_bytes())
+        out[c.spec()] = CodecCost(0, 1e-9, 0, 1e-9, 0, nbytes / 2**16, 1e-10)
+    return out
+
+
+def _optimum(times, errors, budget):
+    """Every combination tried: the least total time within the budget (ties: less error)."""
+    best = None
+    for combo in itertools.product(*[range(len(t)) for t in times]):
+        e = sum(errors[i][j] for i, j in enumerate(combo))
+        t = sum(times[i][j] for i, j in enumerate(combo))
+        if e <= budget and (best is None or (t, e) < best[0]):
+            best = ((t, e), combo)
+    return best
+
+
+def test_solver_equals_brute_force_on_small_cases():
+    rnd = random.Random(3)
+    for case in range(150):
+        T, K = rnd.randint(1, 6), rnd.randint(1, 6)
+        times = [[rnd.uniform(0, 10) for _ in range(K)] for _ in range(T)]
+        errors = [[rnd.choice([0.0, rnd.uniform(0, 5)]) for _ in range(K)] for _ in range(T)]
+        least = sum(min(e) for e in errors)
+        budget = least + rnd.uniform(0, 8)
+        pick, proven = solve(times, errors, budget)
+        (t_best, e_best), _ = _optimum(times, errors, budget)
+        assert proven
+        assert sum(errors[i][j] for i, j in enumerate(pick)) <= budget + 1e-9
+        assert sum(times[i][j] for i, j in enumerate(pick)) == pytest.approx(t_best, abs=1e-12)
+        # cut short, the search still returns a plan within the budget (the greedy one)
+        cut, proven = solve(times, errors, budget, max_nodes=1)
+        assert sum(errors[i][j] for i, j in enumerate(cut)) <= budget + 1e-9
+
+
+def test_solver_hand_case_and_infeasible_budget():
+    # two tensors; options (time, error): A: (10, 0) (4, 3) (1, 9); B: (8, 0) (2, 4)
+    times, errors = [[10, 4, 1], [8, 2]], [[0, 3, 9], [0, 4]]
+    # budget 7: A=4/3 with B=2/4 (time 6) beats A=1/9 (over) and A=10 + B=2 (12)
+    assert solve(times, errors, 7)[0] == [1, 1]
+    assert solve(times, errors, 3.5)[0] == [1, 0]        # 4 + 8 = 12 < 10 + 2 with e 4 > 3.5
+    assert solve(times, errors, 0)[0] == [0, 0]
+    with pytest.raises(ConfigError, match=r"budget 0.5 cannot be met.*least total error .* 1"):
+        solve([[1, 2]], [[1, 3]], 0.5)
+
+
+def _error(spec, g):
+    """||C(g) - g||^2 by the compressor's own encode and decode (as a world of one)."""
+    c = hvdcomp.get(spec)
+    key = TensorKey("w", 0, 0, 0, 1, 0, shape=tuple(g.shape), dtype=g.dtype)
+    out = torch.zeros(g.numel())
+    c.decode(c.encode(g, key), key, out)
+    return float((out - g.reshape(-1)).double().pow(2).sum())
+
+
+def _model():
+    """The same parameters on every rank (from a generator of their own: the ranks are
+    threads sharing torch's global one)."""
+    m = torch.nn.Sequential(torch.nn.Linear(256, 384), torch.nn.ReLU(),
+                               torch.nn.Linear(384, 256), torch.nn.ReLU(),
+                               torch.nn.Linear(256, 128))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return m
+
+
+def _grads(named, rank, step):
+    """Gradients with a low-rank layer (PowerSGD's case), a heavy-tailed one (top-k's) and a
+    dense Gaussian one."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    out = {}
+    for i, (n, p) in enumerate(named):
+        x = torch.randn(p.shape, generator=g) * 1e-3
+        if p.dim() == 2 and i == 0:
+            u, v = torch.randn(p.shape[0], 1, generator=g), torch.randn(1, p.shape[1], generator=g)
+            x = u @ v * 1e-2 + x * 1e-3
+        elif p.dim() == 2 and i == 2:
+            x = x * (torch.rand(p.shape, generator=g) < 0.005) * 100 + x * 1e-3
+        out[n] = x
+    return out
+
+
+def _step(ex, named, rank, step):
+    for n, p in named:
+        p.grad = _grads(named, rank, step)[n].clone()
+    ex.begin(step)
+    for n, _ in named:
+        ex.ready(n)
+    res, _ = ex.finish()
+    return {n: v.clone() for n, v in res.items()}
+
+
+def test_budget_is_respected_and_defaults_to_the_compressors_error():
+    for factor in (1.0, 0.3):
+        def body(rank, tp):
+            named = list(_model().named_parameters())
+            auto = hvdcomp.Auto("qsgd:bits=3", per_layer=True, budget=factor, ranks=(),
+                                link=SLOW, calibrate_numel=1 << 14)
+            ex = Exchange(named, auto, tp, min_compress_numel=16)
+            _step(ex, named, rank, 0)
+            ex.close()
+            return ex.layer, _grads(named, rank, 0)
+
+        (layer, grads), = run_ranks(1, body)
+        weights = sorted(n for n in grads if grads[n].dim() == 2)
+        assert sorted(layer.choices) == weights
+        reference = sum(_error("qsgd:bits=3", grads[n]) for n in weights)
+        assert layer.reference == pytest.approx(reference, rel=1e-9)
+        assert layer.budget == pytest.approx(factor * reference, rel=1e-9)
+        measured = sum(_error(layer.choices[n].spec, grads[n]) for n in weights)
+        assert measured <= layer.budget * (1 + 1e-9)
+        # the plan's own numbers: the same errors, and no faster plan within the budget
+        assert [layer.choices[n].error for n in weights] == pytest.approx(
+            [_error(layer.choices[n].spec, grads[n]) for n in weights], rel=1e-9)
+        if factor == 1.0:                       # the user's compressor alone is feasible
+            assert layer.totals()["seconds"] <= sum(
+                layer.predict(hvdcomp.get("qsgd:bits=3"), grads[n].shape)[0]
+                for n in weights) + 1e-15
+
+
+def test_budget_no_plan_can_meet_is_a_clear_error():
+    def body(rank, tp):
+        named = list(_model().named_parameters())
+        auto = hvdcomp.Auto("qsgd:bits=3", fallbacks=(), per_layer=True, budget=0.0,
+                            ranks=(), link=SLOW, calibrate_numel=1 << 14)
+        ex = Exchange(named, auto, tp, min_compress_numel=16)
+        try:
+            _step(ex, named, rank, 0)
+        finally:
+            ex.close()
+
+    err, = run_ranks(1, body)
+    assert isinstance(err, ConfigError) and "error budget 0 cannot be met" in str(err)
+
+
+def test_two_ranks_one_plan_identical_averages_mixed_kinds():
+    def body(rank, tp):
+        named = list(_model().named_parameters())
+        auto = hvdcomp.Auto("alq:bits=3", per_layer=True, link=SLOW,
+                                    codecs=_codecs("alq:bits=3"))
+        ex = Exchange(named, auto, tp, min_compress_numel=16)
+        out = [_step(ex, named, rank, s) for s in range(3)]
+        ex.close()
+        return ex.layer.state_dict()["plan"], ex.plan.paths(), out
+
+    (plan0, paths0, out0), (plan1, paths1, out1) = run_ranks(2, body)
+    assert plan0 == plan1 and paths0 == paths1
+    for s in range(3):
+        assert out0[s].keys() == out1[s].keys()
+        assert all(torch.equal(out0[s][n], out1[s][n]) for n in out0[s])
+    kinds = {c["spec"].split(":")[0] for c in plan0.values()}
+    assert len(kinds) >= 2, plan0                       # several compressors in one exchange
+    assert "powersgd" in kinds and paths0["0.weight"] == "rounds", plan0
+
+
+def test_checkpoint_keeps_the_plan():
+    def body(rank, tp):
+        def driver(ident):
+            auto = hvdcomp.Auto("alq:bits=3", per_layer=True, link=SLOW,
+                                codecs=_codecs("alq:bits=3"))
+            return Driver(list(_model().named_parameters()), Settings(
+                compression=auto, min_compress_numel=16, seed=5), tp, ident=ident)
+
+        d = driver(0)
+        named = [(e.name, e.param) for e in d.exchange.entries.values()]
+        for s in range(2):
+            _step(d.exchange, named, rank, s)
+            d.step += 1
+        sd = d.state_dict()
+        e = driver(1)
+        assert e.exchange.layer.pending
+        e.load_state_dict(sd)
+        named_e = [(x.name, x.param) for x in e.exchange.entries.values()]
+        for (n, p), (_, q) in zip(named, named_e):
+            q.data.copy_(p.data)
+        a = _step(d.exchange, named, rank, 2)
+        b = _step(e.exchange, named_e, rank, 2)
+        d.exchange.close()
+        e.exchange.close()
+        return (sd["layer_plan"], e.state_dict()["layer_plan"]["plan"], d.exchange.plan.paths(),
+                e.exchange.plan.paths(), all(torch.equal(a[n], b[n]) for n in a))
+
+    for saved, plan, pd, pe, same in run_ranks(2, body):
+        assert saved["plan"] and plan == saved["plan"] and pd == pe and same
+        assert saved["budget"] == pytest.approx(saved["reference"])
+
+
+def test_spec_strings_and_bad_settings():
+    auto, coll = from_spec("auto+layer+alq:bits=3")
+    assert isinstance(auto, hvdcomp.Auto) and auto.per_layer and coll is None
+    assert auto.compressor.spec() == hvdcomp.get("alq:bits=3").spec()
+    assert not from_spec("auto+alq:bits=3")[0].per_layer
+    assert from_spec("auto+layer+ag+qsgd:bits=4")[1] == "allgather"
+    with pytest.raises(ValueError, match="budget"):
+        hvdcomp.Auto("alq:bits=3", per_layer=True, budget=-1)
+
+    def body(rank, tp):
+        named = list(_model().named_parameters())
+        Exchange(named, hvdcomp.Auto("qsgd", per_layer=True, link=SLOW), tp,
+                 collective="reduce_scatter")
+
+    err, _ = run_ranks(2, body)
+    assert isinstance(err, ConfigError) and "per_layer" in str(err)
+
+
+def test_nonfinite_first_gradients_and_the_log(caplog):
+    """A NaN gradient is left out of the errors (the other rank's alone count); a tensor no
+    rank had a finite gradient for keeps the user's compressor; rank 0 logs every tensor's
+    choice with its predicted bytes, seconds and error."""
+    def body(rank, tp):
+        named = list(_model().named_parameters())
+        auto = hvdcomp.Auto("qsgd:bits=3", per_layer=True, ranks=(), link=SLOW,
+                            codecs=_codecs("qsgd:bits=3", ranks=()))
+        ex = Exchange(named, auto, tp, min_compress_numel=16)
+        grads = _grads(named, rank, 0)
+        if rank == 1:
+            grads["2.weight"][3, 5] = float("nan")
+        grads["4.weight"][0, 0] = float("inf")
+        for n, p in named:
+            p.grad = grads[n].clone()
+        ex.begin(0)
+        for n, _ in named:
+            ex.ready(n)
+        ex.finish()
+        ex.close()
+        return ex.layer
+
+    caplog.set_level("INFO", logger="hvdcomp")
+    layer, other = run_ranks(2, body)
+    assert layer.state_dict()["plan"] == other.state_dict()["plan"]
+    c = layer.choices["2.weight"]
+    g0 = _grads(list(_model().named_parameters()), 0, 0)["2.weight"]
+    assert c.error == pytest.approx(_error(c.spec, g0), rel=1e-9)   # rank 0's alone
+    assert layer.choices["4.weight"].spec == hvdcomp.get("qsgd:bits=3").spec()
+    w0 = _grads(list(_model().named_parameters()), 0, 0)["0.weight"]
+    w1 = _grads(list(_model().named_parameters()), 1, 0)["0.weight"]
+    want = (_error(layer.choices["0.weight"].spec, w0)
+            + _error(layer.choices["0.weight"].spec, w1)) / 2       # both ranks' mean
+    assert layer.choices["0.weight"].error == pytest.approx(want, rel=1e-9)
+    lines = [r.getMessage() for r in caplog.records if r.name == "hvdcomp"]
+    assert sum("Auto per layer: budget" in x for x in lines) == 1     # rank 0 only
+    for n, ch in layer.choices.items():
+        assert any(x.startswith(f"  {n}: {ch.spec} via {ch.path}, {int(ch.bytes)} bytes")
+                   for x in lines), (n, lines)
+
+
+def test_powersgd_as_the_compressor_plans_its_ranks():
+    """PowerSGD (summed in rounds) may be the user's compressor: its ranks are candidates,
+    and the budget is its own error at its rank."""
+    def body(rank, tp):
+        named = list(_model().named_parameters())
+        auto = hvdcomp.Auto("powersgd:rank=2", per_layer=True, link=SLOW,
+                            codecs=_codecs("powersgd:rank=2"))
+        ex = Exchange(named, auto, tp, min_compress_numel=16)
+        out = [_step(ex, named, rank, s) for s in range(2)]
+        ex.close()
+        return ex.layer, out
+
+    (layer, a), (_, b) = run_ranks(2, body)
+    specs = [c.spec() for c in layer.cands]
+    assert specs[0] == hvdcomp.get("powersgd:rank=2").spec()
+    assert {s for s in specs if s.startswith("powersgd")} == {
+        hvdcomp.get(f"powersgd:rank={r}").spec() for r in (1, 2, 4)}
+    assert layer.totals()["error"] <= layer.budget * (1 + 1e-9)
+    assert all(torch.equal(a[1][n], b[1][n]) for n in a[1])
+
+
+def test_checkpoint_refused_where_the_plan_cannot_be_kept():
+    """A per-layer plan loaded by an exchange without a per-layer Auto, or by one that does
+    not offer the plan's candidates: ValueError, nothing changed."""
+    def body(rank, tp):
+        named = list(_model().named_parameters())
+
+        def driver(auto, ident):
+            return Driver(named, Settings(compression=auto, min_compress_numel=16), tp,
+                          ident=ident)
+
+        d = driver(hvdcomp.Auto("alq:bits=3", per_layer=True, link=SLOW,
+                                codecs=_codecs("alq:bits=3")), 0)
+        _step(d.exchange, named, rank, 0)
+        sd = d.state_dict()
+        errors = []
+        for other in (hvdcomp.Auto("alq:bits=3", link=SLOW, codec=CodecCost(0, 1e-9, 0, 1e-9,
+                                                                            0, 0.5)),
+                      hvdcomp.Auto("alq:bits=3", per_layer=True, link=SLOW, bits=(3,),
+                                   densities=(), ranks=(), codecs=_codecs("alq:bits=3"))):
+            e = driver(other, 1)
+            before = e.exchange.plan.compressor_names()
+            try:
+                e.load_state_dict(sd)
+            except ValueError as exc:
+                errors.append(str(exc))
+            assert e.exchange.plan.compressor_names() == before
+            e.exchange.close()
+        d.exchange.close()
+        return sd["layer_plan"]["plan"], errors
+
+    for plan, errors in run_ranks(2, body):
+        used = {c["spec"] for c in plan.values()} - {hvdcomp.get("alq:bits=3").spec(),
+                                                     "none", "fp16"}
+        assert used and len(errors) == 2, (plan, errors)     # (top-k, PowerSGD: see above)
+        assert "per-layer Auto" in errors[0] and "does not offer" in errors[1]
