@@ -36,7 +36,7 @@ from horovod.torch.elastic import ElasticSampler, TorchState
 from horovod.torch.elastic.state import (OptimizerStateHandler, get_handler_registry,
                                          set_handler_registry)
 
-from ..compressors.declarations import ABSENT_ZEROS
+from ..compressors import ABSENT_ZEROS
 from ..log import logger
 from ..transport import restart_names
 from .broadcast import broadcast_optimizer_state
