@@ -24,6 +24,7 @@ plain DDP without hvdcomp alike; PyTorch issue 135712); a store per attempt avoi
 import argparse
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,11 @@ ap.add_argument("--steps", type=int, default=40)
 ap.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
 ap.add_argument("--fail-at", type=int, default=-1)
 ap.add_argument("--out", default="")
+ap.add_argument("--hold", action="append", default=[], metavar="STEP:SIZE",
+                help="at STEP, while the world has SIZE ranks, wait until torchrun restarts "
+                     "the group (a node joining or leaving); repeatable")
 args = ap.parse_args()
+holds = {tuple(int(v) for v in h.split(":")) for h in args.hold}
 
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()
@@ -81,7 +86,21 @@ if os.path.exists(os.path.join(args.dir, "latest")):
     print(f"rank {rank}: resumed at step {start} (saved by {main['world_size']} ranks, "
           f"now {size})", flush=True)
 
+
+
+def hold(step):
+    """Wait at ``step`` for a membership change: a node joining makes torchrun stop these
+    workers (SIGTERM) and start the group again at the new size; a node leaving makes the
+    next barrier raise (its peers are gone), this worker fails and torchrun restarts it."""
+    print(f"rank {rank}: holding at step {step} with {size} ranks", flush=True)
+    while True:
+        dist.barrier()
+        time.sleep(0.1)
+
+
 for step in range(start, args.steps):
+    if (step, size) in holds:
+        hold(step)
     data = torch.Generator().manual_seed(1000 * step + rank)   # each rank its own batches
     x = torch.randn(32, 64, generator=data)
     loss = torch.nn.functional.cross_entropy(ddp_model(x), (x @ teacher).argmax(1))
