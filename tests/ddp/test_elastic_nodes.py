@@ -66,8 +66,11 @@ class Node:
 
     def kill(self):
         """The whole node at once: the agent and its workers (torchrun starts each worker
-        in a session of its own), SIGKILL."""
+        in a session of its own), SIGKILL; nothing once the agent has exited (its pid may
+        be another process's by then)."""
         self.killed = True
+        if self.proc.poll() is not None:
+            return
         try:
             procs = [psutil.Process(self.proc.pid)]
             procs += procs[0].children(recursive=True)
@@ -92,8 +95,8 @@ def resize_job(tmp, compression):
 
     def wait_for(what, done):
         while not done():
-            if time.monotonic() > deadline or any(
-                    not n.killed and n.proc.poll() not in (None, 0) for n in nodes):
+            if time.monotonic() > deadline or any(      # (or a node ended too soon)
+                    not n.killed and n.proc.poll() is not None for n in nodes):
                 for n in nodes:
                     n.kill()
                 pytest.fail(f"waiting for {what}:\n" + "\n".join(
