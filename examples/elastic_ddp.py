@@ -2,9 +2,10 @@
 
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1       # see below
     .venv/bin/torchrun --nproc_per_node 2 --max-restarts 3 examples/elastic_ddp.py --dir /tmp/ck
-    # several hosts, 1 to 4 of them (a resize restarts every worker with the new world):
+    # several hosts, 1 to 4 of them, the same command on each (a host joining or leaving
+    # restarts every worker with the new world):
     .venv/bin/torchrun --nnodes 1:4 --nproc_per_node 2 --max-restarts 3 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST:29400 examples/elastic_ddp.py --dir /shared/ck
+        --rdzv-endpoint HOST:29400 --rdzv-id JOB examples/elastic_ddp.py --dir /shared/ck
 
 torchrun restarts every worker when one dies; each (re)started worker resumes from the
 newest complete checkpoint in --dir, saved every --every steps: the model and the optimizer
@@ -14,8 +15,10 @@ continues bit for bit as if nothing had happened.  Restarted at another world si
 rank loads rank 0's hook state: hvdcomp keeps the step and the state all ranks share (ALQ's
 fitted levels, PowerSGD's Q), resets the per-rank state and logs a warning
 (docs/semantics.md, "Elastic restarts").  --fail-at STEP: rank 1 dies (SIGKILL) just before
-that step's backward on the first attempt, to try it.  --out DIR: each rank writes its
-final parameters and hook state there.
+that step's backward on the first attempt, to try it.  --hold STEP:SIZE: at that step, while
+the world has SIZE ranks, the workers wait for a host to join or leave (a leaving host makes
+their next barrier fail; docs/semantics.md, "Nodes joining and leaving"), to try a resize.
+--out DIR: each rank writes its final parameters and hook state there.
 
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch 2.13, a restarted group shares the
 rendezvous store of the attempt before it and init_process_group("gloo") can read a dead
@@ -24,6 +27,7 @@ plain DDP without hvdcomp alike; PyTorch issue 135712); a store per attempt avoi
 import argparse
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,7 +41,11 @@ ap.add_argument("--steps", type=int, default=40)
 ap.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
 ap.add_argument("--fail-at", type=int, default=-1)
 ap.add_argument("--out", default="")
+ap.add_argument("--hold", action="append", default=[], metavar="STEP:SIZE",
+                help="at STEP, while the world has SIZE ranks, wait until torchrun restarts "
+                     "the group (a node joining or leaving); repeatable")
 args = ap.parse_args()
+holds = {tuple(int(v) for v in h.split(":")) for h in args.hold}
 
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()
@@ -81,7 +89,21 @@ if os.path.exists(os.path.join(args.dir, "latest")):
     print(f"rank {rank}: resumed at step {start} (saved by {main['world_size']} ranks, "
           f"now {size})", flush=True)
 
+
+
+def hold(step):
+    """Wait at ``step`` for a membership change: a node joining makes torchrun stop these
+    workers (SIGTERM) and start the group again at the new size; a node leaving makes the
+    next barrier raise (its peers are gone), this worker fails and torchrun restarts it."""
+    print(f"rank {rank}: holding at step {step} with {size} ranks", flush=True)
+    while True:
+        dist.barrier()
+        time.sleep(0.1)
+
+
 for step in range(start, args.steps):
+    if (step, size) in holds:
+        hold(step)
     data = torch.Generator().manual_seed(1000 * step + rank)   # each rank its own batches
     x = torch.randn(32, 64, generator=data)
     loss = torch.nn.functional.cross_entropy(ddp_model(x), (x @ teacher).argmax(1))
