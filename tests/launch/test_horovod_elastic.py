@@ -126,6 +126,7 @@ def test_two_three_two_ranks(tmp_path):
 BAD = r"""
 import sys
 sys.path.insert(0, {root!r})
+import copy
 import horovod.torch.elastic
 import torch
 import hvdcomp.torch as hvd
@@ -146,6 +147,37 @@ for spec, run in {cases!r}:
     except Exception as e:
         print("REFUSED", spec, type(e).__name__ + ":", e)
     opt.close()
+
+# commit() keeps, and restore() brings back, hvdcomp's state (TopK's residuals, the step)
+# with the parameters and the wrapped optimizer's momentum
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 8)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               named_parameters=model.named_parameters(),
+                               compression="topk:density=0.25", min_compress_numel=0)
+state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+
+
+def step():
+    opt.zero_grad()
+    model(torch.randn(4, 8)).pow(2).sum().backward()
+    opt.step()
+
+
+step(); step()
+state.commit()
+kept = copy.deepcopy((opt.state_dict(), model.state_dict()))
+step(); step()
+moved = opt.state_dict()["hvdcomp"]
+state.restore()
+back = (opt.state_dict(), model.state_dict())
+same = lambda a, b: torch.equal(a, b) if torch.is_tensor(a) else (
+    a.keys() == b.keys() and all(same(a[k], b[k]) for k in a) if isinstance(a, dict) else
+    len(a) == len(b) and all(map(same, a, b)) if isinstance(a, (list, tuple)) else a == b)
+print("RESTORE", same(back, kept), not same(moved, kept[0]["hvdcomp"]))
+step()
+print("STEPS", opt.state_dict()["hvdcomp"]["step"], kept[0]["hvdcomp"]["step"])
+opt.close()
 """
 
 CASES = [("laq", "hvd.elastic.run", "ValueError: hvdcomp: compression 'laq"),
@@ -157,7 +189,8 @@ CASES = [("laq", "hvd.elastic.run", "ValueError: hvdcomp: compression 'laq"),
 
 def test_refused(tmp_path):
     """One process (Horovod on one rank): each error comes before the training function
-    runs (LAQ's and NDQSG's before anything collective)."""
+    runs (LAQ's and NDQSG's before anything collective); then commit() and restore() of a
+    TorchState carry hvdcomp's state."""
     script = tmp_path / "bad.py"
     script.write_text(BAD.format(root=ROOT, cases=[c[:2] for c in CASES]))
     p = subprocess.run([PY, str(script)], cwd=tmp_path, env=_env(tmp_path),
@@ -166,3 +199,6 @@ def test_refused(tmp_path):
     assert p.returncode == 0 and "TRAINED" not in out, out[-4000:]
     for spec, _, error in CASES:
         assert f"REFUSED {spec} {error}" in out, out[-4000:]
+    # restore() gave back what commit() kept (and the two steps after it had changed it)
+    assert "RESTORE True True" in out, out[-4000:]
+    assert "STEPS 3 2" in out, out[-4000:]
