@@ -102,6 +102,10 @@ def test_two_three_two_ranks(tmp_path):
             # identical parameters and shared state on every rank
             for key in ("a", "b", "q"):
                 assert r[key] == ev[0][key], (key, size, step)
+            # at most the exchange threads of the two optimizers (one per stage each,
+            # started at their first step): a reset leaves none of the old ones behind
+            assert all(r["threads"].count(t) <= 2 for t in r["threads"]), r["threads"]
+            assert len(r["threads"]) in (0, 6), r["threads"]
         assert all(torch.isfinite(torch.tensor(ev[0][k])).all() for k in ("a", "b"))
     before_grow, after_grow, before_shrink, after_shrink = events[1:5]
     for before, after in ((before_grow, after_grow), (before_shrink, after_shrink)):

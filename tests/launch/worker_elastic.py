@@ -13,6 +13,7 @@ residual norms, and rank 0 appends them to $HVDCOMP_TEST_OUT/events.jsonl; at th
 rank 0 writes the final parameters to final.pt.
 """
 import json
+import threading
 import os
 import sys
 import time
@@ -75,7 +76,9 @@ def record(state, starts):
     mine = {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "pid": os.getpid(),
             "starts": starts, "hvdcomp_steps": [opt_a._driver.step, opt_b._driver.step],
             "a": flat(model_a).tolist(), "b": flat(model_b).tolist(), "q": q.tolist(),
-            "residual": res, "transports": [opt_a.transport, opt_b.transport]}
+            "residual": res, "transports": [opt_a.transport, opt_b.transport],
+            "threads": sorted(t.name for t in threading.enumerate()
+                              if t.name.startswith("hvdcomp-"))}
     every = hvd.allgather_object(mine, name="test.record")
     if hvd.rank() == 0:
         with open(os.path.join(OUT, "events.jsonl"), "a") as f:
