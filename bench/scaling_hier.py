@@ -178,6 +178,7 @@ def summarize(row: dict) -> dict:
             max(x for x, r in zip(v, ranks) if r["host"] == h) for h in hosts)
     out["fp32"] = ranks[0]["reps"][0]["fp32"]
     out["choice"] = row.get("hierarchy_choice")
+    out["command"] = row.get("command", "")
     out["load"] = (row.get("load_before"), row.get("load_after"))
     return out
 

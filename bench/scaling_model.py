@@ -6,7 +6,7 @@ message sizes; no measurement): for each method and N, the collective calls of o
 exchange with the bytes each rank sends and the steps (messages in sequence) of the
 algorithm MPI runs, and the CPU work of a rank:
 
-    allreduce of B bytes (Horovod, ring)    sends 2 (N-1)/N B in 2 (N-1) steps
+    allreduce of B bytes (Horovod: MPI's)   sends 2 (N-1)/N B in 2 log2 N steps
     allgather, frames of F_r bytes (ring)   sends (N-1)/N sum_r F_r in N-1 steps
     all-to-all, parts of F_r bytes          sends (N-1)/N sum_r F_r in N-1 steps
     the byte counts before each              log2 N steps (recursive doubling), no bytes
@@ -179,10 +179,13 @@ def account(model: str, method: str, n: int, k: int = 1) -> Dict[str, float]:
     (bytes a rank sends across hosts / inside its host), encoded / decoded elements,
     encoded / decoded messages, cast elements, buckets.
 
-    With ``k`` > 1 the ranks are numbered host by host, so the ring of an allreduce or an
-    allgather over all N = n k ranks crosses each host's link once each way (the link
-    carries what one rank of a one-rank-per-host ring sends); an all-to-all's parts to the
-    other hosts' ranks all cross it.  "host+" methods (hvdcomp/exchange/hier.py): inside
+    With ``k`` > 1 the ranks are numbered host by host.  Open MPI's allreduce of these
+    sizes halves and doubles recursively (Rabenseifner: 2 log2 N steps; its first log2 k
+    exchanges stay in the host), so the link carries 2 (n - 1) / n of the buffer, as a
+    hierarchical allreduce's would; its allgatherv and alltoallv send every rank's bytes to
+    every other rank directly, so the parts for the other hosts' ranks all cross it (the
+    link counters of bench/scaling_hier.py measured both: fp32 allreduce 153.6 MB per host
+    at 4 x 2 against 178.9 for a ring in rank order; ALQ's allgather 125 MB against 69).  "host+" methods (hvdcomp/exchange/hier.py): inside
     the host an all-to-all of float32 pieces and an allgather of the averaged pieces
     (host_bytes), across hosts the compressor over the collective among the n ranks of one
     local rank, on pieces of 1/k of each tensor (k such groups share the link)."""
@@ -197,10 +200,10 @@ def account(model: str, method: str, n: int, k: int = 1) -> Dict[str, float]:
     acc = dict(steps=0.0, bytes=0.0, ar_bytes=0.0, host_bytes=0.0, nic=0.0, enc=0.0,
                dec=0.0, enc_msgs=0.0, dec_msgs=0.0, cast=0.0, buckets=len(buckets))
 
-    def allreduce(b):
-        acc["steps"] += 2 * (N - 1)
+    def allreduce(b):       # recursive halving / doubling (Rabenseifner): see the docstring
+        acc["steps"] += 2 * math.log2(N)
         acc["ar_bytes"] += 2 * (N - 1) / N * b
-        acc["nic"] += 2 * (N - 1) / N * b
+        acc["nic"] += 2 * (n - 1) / n * b
 
     for names in buckets:
         big = [m for m in names if len(shapes[m]) > 1 and math.prod(shapes[m]) >= 1024]
@@ -211,7 +214,7 @@ def account(model: str, method: str, n: int, k: int = 1) -> Dict[str, float]:
             if hier:        # a hierarchical allreduce: reduce-scatter and allgather in the
                 #             host, a ring across hosts of 1/k per rank (k rings at once)
                 acc["host_bytes"] += 2 * (k - 1) / k * nbytes
-                acc["steps"] += 2 * (k - 1) + 2 * (n - 1)
+                acc["steps"] += 2 * (k - 1) + 2 * math.log2(n)
                 acc["ar_bytes"] += 2 * (n - 1) / n * nbytes / k
                 acc["nic"] += 2 * (n - 1) / n * nbytes
             else:
@@ -225,9 +228,10 @@ def account(model: str, method: str, n: int, k: int = 1) -> Dict[str, float]:
             continue
         if not hier:
             ring, a2a = _compressed(acc, {m: shapes[m] for m in big}, N, coll, fam)
-            # a ring: as one rank per host; an all-to-all: k ranks' parts to the other
-            # hosts' ranks, (N - k) / (N - 1) of what each sends
-            acc["nic"] += ring + k * (N - k) / (N - 1) * a2a
+            # MPI's allgatherv and alltoallv send each rank's bytes to every other rank
+            # directly: k ranks' parts to the other hosts' ranks, (N - k) / (N - 1) of what
+            # each sends, cross the link
+            acc["nic"] += k * (N - k) / (N - 1) * (ring + a2a)
             continue
         elems = sum(math.prod(shapes[m]) for m in big)
         pieces = {f"{m}[{k}]": (math.ceil(math.prod(shapes[m]) / k),) for m in big}
@@ -601,6 +605,43 @@ def piece_costs(numel: int = 2**22, pieces: int = 1024) -> Dict[str, float]:
                 decode=max(0.0, (dk - d1) / (pieces - 1)))
 
 
+@lru_cache(maxsize=None)
+def piece_costs_one_call(numel: int = 2**23, pieces: int = 1024) -> Dict[str, float]:
+    """:func:`piece_costs` through the reduce-scatter's one-call path (issue 23 item 3:
+    ``encode_pieces`` / ``decode_pieces``, one kernel launch for all pieces): seconds per
+    extra piece of ALQ 3 bits (pieces of one 8192-element bucket: the one call needs bucket
+    boundaries), the compressor alone (not the exchange's framing), CPU time."""
+    import time
+    import torch
+    from hvdcomp.compressors import get
+    from hvdcomp.compressors.base import TensorKey
+    comp = get("alq:bits=3")
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def run(k):
+            m = numel // k
+            spans = [(i * m, (i + 1) * m) for i in range(k)]
+            keys = [TensorKey(name="t", tensor_id=i, step=1, rank=0, world_size=4)
+                    for i in range(k)]
+            best_e = best_d = float("inf")
+            for _ in range(3):
+                t = time.process_time()
+                msgs = comp.encode_pieces(g, spans, keys)
+                t1 = time.process_time()
+                comp.decode_pieces(msgs, keys, spans, torch.zeros(numel))
+                t2 = time.process_time()
+                best_e, best_d = min(best_e, t1 - t), min(best_d, t2 - t1)
+            return best_e, best_d
+        e1, d1 = run(1)
+        ek, dk = run(pieces)
+    finally:
+        torch.set_num_threads(threads)
+    return dict(encode=max(0.0, (ek - e1) / (pieces - 1)),
+                decode=max(0.0, (dk - d1) / (pieces - 1)))
+
+
 def targets(rows: List[dict]) -> List[str]:
     """Targets (a)-(c) of issue 11 from the measured rows (ResNet-50 shapes, 1 Gbit/s)."""
     def get(n, m, model="resnet50", rate="1gbit"):
@@ -772,10 +813,11 @@ def render_hier(hier_rows: List[dict]) -> str:
         L.append("")
     L += ["## Targets (issue 23)", ""] + targets_hier(hier_rows, p)
     L += ["", "## The model, refitted", "",
-          "bench/scaling_model.py (`account` with k ranks per host: the ring of an allreduce "
-          "or allgather over all ranks crosses each host's link once each way, an "
-          "all-to-all's parts to other hosts all cross it, the hierarchical stages inside "
-          "the host cost beta_host per byte, CPU-contended; `fit_all`), fitted on "
+          "bench/scaling_model.py (`account` with k ranks per host: Open MPI's allreduce "
+          "halves and doubles recursively, so each host's link carries 2 (H - 1) / H of the "
+          "buffer; its allgatherv and alltoallv send every part directly, so the parts for "
+          "other hosts' ranks all cross it; the hierarchical stages inside the host cost "
+          "beta_host per byte, CPU-contended; `fit_all`), fitted on "
           "bench/results/scaling.json (one rank per host) and the cells above: " +
           ", ".join(f"{x} = {v:.3g}" for x, v in p.items() if x != "cores") + ".", ""]
     allerr = [abs(predict(p, r["model"], r["method"], r["hosts"], r["rate"],
@@ -790,10 +832,8 @@ def render_hier(hier_rows: List[dict]) -> str:
                  f"{LABELS.get(m, m)} at {key[1]}x{key[2]} {100 * e:+.0f} %"
                  for key, m, e in errs) + ".")
     L.append("")
-    q = dict(p, beta_host=1.0 / SHM_RATE)
     for rate in ("1gbit", "10gbit"):
-        for name, pp in (("fitted beta_host (this machine's shared memory, contended)", p),
-                         (f"in-host copies at {SHM_RATE / 1e9:g} GB/s per rank", q)):
+        for name, pp in _variants(p):
             L += [f"### Predicted seconds per exchange, resnet50, {PREDICT_K} ranks per host, "
                   f"{rate} per host, every rank its own core; {name}", "",
                   "| method | " + " | ".join(map(str, PREDICT_HOSTS[2:])) + " |",
@@ -804,6 +844,20 @@ def render_hier(hier_rows: List[dict]) -> str:
                     for n in PREDICT_HOSTS[2:]) + " |")
             L.append("")
     return "\n".join(L) + "\n"
+
+
+def _variants(p: Dict[str, float]) -> List[Tuple[str, Dict[str, float]]]:
+    """The parameter sets the predictions are given for: as fitted; in-host copies at
+    SHM_RATE; and also e0 / d0 the one-call codec's cost per piece
+    (:func:`piece_costs_one_call`: a lower bound, without the exchange's own framing)."""
+    q = dict(p, beta_host=1.0 / SHM_RATE)
+    pc = piece_costs_one_call()
+    return [("as fitted (beta_host: this machine's shared memory, contended; e0, d0: "
+             "per piece with the exchange's framing, fitted before the one-call encoding)", p),
+            (f"in-host copies at {SHM_RATE / 1e9:g} GB/s per rank", q),
+            (f"in-host at {SHM_RATE / 1e9:g} GB/s and e0 = {1e6 * pc['encode']:.1f} us, "
+             f"d0 = {1e6 * pc['decode']:.1f} us per piece (the one-call codec alone, CPU "
+             f"time: a lower bound)", dict(q, e0=pc["encode"], d0=pc["decode"]))]
 
 
 def _best_hier(pp, n, rate, k=PREDICT_K, model="resnet50"):
@@ -844,14 +898,14 @@ def targets_hier(hier_rows: List[dict], p: Dict[str, float]) -> List[str]:
                                       get("host+rs+alq:bits=3"))) if f and h) + ".")
     else:
         L.append("* (a) not measured (4 hosts x 2 ranks x 1 Gbit/s, ResNet-50, ALQ missing).")
-    q = dict(p, beta_host=1.0 / SHM_RATE)
-    for name, pp in (("fitted beta_host", p), (f"in-host at {SHM_RATE / 1e9:g} GB/s", q)):
+    for name, pp in _variants(p):
         t, m = _best_hier(pp, 1024, "1gbit")
         f32 = predict(pp, "resnet50", "none", 1024, "1gbit", 1.0, PREDICT_K)["total"]
         f16 = predict(pp, "resnet50", "host+fp16", 1024, "1gbit", 1.0, PREDICT_K)["total"]
         t64, m64 = _best_hier(pp, 64, "10gbit")
         f16_64 = predict(pp, "resnet50", "host+fp16", 64, "10gbit", 1.0, PREDICT_K)["total"]
-        L.append(f"* (b), {name}: 1024 hosts x 8 ranks x 1 Gbit/s: hierarchical ALQ "
+        L.append(f"* (b), model {name.split(' (')[0]}: 1024 hosts x 8 ranks x 1 Gbit/s: "
+                 f"hierarchical ALQ "
                  f"({LABELS[m]}) {t:.3g} s, fp32 allreduce {f32:.3g} s ({f32 / t:.2f}x, target "
                  f"4x: {'met' if f32 / t >= 4 else 'NOT met'}), fp16 hierarchical allreduce "
                  f"{f16:.3g} s ({f16 / t:.2f}x, target 2x: "
