@@ -6,7 +6,7 @@ message sizes; no measurement): for each method and N, the collective calls of o
 exchange with the bytes each rank sends and the steps (messages in sequence) of the
 algorithm MPI runs, and the CPU work of a rank:
 
-    allreduce of B bytes (Horovod, ring)    sends 2 (N-1)/N B in 2 (N-1) steps
+    allreduce of B bytes (Horovod: MPI's)   sends 2 (N-1)/N B in 2 log2 N steps
     allgather, frames of F_r bytes (ring)   sends (N-1)/N sum_r F_r in N-1 steps
     all-to-all, parts of F_r bytes          sends (N-1)/N sum_r F_r in N-1 steps
     the byte counts before each              log2 N steps (recursive doubling), no bytes
@@ -44,6 +44,17 @@ nothing overlaps (a model with the pipeline's overlap, max(W, C) + min(W, C) / K
 fusion buckets, fitted these cells worse: 37 of 48 within 25 %).  The predictions for 16
 to 1024 hosts are for hosts with their own cores (``kappa = 1``), where the pipeline
 would hide part of the smaller of W and C: for them the model is an upper bound.
+
+Several ranks per host (bench/scaling_hier.py; ``account(model, method, n, k)``: n hosts of
+k ranks): the link carries the host's bytes (``nic``: a ring over all N = n k ranks,
+numbered host by host, crosses each host's link once each way; an all-to-all's parts to
+other hosts' ranks all cross it; the hierarchical exchange's cross-host collectives run
+among one rank per host, k at once), so W's link term is 8 / rate * nic, and gamma prices
+the bytes a rank sends across hosts (nic / k).  What stays inside the host (the ring's
+in-host hops, the hierarchical exchange's float32 stages) costs ``beta_host`` per byte,
+CPU-contended (it is memory copying through shared memory).  kappa counts all N ranks.
+The cells of bench/scaling_hier.py, measured at another time under another load, get a
+background of their own (``background_k``).  For k = 1 every term is as before.
 """
 from __future__ import annotations
 
@@ -83,7 +94,9 @@ def _frame(count: int) -> int:
 
 
 def _method(method: str):
-    """(compressor family or None, collective) of a method spec."""
+    """(compressor family or None, collective) of a method spec ("host+" stripped)."""
+    if method.startswith("host+"):
+        method = method[len("host+"):]
     if method in ("none", "fp16"):
         return None, "allreduce"
     coll = "reduce_scatter" if method.startswith("rs+") else "allgather"
@@ -109,86 +122,136 @@ class _P:
         return len(self.shape)
 
 
-@lru_cache(maxsize=None)
-def account(model: str, method: str, n: int) -> Dict[str, float]:
-    """Per-rank work of one exchange of ``model``'s gradients with ``method`` on ``n`` ranks
-    (module docstring): steps, bytes (sent by hvdcomp's collectives), ar_bytes (sent by
-    Horovod's allreduce), encoded / decoded elements, encoded / decoded
-    messages, cast elements, buckets."""
-    import shapes as S
+def _compressed(acc: Dict[str, float], shapes: Dict[str, tuple], n: int, coll: str,
+                fam: str) -> Tuple[float, float]:
+    """Add to ``acc`` one bucket of compressed tensors ``shapes`` ({name: shape}) among
+    ``n`` ranks over ``coll`` (steps, bytes, CPU work); returns the bytes a rank sent by
+    rings (allgathers) and by all-to-alls."""
     from hvdcomp.compressors import get
     from hvdcomp.compressors.sparsifiers import num_selected
-    from hvdcomp.exchange.buckets import fuse
     from hvdcomp.exchange.shards import layout
-    shapes = dict({"resnet50": S.resnet50, "bert_base": S.bert_base}[model]())
-    params = [(name, _P(s)) for name, s in shapes.items()]
-    buckets = fuse(params, FUSION)
-    fam, coll = _method(method)
     log = math.log2(n) if n > 1 else 0.0
-    acc = dict(steps=0.0, bytes=0.0, ar_bytes=0.0, enc=0.0, dec=0.0, enc_msgs=0.0,
-               dec_msgs=0.0, cast=0.0, buckets=len(buckets))
-
-    def allreduce(b):
-        acc["steps"] += 2 * (n - 1)
-        acc["ar_bytes"] += 2 * (n - 1) / n * b
-
-    def ring(frames):
-        acc["steps"] += (n - 1) + log            # counts first
-        acc["bytes"] += (n - 1) / n * sum(frames)
-
     msg = _msg_alq if fam == "alq" else _msg_dgc
     comp = get("alq:bits=3") if fam == "alq" else get("dgc:density=0.001")
+    big = list(shapes)
+    sent = [0.0, 0.0]
+
+    def ring(frames, a2a=False):
+        acc["steps"] += (n - 1) + log            # counts first
+        acc["bytes"] += (n - 1) / n * sum(frames)
+        sent[int(a2a)] += (n - 1) / n * sum(frames)
 
     class _E:
         def __init__(self, name, shape):
             self.name, self.param, self.compressor, self.scatter = name, _P(shape), comp, True
+    if coll == "allgather":
+        f = _frame(len(big)) + sum(msg(shapes[m]) for m in big)
+        ring([f] * n)
+        acc["enc"] += sum(math.prod(shapes[m]) for m in big)
+        acc["enc_msgs"] += len(big)
+        acc["dec_msgs"] += n * len(big)
+        acc["dec"] += n * sum(math.prod(shapes[m]) if fam == "alq" else
+                              num_selected(0.001, math.prod(shapes[m])) for m in big)
+        return sent[0], sent[1]
+    lay = layout([big], {m: _E(m, shapes[m]) for m in big}, n, 0)[0]
+    frames = [_frame(len(mine)) + sum(msg(p.shape) for p in mine) for mine in lay]
+    ring(frames, a2a=True)                    # the all-to-all (same bytes and steps)
+    msg2 = _msg_alq2 if fam == "alq" else msg
+    ring([_frame(len(mine)) + sum(msg2(p.shape) for p in mine) for mine in lay])
+    #                                           the allgather of the averaged pieces
+    pieces = sum(len(m) for m in lay)
+    elems = sum(math.prod(shapes[m]) for m in big)
+    acc["enc"] += elems + elems / n           # stage 1, and the owner's re-encoding
+    acc["enc_msgs"] += pieces + pieces / n
+    acc["dec_msgs"] += 2 * pieces             # N contributions of its pieces, every piece
+    sel = (elems if fam == "alq" else
+           sum(num_selected(0.001, p.numel) for m in lay for p in m))
+    acc["dec"] += 2 * sel
+    return sent[0], sent[1]
+
+
+@lru_cache(maxsize=None)
+def account(model: str, method: str, n: int, k: int = 1) -> Dict[str, float]:
+    """Per-rank work of one exchange of ``model``'s gradients with ``method`` on ``n`` hosts
+    of ``k`` ranks each (module docstring): steps, bytes (sent by hvdcomp's collectives),
+    ar_bytes (sent by Horovod's allreduce), host_bytes (the hierarchical exchange's float32
+    bytes inside the host), nic (bytes through each host's link, each way), tcp / shm
+    (bytes a rank sends across hosts / inside its host), encoded / decoded elements,
+    encoded / decoded messages, cast elements, buckets.
+
+    With ``k`` > 1 the ranks are numbered host by host.  Open MPI's allreduce of these
+    sizes halves and doubles recursively (Rabenseifner: 2 log2 N steps; its first log2 k
+    exchanges stay in the host), so the link carries 2 (n - 1) / n of the buffer, as a
+    hierarchical allreduce's would; its allgatherv and alltoallv send every rank's bytes to
+    every other rank directly, so the parts for the other hosts' ranks all cross it (the
+    link counters of bench/scaling_hier.py measured both: fp32 allreduce 153.6 MB per host
+    at 4 x 2 against 178.9 for a ring in rank order; ALQ's allgather 125 MB against 69).  "host+" methods (hvdcomp/exchange/hier.py): inside
+    the host an all-to-all of float32 pieces and an allgather of the averaged pieces
+    (host_bytes), across hosts the compressor over the collective among the n ranks of one
+    local rank, on pieces of 1/k of each tensor (k such groups share the link)."""
+    import shapes as S
+    from hvdcomp.exchange.buckets import fuse
+    shapes = dict({"resnet50": S.resnet50, "bert_base": S.bert_base}[model]())
+    params = [(name, _P(s)) for name, s in shapes.items()]
+    buckets = fuse(params, FUSION)
+    fam, coll = _method(method)
+    hier = method.startswith("host+") and k > 1 and n > 1
+    N = n * k
+    acc = dict(steps=0.0, bytes=0.0, ar_bytes=0.0, host_bytes=0.0, nic=0.0, enc=0.0,
+               dec=0.0, enc_msgs=0.0, dec_msgs=0.0, cast=0.0, buckets=len(buckets))
+
+    def allreduce(b):       # recursive halving / doubling (Rabenseifner): see the docstring
+        acc["steps"] += 2 * math.log2(N)
+        acc["ar_bytes"] += 2 * (N - 1) / N * b
+        acc["nic"] += 2 * (n - 1) / n * b
+
     for names in buckets:
         big = [m for m in names if len(shapes[m]) > 1 and math.prod(shapes[m]) >= 1024]
         small = [m for m in names if m not in big]
         if fam is None:
             b = sum(math.prod(shapes[m]) for m in names)
-            allreduce((4 if method == "none" else 2) * b)
-            if method == "fp16":
+            nbytes = (4 if "none" in method else 2) * b
+            if hier:        # a hierarchical allreduce: reduce-scatter and allgather in the
+                #             host, a ring across hosts of 1/k per rank (k rings at once)
+                acc["host_bytes"] += 2 * (k - 1) / k * nbytes
+                acc["steps"] += 2 * (k - 1) + 2 * math.log2(n)
+                acc["ar_bytes"] += 2 * (n - 1) / n * nbytes / k
+                acc["nic"] += 2 * (n - 1) / n * nbytes
+            else:
+                allreduce(nbytes)
+            if "fp16" in method:
                 acc["cast"] += 2 * b
             continue
         if small:
             allreduce(4 * sum(math.prod(shapes[m]) for m in small))
         if not big:
             continue
-        if coll == "allgather":
-            f = _frame(len(big)) + sum(msg(shapes[m]) for m in big)
-            ring([f] * n)
-            acc["enc"] += sum(math.prod(shapes[m]) for m in big)
-            acc["enc_msgs"] += len(big)
-            acc["dec_msgs"] += n * len(big)
-            acc["dec"] += n * sum(math.prod(shapes[m]) if fam == "alq" else
-                                  num_selected(0.001, math.prod(shapes[m])) for m in big)
+        if not hier:
+            ring, a2a = _compressed(acc, {m: shapes[m] for m in big}, N, coll, fam)
+            # MPI's allgatherv and alltoallv send each rank's bytes to every other rank
+            # directly: k ranks' parts to the other hosts' ranks, (N - k) / (N - 1) of what
+            # each sends, cross the link
+            acc["nic"] += k * (N - k) / (N - 1) * (ring + a2a)
             continue
-        lay = layout([big], {m: _E(m, shapes[m]) for m in big}, n, 0)[0]
-        frames = [_frame(len(mine)) + sum(msg(p.shape) for p in mine) for mine in lay]
-        ring(frames)                              # the all-to-all (same bytes and steps)
-        msg2 = _msg_alq2 if fam == "alq" else msg
-        ring([_frame(len(mine)) + sum(msg2(p.shape) for p in mine) for mine in lay])
-        #                                           the allgather of the averaged pieces
-        pieces = sum(len(m) for m in lay)
         elems = sum(math.prod(shapes[m]) for m in big)
-        acc["enc"] += elems + elems / n           # stage 1, and the owner's re-encoding
-        acc["enc_msgs"] += pieces + pieces / n
-        acc["dec_msgs"] += 2 * pieces             # N contributions of its pieces, every piece
-        sel = (elems if fam == "alq" else
-               sum(num_selected(0.001, p.numel) for m in lay for p in m))
-        acc["dec"] += 2 * sel
+        pieces = {f"{m}[{k}]": (math.ceil(math.prod(shapes[m]) / k),) for m in big}
+        f32 = _frame(len(big)) + 4 * elems / k     # one owner's float32 frame
+        acc["host_bytes"] += 2 * (k - 1) * f32      # stage 1 (all-to-all), stage 3 (ring)
+        acc["steps"] += 2 * (k - 1) + math.log2(k) + 2 * math.log2(n)   # + joined counts
+        acc["nic"] += k * sum(_compressed(acc, pieces, n, coll, fam))
+    acc["tcp"] = acc["nic"] / k
+    acc["shm"] = acc["bytes"] + acc["ar_bytes"] + acc["host_bytes"] - acc["tcp"]
     return acc
 
 
 PARAMS = ("alpha", "beta_ar_1gbit", "beta_ar_10gbit", "gamma", "e_alq", "d_alq", "e_dgc",
-          "d_dgc", "e0", "d0", "c16")
+          "d_dgc", "e0", "d0", "c16", "beta_host")
 RATE_BITS = {"1gbit": 1e9, "10gbit": 1e10}
 
 
 def _link(a: Dict[str, float], rate: str) -> float:
-    """Seconds the shaped link alone takes for a rank's bytes."""
-    return 8.0 / RATE_BITS[rate] * (a["bytes"] + a["ar_bytes"])
+    """Seconds the shaped link alone takes for its host's bytes."""
+    return 8.0 / RATE_BITS[rate] * a["nic"]
 
 
 WIRE = 4        # PARAMS[:WIRE] price the wire, the rest the CPU
@@ -201,20 +264,22 @@ def _features(a: Dict[str, float], method: str, rate: str, kappa: float) -> np.n
     x = np.zeros(len(PARAMS))
     x[0] = a["steps"]
     x[1 if rate == "1gbit" else 2] = a["ar_bytes"]
-    x[3] = kappa * (a["bytes"] + a["ar_bytes"])
+    x[3] = kappa * a["tcp"]
     if fam is not None:
         off = 4 if fam == "alq" else 6
         x[off], x[off + 1] = kappa * a["enc"], kappa * a["dec"]
     x[8], x[9], x[10] = kappa * a["enc_msgs"], kappa * a["dec_msgs"], kappa * a["cast"]
+    x[11] = kappa * a["shm"]
     return x
 
 
 def predict(p: Dict[str, float], model: str, method: str, n: int, rate: str,
-            kappa: float = 1.0) -> Dict[str, float]:
-    """{"wire", "cpu", "total"} seconds of one exchange (module docstring); ``p``: the
-    fitted parameters; ``kappa``: CPU contention (1: hosts with their own cores)."""
-    a = account(model, method, n)
-    terms = _features(a, method, rate, kappa) * np.array([p[k] for k in PARAMS])
+            kappa: float = 1.0, k: int = 1) -> Dict[str, float]:
+    """{"wire", "cpu", "total"} seconds of one exchange on ``n`` hosts of ``k`` ranks
+    (module docstring); ``p``: the fitted parameters (a missing ``beta_host``: 0);
+    ``kappa``: CPU contention (1: every rank its own core)."""
+    a = account(model, method, n, k)
+    terms = _features(a, method, rate, kappa) * np.array([p.get(x, 0.0) for x in PARAMS])
     wire = _link(a, rate) + float(terms[:WIRE].sum())
     cpu = float(terms[WIRE:].sum())
     return dict(wire=wire, cpu=cpu, total=wire + cpu)
@@ -249,20 +314,38 @@ def _nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x / scale
 
 
+def _bg(r: dict, background) -> float:
+    """The background load of row ``r``: ``background``, or with a pair (one rank per
+    host, several ranks per host) the one of its bench (measured on other days, under
+    other loads)."""
+    if isinstance(background, (tuple, list)):
+        return float(background[1] if "ranks_per_host" in r else background[0])
+    return float(background)
+
+
 def fit_rows(rows: List[dict], cores: int) -> Dict[str, float]:
     """:func:`fit_at` for the background load (busy threads of other jobs on the shared
-    machine, 0 to 16 in steps of 0.5) whose fit predicts the measured totals best (median
-    relative error)."""
+    machine, 0 to 16 in steps of 0.5; with rows of bench/scaling_hier.py, a second one for
+    them, 0 to 24 in steps of 1) whose fit predicts the measured totals best (median
+    relative error; with two benches, the mean of their medians)."""
     best = None
-    for b in np.arange(0.0, 16.01, 0.5):
+    hier = any("ranks_per_host" in r for r in rows)
+    grid = [(float(b), float(b2)) for b in np.arange(0.0, 16.01, 0.5)
+            for b2 in (np.arange(0.0, 24.01, 1.0) if hier else [0.0])]
+    for b in grid:
+        bg = b if hier else b[0]
         try:
-            p = fit_at(rows, cores, float(b))
+            p = fit_at(rows, cores, bg)
         except (ValueError, np.linalg.LinAlgError):
             continue
-        errs = [abs(predict(p, r["model"], r["method"], r["hosts"], r["rate"],
-                            contention(r["hosts"], cores, b))["total"] / r["median_s"] - 1)
-                for r in rows if r["method"] in FIXED]
-        score = float(np.median(errs)) if errs else 0.0
+        errs = {False: [], True: []}
+        for r in rows:
+            if r["method"] in FIXED_ALL:
+                errs["ranks_per_host" in r].append(abs(predict(
+                    p, r["model"], r["method"], r["hosts"], r["rate"],
+                    contention(_ranks(r), cores, _bg(r, bg)), _k(r))["total"]
+                    / r["median_s"] - 1))
+        score = float(np.mean([np.median(e) for e in errs.values() if e] or [0.0]))
         if best is None or score < best[0]:
             best = (score, p)
     return best[1]
@@ -273,21 +356,26 @@ def fit_at(rows: List[dict], cores: int, background: float) -> Dict[str, float]:
     median_s) at a given background load: ``alpha`` from the replayed collectives (with
     the other wire terms, which this fit then drops), the rest from the times per
     exchange less the link and the latency (module docstring)."""
-    fixed = [r for r in rows if r["method"] in FIXED]
+    fixed = [r for r in rows if r["method"] in FIXED_ALL]
     feats = []                              # (features, link seconds, row)
     for r in fixed:
-        a = account(r["model"], r["method"], r["hosts"])
-        kap = contention(r["hosts"], cores, background)
+        a = account(r["model"], r["method"], r["hosts"], _k(r))
+        kap = contention(_ranks(r), cores, _bg(r, background))
         feats.append((_features(a, r["method"], r["rate"], kap), _link(a, r["rate"]), r))
-    # alpha: the replays, fitted with the other wire terms (dropped here)
-    alpha = float(_nnls(np.array([x[:WIRE] / r["replay_s"] for x, _, r in feats]),
-                        np.array([1.0 - link / r["replay_s"] for _, link, r in feats]))[0])
+    # alpha: the replays (cells of one rank per host), fitted with the other wire terms
+    # (dropped here)
+    rep = [(x, link, r) for x, link, r in feats if r.get("replay_s")]
+    alpha = float(_nnls(np.array([x[:WIRE] / r["replay_s"] for x, _, r in rep]),
+                        np.array([1.0 - link / r["replay_s"] for _, link, r in rep]))[0])
     # the rest: the times per exchange less the link and the latency
     rows_a = [x[1:] / r["median_s"] for x, _, r in feats]
     b = [1.0 - (link + alpha * x[0]) / r["median_s"] for x, link, r in feats]
     sol = _nnls(np.array(rows_a), np.array(b))
     p = dict(zip(PARAMS, [alpha] + [float(v) for v in sol]))
-    p["background"] = background
+    if isinstance(background, (tuple, list)):
+        p["background"], p["background_k"] = float(background[0]), float(background[1])
+    else:
+        p["background"] = float(background)
     return p
 
 
@@ -299,6 +387,23 @@ LABELS = {"none": "fp32 allreduce", "fp16": "fp16 allreduce",
           "rs+dgc:density=0.001": "DGC 0.1% reduce-scatter", "auto+alq:bits=3": "Auto(ALQ 3b)"}
 FIXED = ["none", "fp16", "ag+alq:bits=3", "rs+alq:bits=3", "ag+dgc:density=0.001",
          "rs+dgc:density=0.001"]
+#: The hierarchical methods of bench/scaling_hier.py ("host+": hvdcomp/exchange/hier.py).
+HIER = ["host+ag+alq:bits=3", "host+rs+alq:bits=3", "host+ag+dgc:density=0.001",
+        "host+rs+dgc:density=0.001"]
+FIXED_ALL = FIXED + HIER
+LABELS.update({"host+ag+alq:bits=3": "hier. ALQ 3b, allgather across",
+               "host+rs+alq:bits=3": "hier. ALQ 3b, reduce-scatter across",
+               "host+ag+dgc:density=0.001": "hier. DGC 0.1%, allgather across",
+               "host+rs+dgc:density=0.001": "hier. DGC 0.1%, reduce-scatter across"})
+
+
+def _k(r: dict) -> int:
+    """Ranks per host of a measured row (1 for bench/scaling.py's)."""
+    return int(r.get("ranks_per_host") or 1)
+
+
+def _ranks(r: dict) -> int:
+    return r["hosts"] * _k(r)
 #: What Auto(ALQ 3b) chooses from, per tensor (hvdcomp.exchange.plan).
 AUTO_CHOICES = ["none", "fp16", "ag+alq:bits=3", "rs+alq:bits=3"]
 PREDICT_HOSTS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -500,6 +605,43 @@ def piece_costs(numel: int = 2**22, pieces: int = 1024) -> Dict[str, float]:
                 decode=max(0.0, (dk - d1) / (pieces - 1)))
 
 
+@lru_cache(maxsize=None)
+def piece_costs_one_call(numel: int = 2**23, pieces: int = 1024) -> Dict[str, float]:
+    """:func:`piece_costs` through the reduce-scatter's one-call path (issue 23 item 3:
+    ``encode_pieces`` / ``decode_pieces``, one kernel launch for all pieces): seconds per
+    extra piece of ALQ 3 bits (pieces of one 8192-element bucket: the one call needs bucket
+    boundaries), the compressor alone (not the exchange's framing), CPU time."""
+    import time
+    import torch
+    from hvdcomp.compressors import get
+    from hvdcomp.compressors.base import TensorKey
+    comp = get("alq:bits=3")
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def run(k):
+            m = numel // k
+            spans = [(i * m, (i + 1) * m) for i in range(k)]
+            keys = [TensorKey(name="t", tensor_id=i, step=1, rank=0, world_size=4)
+                    for i in range(k)]
+            best_e = best_d = float("inf")
+            for _ in range(3):
+                t = time.process_time()
+                msgs = comp.encode_pieces(g, spans, keys)
+                t1 = time.process_time()
+                comp.decode_pieces(msgs, keys, spans, torch.zeros(numel))
+                t2 = time.process_time()
+                best_e, best_d = min(best_e, t1 - t), min(best_d, t2 - t1)
+            return best_e, best_d
+        e1, d1 = run(1)
+        ek, dk = run(pieces)
+    finally:
+        torch.set_num_threads(threads)
+    return dict(encode=max(0.0, (ek - e1) / (pieces - 1)),
+                decode=max(0.0, (dk - d1) / (pieces - 1)))
+
+
 def targets(rows: List[dict]) -> List[str]:
     """Targets (a)-(c) of issue 11 from the measured rows (ResNet-50 shapes, 1 Gbit/s)."""
     def get(n, m, model="resnet50", rate="1gbit"):
@@ -571,3 +713,204 @@ def plot(res: dict, p: Dict[str, float], path: str) -> None:
                 ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# --- several ranks per host: bench/scaling_hier.py ----------------------------------------
+
+#: Methods the model prices for the predictions at 8 ranks per host ("host+none",
+#: "host+fp16": a hierarchical allreduce, as Horovod's with NCCL or BytePS would run it;
+#: modelled only: Horovod's CPU allreduce has none to measure).
+PREDICT_K = 8
+PREDICT_HIER = ["none", "fp16", "host+fp16", "ag+alq:bits=3", "rs+alq:bits=3",
+                "host+ag+alq:bits=3", "host+rs+alq:bits=3", "rs+dgc:density=0.001",
+                "host+rs+dgc:density=0.001"]
+LABELS.update({"host+fp16": "fp16 hierarchical allreduce (modelled)",
+               "host+none": "fp32 hierarchical allreduce (modelled)"})
+#: bytes per second inside a host assumed for the "shared memory at 10 GB/s" variant
+SHM_RATE = 10e9
+
+
+def fit_all(hier_rows: List[dict]) -> Dict[str, float]:
+    """The model refitted on bench/results/scaling.json's cells (one rank per host) and the
+    summaries of bench/scaling_hier.py (``hier_rows``)."""
+    import json
+    import os
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "scaling.json")
+    with open(path) as f:
+        res = json.load(f)
+    cores = res.get("cores") or os.cpu_count() or 1
+    rows = rows_of(res) + [r for r in hier_rows]
+    p = fit_rows(rows, cores)
+    p["cores"] = cores
+    return p, rows
+
+
+def render_hier(hier_rows: List[dict]) -> str:
+    """bench/results/scaling_hier.md: the measured cells of bench/scaling_hier.py with the
+    refitted model's error per cell, targets (a) and (b) of issue 23, predictions for 8
+    ranks per host at 8 to 1024 hosts."""
+    p, rows = fit_all(hier_rows)
+    cores = p["cores"]
+    L = ["# Several ranks per host: flat against hierarchical, emulated hosts, model to "
+         "1024 x 8", ""]
+    L += ["Commands (bench/scaling_hier.py; each cell: `launch/cluster --ranks-per-host K "
+          "HOSTS RATE -- launch/run -np HOSTS*K python bench/scaling_hier.py --worker ...`: "
+          "a network namespace per host behind its own link shaped both ways, MPI over TCP "
+          "between hosts and over shared memory (Open MPI's vader) inside a host):", ""]
+    seen = []
+    for r in hier_rows:
+        key = (r["model"], r["hosts"], r["ranks_per_host"], r["rate"])
+        if key not in seen:
+            seen.append(key)
+    for key in seen:
+        cr = [r for r in hier_rows if (r["model"], r["hosts"], r["ranks_per_host"],
+                                       r["rate"]) == key]
+        loads = [x for r in cr for x in r["load"] if x is not None]
+        L.append(f"    {cr[0]['measured']}  {cr[0].get('command', '')}  # load average "
+                 f"(1 min) {min(loads):.1f} to {max(loads):.1f} during the cell")
+    L += ["", f"Conditions: {cores} cores shared with other jobs (load averages above), "
+          "so 4 to 8 ranks are CPU-bound: the encode, decode and the in-host copies of "
+          "every rank share 2 cores, where real hosts give each rank its own.  Compare "
+          "methods by their ratios within one cell (measured side by side in one run).", "",
+          "Columns: time = the slowest rank's time per exchange, median of 3 after a warm-up "
+          "(min-max); NIC tx / rx = bytes through each host's link per exchange (its "
+          "interface counters, TCP/IP headers included), mean over hosts; in-host = bytes a "
+          "rank sent to its host's other ranks (the hierarchical stages, StepStats."
+          "host_bytes); encode / comm / decode = the pipeline stages (seconds summed over "
+          "buckets, mean over ranks); model = the refitted model with this cell's CPU "
+          f"contention (N ranks and a fitted background of {p.get('background_k', 0):g} busy "
+          f"threads on {cores} cores; bench/scaling.py's cells, measured on another day, "
+          f"their own: {p['background']:g}).", ""]
+    errs = []
+    for key in seen:
+        model, n, k, rate = key
+        cr = [r for r in hier_rows if (r["model"], r["hosts"], r["ranks_per_host"],
+                                       r["rate"]) == key]
+        L += [f"## {model}, {n} hosts x {k} ranks, {rate} per host", "",
+              "| method | path | time s (min-max) | NIC tx MB | NIC rx MB | in-host MB | "
+              "encode s | comm s | decode s | model s | model err |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in cr:
+            prs = err = ""
+            if r["method"] in FIXED_ALL:
+                pr = predict(p, model, r["method"], n, rate,
+                             contention(n * k, cores, p.get("background_k", 0.0)), k)["total"]
+                e = pr / r["median_s"] - 1
+                errs.append((key, r["method"], e))
+                prs, err = f"{pr:.3f}", f"{100 * e:+.0f} %"
+            L.append(f"| {LABELS.get(r['method'], r['method'])} | "
+                     f"{'hierarchical' if r['hierarchical'] else 'flat'} | "
+                     f"{r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f}) | "
+                     f"{r['nic_tx'] / 1e6:.2f} | {r['nic_rx'] / 1e6:.2f} | "
+                     f"{r['host_bytes'] / 1e6:.2f} | {r['encode']:.3f} | {r['comm']:.3f} | "
+                     f"{r['decode']:.3f} | {prs} | {err} |")
+        for r in cr:
+            if r.get("choice"):
+                c = r["choice"]
+                L += ["", f"Auto (hierarchy=\"auto\"): {c['reason']}; it ran "
+                      f"{'hierarchical' if r['hierarchical'] else 'flat'}, its plan "
+                      f"(elements per path): {r['elements']}."]
+        L.append("")
+    L += ["## Targets (issue 23)", ""] + targets_hier(hier_rows, p)
+    L += ["", "## The model, refitted", "",
+          "bench/scaling_model.py (`account` with k ranks per host: Open MPI's allreduce "
+          "halves and doubles recursively, so each host's link carries 2 (H - 1) / H of the "
+          "buffer; its allgatherv and alltoallv send every part directly, so the parts for "
+          "other hosts' ranks all cross it; the hierarchical stages inside the host cost "
+          "beta_host per byte, CPU-contended; `fit_all`), fitted on "
+          "bench/results/scaling.json (one rank per host) and the cells above: " +
+          ", ".join(f"{x} = {v:.3g}" for x, v in p.items() if x != "cores") + ".", ""]
+    allerr = [abs(predict(p, r["model"], r["method"], r["hosts"], r["rate"],
+                          contention(_ranks(r), cores,
+                                     _bg(r, (p["background"], p.get("background_k", 0.0)))),
+                          _k(r))["total"]
+                  / r["median_s"] - 1) for r in rows if r["method"] in FIXED_ALL]
+    L.append(f"Every measured cell (both benches, {len(allerr)} method cells): within 25 % "
+             f"in {sum(e <= 0.25 for e in allerr)}; median error "
+             f"{100 * float(np.median(allerr)):.0f} %, largest {100 * max(allerr):.0f} %. "
+             f"The cells of several ranks per host: " + ", ".join(
+                 f"{LABELS.get(m, m)} at {key[1]}x{key[2]} {100 * e:+.0f} %"
+                 for key, m, e in errs) + ".")
+    L.append("")
+    for rate in ("1gbit", "10gbit"):
+        for name, pp in _variants(p):
+            L += [f"### Predicted seconds per exchange, resnet50, {PREDICT_K} ranks per host, "
+                  f"{rate} per host, every rank its own core; {name}", "",
+                  "| method | " + " | ".join(map(str, PREDICT_HOSTS[2:])) + " |",
+                  "|---|" + "---|" * len(PREDICT_HOSTS[2:])]
+            for m in PREDICT_HIER:
+                L.append(f"| {LABELS.get(m, m)} | " + " | ".join(
+                    f"{predict(pp, 'resnet50', m, n, rate, 1.0, PREDICT_K)['total']:.3g}"
+                    for n in PREDICT_HOSTS[2:]) + " |")
+            L.append("")
+    return "\n".join(L) + "\n"
+
+
+def _variants(p: Dict[str, float]) -> List[Tuple[str, Dict[str, float]]]:
+    """The parameter sets the predictions are given for: as fitted; in-host copies at
+    SHM_RATE; and also e0 / d0 the one-call codec's cost per piece
+    (:func:`piece_costs_one_call`: a lower bound, without the exchange's own framing)."""
+    q = dict(p, beta_host=1.0 / SHM_RATE)
+    pc = piece_costs_one_call()
+    return [("as fitted (beta_host: this machine's shared memory, contended; e0, d0: "
+             "per piece with the exchange's framing, fitted before the one-call encoding)", p),
+            (f"in-host copies at {SHM_RATE / 1e9:g} GB/s per rank", q),
+            (f"in-host at {SHM_RATE / 1e9:g} GB/s and e0 = {1e6 * pc['encode']:.1f} us, "
+             f"d0 = {1e6 * pc['decode']:.1f} us per piece (the one-call codec alone, CPU "
+             f"time: a lower bound)", dict(q, e0=pc["encode"], d0=pc["decode"]))]
+
+
+def _best_hier(pp, n, rate, k=PREDICT_K, model="resnet50"):
+    return min((predict(pp, model, m, n, rate, 1.0, k)["total"], m)
+               for m in ("host+ag+alq:bits=3", "host+rs+alq:bits=3"))
+
+
+def targets_hier(hier_rows: List[dict], p: Dict[str, float]) -> List[str]:
+    """Targets (a) and (b) of issue 23 (module docstring of bench/scaling_hier.py)."""
+    L = []
+
+    def get(m, n=4, k=2, model="resnet50", rate="1gbit"):
+        for r in hier_rows:
+            if (r["model"], r["hosts"], r["ranks_per_host"], r["rate"], r["method"]) == (
+                    model, n, k, rate, m):
+                return r
+        return None
+    flat = [r for r in (get("ag+alq:bits=3"), get("rs+alq:bits=3")) if r]
+    hier = [r for r in (get("host+ag+alq:bits=3"), get("host+rs+alq:bits=3")) if r]
+    if flat and hier:
+        bf = min(flat, key=lambda r: r["median_s"])
+        bh = min(hier, key=lambda r: r["median_s"])
+        nic = bh["nic_tx"] / bf["nic_tx"]
+        sp = bf["median_s"] / bh["median_s"]
+        L.append(f"* (a) 4 hosts x 2 ranks x 1 Gbit/s, ResNet-50, ALQ 3 bits, each over its "
+                 f"best collective: hierarchical ({LABELS[bh['method']]}) "
+                 f"{bh['median_s']:.3f} s and {bh['nic_tx'] / 1e6:.2f} MB per host, flat "
+                 f"({LABELS[bf['method']]}) {bf['median_s']:.3f} s and "
+                 f"{bf['nic_tx'] / 1e6:.2f} MB: NIC bytes {nic:.2f}x (target at most 0.55x: "
+                 f"{'met' if nic <= 0.55 else 'NOT met'}), speed {sp:.2f}x (target at least "
+                 f"1.3x: {'met' if sp >= 1.3 else 'NOT met'}).  Same collective side by side: "
+                 + "; ".join(
+                     f"{c}: NIC {h['nic_tx'] / f['nic_tx']:.2f}x, speed "
+                     f"{f['median_s'] / h['median_s']:.2f}x"
+                     for c, f, h in (("allgather", get("ag+alq:bits=3"),
+                                      get("host+ag+alq:bits=3")),
+                                     ("reduce-scatter", get("rs+alq:bits=3"),
+                                      get("host+rs+alq:bits=3"))) if f and h) + ".")
+    else:
+        L.append("* (a) not measured (4 hosts x 2 ranks x 1 Gbit/s, ResNet-50, ALQ missing).")
+    for name, pp in _variants(p):
+        t, m = _best_hier(pp, 1024, "1gbit")
+        f32 = predict(pp, "resnet50", "none", 1024, "1gbit", 1.0, PREDICT_K)["total"]
+        f16 = predict(pp, "resnet50", "host+fp16", 1024, "1gbit", 1.0, PREDICT_K)["total"]
+        t64, m64 = _best_hier(pp, 64, "10gbit")
+        f16_64 = predict(pp, "resnet50", "host+fp16", 64, "10gbit", 1.0, PREDICT_K)["total"]
+        L.append(f"* (b), model {name.split(' (')[0]}: 1024 hosts x 8 ranks x 1 Gbit/s: "
+                 f"hierarchical ALQ "
+                 f"({LABELS[m]}) {t:.3g} s, fp32 allreduce {f32:.3g} s ({f32 / t:.2f}x, target "
+                 f"4x: {'met' if f32 / t >= 4 else 'NOT met'}), fp16 hierarchical allreduce "
+                 f"{f16:.3g} s ({f16 / t:.2f}x, target 2x: "
+                 f"{'met' if f16 / t >= 2 else 'NOT met'}); 64 hosts x 8 x 10 Gbit/s: "
+                 f"{LABELS[m64]} {t64:.3g} s against fp16 hierarchical {f16_64:.3g} s "
+                 f"({f16_64 / t64:.2f}x, target 2x: "
+                 f"{'met' if f16_64 / t64 >= 2 else 'NOT met'}).")
+    return L

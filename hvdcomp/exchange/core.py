@@ -27,6 +27,7 @@ from . import shutdown
 from .buckets import agree_settings, check_replicas, fuse, handshake
 from .collective import Allgather
 from .hier import Hierarchical, plan_hierarchy
+from .hier_choice import settle
 from .layer_plan import planner
 from .loop import LoopProtocols, refit
 from .pipeline import Done, Pipeline
@@ -101,6 +102,10 @@ class Exchange(LoopProtocols):
         #: a per-layer Auto's planner (:mod:`.layer_plan`), else None; its exchange is flat
         self.layer, hierarchy = planner(self.plan, hierarchy, transport, allreduce)
         self.hierarchy = plan_hierarchy(hierarchy, transport, self.compression, collective)
+        #: Auto's flat-or-hierarchical decision (hier_choice.py), or None
+        self.hierarchy, self.hierarchy_choice = settle(
+            self.hierarchy, self.auto if hierarchy == "auto" else None, transport, allreduce,
+            self.entries, collective, len(self.buckets), fusion_bytes is not None)
         across = None                  # the hierarchy's collective across hosts
         if self.hierarchy is not None:
             if (collective == "reduce_scatter" and self.hierarchy[1].size > 1
@@ -109,7 +114,9 @@ class Exchange(LoopProtocols):
             for e in self.entries.values():
                 e.hier = (not e.allreduce and not e.rounds and e.param.numel() > 0
                           and qualifies(e.param, min_compress_numel, compress_1d)
-                          and refusal(e.compressor) is None)
+                          and refusal(e.compressor) is None
+                          and (self.hierarchy_choice is None
+                               or self.hierarchy_choice.paths.get(e.name) == "hierarchical"))
                 e.scatter = e.scatter and not e.hier
             if not any(e.hier for e in self.entries.values()):
                 for t in self.hierarchy[:2]:        # nothing to compress: all flat
@@ -307,3 +314,5 @@ def report_plan(ex: "Exchange") -> None:
             counts[e.compressor.name] = counts.get(e.compressor.name, 0) + 1
         logger.info("Auto's plan (tensors per path): %s; cost model: %s", counts,
                     ex.cost_model.as_dict() if ex.cost_model is not None else None)
+        if ex.hierarchy_choice is not None:
+            logger.info("Auto's hierarchy: %s", ex.hierarchy_choice.as_dict())

@@ -406,6 +406,15 @@ class Reports:
         return self._built().exchange.cost_model
 
     @property
+    def hierarchy_choice(self):
+        """With ``compression=hvdcomp.Auto(...)`` and ``hierarchy="auto"`` on several hosts
+        of several ranks: Auto's flat-or-hierarchical decision
+        (:class:`hvdcomp.exchange.hier_choice.HierChoice`: ``hierarchical``, ``reason``,
+        the predicted seconds each way, the measured host and cross-host links; the same
+        on every rank); None otherwise."""
+        return self._built().exchange.hierarchy_choice
+
+    @property
     def transport(self) -> str:
         """The name of the byte carrier in use ("mpi", "horovod" or "torch")."""
         return self._built().exchange.transport.name

@@ -128,3 +128,43 @@ def test_without_root_one_clear_message():
                         "bash", CLUSTER, "2", "1gbit", "--", "true"],
                        capture_output=True, text=True)
     assert p.returncode == 1 and "needs root" in p.stderr, p.stderr
+
+
+HOSTS_PROBE = r"""
+import socket, time
+from mpi4py import MPI
+import numpy as np
+comm = MPI.COMM_WORLD
+r = comm.Get_rank()
+shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
+leader = shared.bcast(r, root=0)
+buf = np.zeros(4_000_000, np.uint8)
+comm.Barrier()
+dt = 0.0
+if r == 0:
+    comm.Send(buf, dest=1)
+elif r == 1:
+    t = time.perf_counter(); comm.Recv(buf, source=0); dt = time.perf_counter() - t
+rows = comm.gather((r, socket.gethostname(), leader, dt), root=0)
+if r == 0:
+    for row in rows:
+        print("HOSTS", *row, flush=True)
+"""
+
+
+def test_ranks_of_a_host_share_its_name_memory_and_not_its_link(tmp_path):
+    """2 hosts x 2 ranks: each host its own host name (a UTS namespace), MPI's shared-memory
+    split finds the hosts, and 4 MB between the ranks of one host do not queue behind its
+    40 Mbit/s link (which takes at least 0.59 s for them: the test above)."""
+    script = tmp_path / "hosts.py"
+    script.write_text(HOSTS_PROBE)
+    p = subprocess.run([CLUSTER, "--ranks-per-host", "2", "2", "40mbit", "--", RUN, "-np",
+                        "4", PY, str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "btl tcp,vader,self" in p.stderr
+    rows = sorted(line.split()[1:] for line in p.stdout.splitlines()
+                  if line.startswith("HOSTS"))
+    names = [name for _, name, _, _ in rows]
+    assert names[0] == names[1] != names[2] == names[3], names
+    assert [int(lead) for _, _, lead, _ in rows] == [0, 0, 2, 2], rows
+    assert float(rows[1][3]) < 0.3, rows

@@ -1,6 +1,7 @@
 """The hierarchical exchange under mpirun, hosts pretended by $HVDCOMP_TEST_HOSTS (a test
 override, hvdcomp/transport/topology.py): worker_hier.py on 2 hosts x 2 ranks and 2 hosts x
-3 ranks, worker_hier_bad.py (bad input) on hosts of 2 and 1 ranks.  Each named case of a
+3 ranks, worker_hier_bad.py (bad input) on hosts of 2 and 1 ranks, worker_hier_auto.py (Auto's
+flat-or-hierarchical choice) on 2 hosts x 2 ranks.  Each named case of a
 worker is one pytest case, as in test_multirank.py."""
 import os
 import shutil
@@ -13,7 +14,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT = 600
 
 #: (worker, ranks, hosts of the ranks)
-RUNS = [("hier", 4, "0,0,1,1"), ("hier", 6, "0,0,0,1,1,1"), ("hier_bad", 3, "0,0,1")]
+RUNS = [("hier", 4, "0,0,1,1"), ("hier", 6, "0,0,0,1,1,1"), ("hier_bad", 3, "0,0,1"),
+        ("hier_auto", 4, "0,0,1,1")]
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None,
                                 reason="mpirun not found (launch/setup installs Open MPI)")
