@@ -389,7 +389,7 @@ def exchange_worker(args):
     if args.ddp_methods:
         shapes = [(n, tuple(p.shape)) for n, p in params]
         ns = argparse.Namespace(ddp_methods=args.ddp_methods, reps=args.reps,
-                                ddp_port=MASTER_PORT)
+                                ddp_port=MASTER_PORT, rounds=1)
         out += exbench.ddp_rows(ns, shapes, rank, size)
     if rank == 0:
         with open(args.json, "w") as f:
