@@ -385,13 +385,14 @@ class LayerPlanner:
     """The per-layer plan of one exchange (module docstring).
 
     auto: the :class:`hvdcomp.Auto` built with ``per_layer=True`` (its compressor,
-    ``fallbacks``, ``budget`` factor, ``bits`` / ``densities`` / ``ranks``, and ``link`` /
-    ``codecs`` given instead of measured); shapes: {name: shape} of the tensors it plans;
-    transport / allreduce / device: as :meth:`hvdcomp.Auto.make_plan`; seed: the
-    exchange's shared seed (the errors' sampled coordinates and Philox streams: :func:`measure_errors`).  Construction
-    measures the link and every candidate's codec costs (collective: every rank together,
-    the slowest rank's values).  ``pending`` until :meth:`decide`; ``choices``: {name:
-    :class:`Choice`}; ``budget``: the absolute budget (sum of squared errors) once decided.
+    ``fallbacks``, ``budget`` factor, ``bits`` / ``densities`` / ``ranks``, ``sample``, and
+    ``link`` / ``codecs`` given instead of measured); shapes: {name: shape} of the tensors
+    it plans; transport / allreduce / device: as :meth:`hvdcomp.Auto.make_plan`; seed: the
+    exchange's shared seed (the errors' sampled coordinates and Philox streams:
+    :func:`measure_errors`).  Construction measures the link and every candidate's codec
+    costs (collective: every rank together, the slowest rank's values).  ``pending`` until
+    :meth:`decide`; ``choices``: {name: :class:`Choice`}; ``budget``: the absolute budget
+    (sum of squared errors of the ranks' average) once decided.
     """
 
     def __init__(self, auto: Auto, shapes: Dict[str, Tuple[int, ...]], transport,
@@ -582,8 +583,9 @@ def planner(plan, hierarchy: str, transport, allreduce=None, seed: int = 0
             ) -> Tuple[Optional[LayerPlanner], str]:
     """``(LayerPlanner or None, hierarchy)`` of an exchange's :class:`~.plan.Plan` (a
     planner where a per-layer Auto plans some tensors: built now, measuring the costs on
-    every rank together; ``seed``: the exchange's) and the hierarchy it runs with: "flat" with a planner (module
-    docstring; ConfigError for "host"), else ``hierarchy`` unchanged."""
+    every rank together; ``seed``: the exchange's) and the hierarchy it runs with: "flat"
+    with a planner (module docstring; ConfigError for "host"), else ``hierarchy``
+    unchanged."""
     if not plan.layer_shapes:
         return None, hierarchy
     if hierarchy == "host":
