@@ -117,6 +117,7 @@ def merge_collective(given: Optional[str], from_spec: Optional[str]) -> Optional
 
 CHOICES = ("none", "fp16", "allgather", "reduce_scatter")
 CALIBRATE_SMALL = 4096      # elements of the small calibration tensor (per-tensor costs)
+SAMPLE = 1024               # coordinates per tensor of a per-layer Auto's error estimate
 LINK_SMALL = 1 << 16        # bytes per rank of the small calibration collectives
 LINK_LARGE_MIN, LINK_LARGE_MAX = 1 << 20, 8 << 20   # ... and the bounds of the large ones
 
@@ -228,7 +229,9 @@ class Auto:
       the fastest plan whose total squared error (measured on the first step's gradients)
       is at most ``budget`` (a factor, >= 0) times that of ``compressor`` at its settings
       (:mod:`hvdcomp.exchange.layer_plan`; spec "auto+layer+SPEC").  ``codecs``: {candidate
-      spec: CodecCost} given instead of measured; ``max_nodes``: the exact search's limit.
+      spec: CodecCost} given instead of measured; ``max_nodes``: the exact search's limit;
+      ``sample``: coordinates per tensor (an integer >= 1) the squared error of the ranks'
+      average is estimated from (all of a tensor with at most that many elements).
 
     Used through ``hvdcomp.torch.DistributedOptimizer(..., compression=Auto(...))``; the
     optimizer's ``compression`` is then the inner compressor, ``plan`` the compressor per
@@ -241,7 +244,7 @@ class Auto:
                  calibrate_numel: int = 2**22, per_layer: bool = False, budget: float = 1.0,
                  bits: Sequence[int] = (2, 3, 4, 5), densities: Sequence[float] = (0.01, 0.001),
                  ranks: Sequence[int] = (1, 2, 4), codecs: Optional[Dict[str, CodecCost]] = None,
-                 max_nodes: int = 200_000):
+                 max_nodes: int = 200_000, sample: int = SAMPLE):
         self.compressor: Compressor = (get(compressor) if isinstance(compressor, str)
                                        else compressor)
         if not isinstance(self.compressor, Compressor):
@@ -265,10 +268,14 @@ class Auto:
         self.bits, self.ranks = tuple(int(b) for b in bits), tuple(int(r) for r in ranks)
         self.densities = tuple(float(d) for d in densities)
         self.codecs, self.max_nodes = codecs, int(max_nodes)
+        if isinstance(sample, bool) or not isinstance(sample, (int, np.integer)) or sample < 1:
+            raise ValueError(f"sample must be an integer >= 1, got {sample!r}")
+        self.sample = int(sample)
 
     def spec(self) -> str:
         layer = (f"; per_layer budget={self.budget!r} bits={self.bits} densities="
-                 f"{self.densities} ranks={self.ranks}" if self.per_layer else "")
+                 f"{self.densities} ranks={self.ranks} sample={self.sample}"
+                 if self.per_layer else "")
         return f"auto({self.compressor.spec()}; fallbacks={','.join(self.fallbacks)}{layer})"
 
     def __repr__(self) -> str:

@@ -100,7 +100,8 @@ class Exchange(LoopProtocols):
                          collective=collective)
         self.collective_setting = collective
         #: a per-layer Auto's planner (:mod:`.layer_plan`), else None; its exchange is flat
-        self.layer, hierarchy = planner(self.plan, hierarchy, transport, allreduce)
+        self.layer, hierarchy = planner(self.plan, hierarchy, transport, allreduce,
+                                        seed=self.seed)
         self.hierarchy = plan_hierarchy(hierarchy, transport, self.compression, collective)
         #: Auto's flat-or-hierarchical decision (hier_choice.py), or None
         self.hierarchy, self.hierarchy_choice = settle(

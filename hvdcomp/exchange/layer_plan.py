@@ -26,14 +26,35 @@ The choice minimizes the predicted step time subject to the budget (:func:`solve
 ``t_i(c)``: the predicted seconds of tensor i with candidate c on this job's measured link
 and codec costs (:class:`hvdcomp.auto.CostModel`, fused: without the collectives'
 latencies; PowerSGD: its local rounds' measured seconds per element plus its
-``4 r (n + m)`` bytes through the allreduce); ``e_i(c) = ||C(g_i) - g_i||^2``, the squared
-error of candidate c on tensor i's real gradient, **measured**: each rank compresses and
-decompresses its own gradient of the first step with a fresh copy of each candidate (as a
-world of one, so without error feedback's history), and the errors are averaged over the
-ranks that had a finite gradient, in rank order (:func:`measure_errors`), so every rank
-holds the same numbers and computes the same plan.  ``B = budget x`` the total error of the
-user's compressor at its settings (``budget=1.0``: no more error than the user's choice,
+``4 r (n + m)`` bytes through the allreduce).  ``e_i(c)``: the squared error of what
+training sees, the ranks' average, on tensor i's real gradients of the first step,
+**measured** (:func:`measure_errors`):
+
+    e_i(c) = || (1/N) sum_r (C(g_r) - g_r) ||^2        (N ranks with a finite gradient)
+
+Each rank compresses and decompresses its own gradient with a fresh copy of each
+candidate (as a world of one, so without error feedback's history, with a Philox seed of
+its own: the ranks' stochastic roundings are independent, as in training), keeps the same
+``S = min(numel, sample)`` pseudo-random coordinates of its residual ``C(g_r) - g_r`` as
+every other rank (``sample``: Auto's setting, default 1024), and one allgather of all
+tensors' and candidates' samples, summed in rank order, gives every rank the same
+estimate ``(numel / S) ||(1/N) sum_r d_r[subset]||^2``, unbiased (exact when ``S =
+numel``); every rank therefore computes the same plan.  This is the error that matters,
+and one rank's error ``||C(g_r) - g_r||^2`` is not: an unbiased stochastic quantizer's
+independent errors average out (about ``1/N`` of one rank's), while a biased,
+deterministic method's (top-k, PowerSGD) on the ranks' similar gradients are aligned and
+stay about one rank's.  ``B = budget x`` the total error of the user's compressor at its
+settings, measured the same way (``budget=1.0``: no more error than the user's choice,
 which is therefore always feasible).
+
+What it costs, once: every candidate's encode and decode of every planned tensor on each
+rank, and an allgather of ``tensors x (1 + candidates x S)`` float32 values per rank
+(ResNet-50's 54 compressed weights, 11 candidates, ``S = 1024``: 2.4 MB per rank).
+Its limits: it is one step's error, while error feedback (top-k, PowerSGD) carries what a
+step leaves out into later steps, where biased errors accumulate and PowerSGD's warm start
+improves on the first step's single power iteration; and a compressor summed in rounds
+(PowerSGD) is measured as each rank's own low-rank approximation, averaged, while the
+exchange approximates the average with factors the ranks share.
 
 Timeline: the exchange is built with the qualifying tensors in fp32 (exact); the first
 step's gradients are recorded, and before the second step (the drop-in optimizer: at the
@@ -57,6 +78,7 @@ of a compression-ratio objective and PowerSGD and top-k among the choices.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import math
 import time
@@ -66,7 +88,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..auto import Auto, CodecCost, CostModel, _slowest, measure_codec, measure_link
+from ..auto import (SAMPLE, Auto, CodecCost, CostModel, _slowest, measure_codec,
+                    measure_link)
 from ..compressors import Compressor, TensorKey, get
 from ..compressors.protocols import SummedRounds
 from ..errors import ConfigError
@@ -74,8 +97,8 @@ from ..log import logger
 from .buckets import agree
 from .rounds import simulate
 
-__all__ = ["Choice", "LayerPlanner", "candidates", "local_error", "measure_errors", "solve",
-           "planner"]
+__all__ = ["Choice", "LayerPlanner", "SAMPLE", "candidates", "measure_errors", "measure_key",
+           "planner", "residual", "sample_index", "solve"]
 
 #: Relative slack of the budget test (sums of the same errors in another order may differ
 #: in the last bits).
@@ -108,14 +131,27 @@ def candidates(compressor: Compressor, fallbacks: Sequence[str] = ("none", "fp16
     return uniq
 
 
-def local_error(comp: Compressor, g: torch.Tensor, name: str = "t") -> float:
-    """``||C(g) - g||^2`` (float64 sum of squares) of one compress and decompress of
-    ``g`` (any shape, float) by a fresh copy of ``comp`` (``comp``'s state is untouched),
-    as rank 0 of a world of one at step 0, in float32 (a float16 / bfloat16 gradient is
-    cast first).  Meaningless for a non-finite ``g`` (:func:`measure_errors` skips those)."""
+def measure_key(name: str, rank: int, seed: int = 0) -> TensorKey:
+    """The key rank ``rank`` measures tensor ``name`` with (:func:`residual`): rank 0 of a
+    world of one at step 0 (so that a decode needs no other rank's message and the result
+    is this rank's contribution, undivided), with a Philox seed of its own derived from the
+    exchange's ``seed``, ``rank`` and ``name`` (32 bits of BLAKE2b), so that the ranks'
+    stochastic roundings are independent, as they are in training."""
+    mixed = int.from_bytes(hashlib.blake2b(f"{int(seed)}:{int(rank)}:{name}".encode(),
+                                           digest_size=4).digest(), "little")
+    return TensorKey(name, 0, 0, 0, 1, mixed)
+
+
+def residual(comp: Compressor, g: torch.Tensor, key: TensorKey) -> torch.Tensor:
+    """``C(g) - g``, flat float32 on ``g``'s device (a compressor summed in rounds: on the
+    host), of one compress and decompress of ``g`` (any shape, float; a float16 / bfloat16
+    gradient is cast first) by a fresh copy of ``comp`` (``comp``'s state is untouched,
+    so error feedback has no history) with ``key`` (:func:`measure_key`; world size 1).
+    Meaningless for a non-finite ``g`` (:func:`measure_errors` skips those)."""
     fresh = get(comp.spec())
     g32 = g.detach().to(torch.float32)
-    key = TensorKey(name, 0, 0, 0, 1, 0, shape=tuple(g.shape), dtype=torch.float32)
+    key = TensorKey(key.name, key.tensor_id, key.step, key.rank, key.world_size, key.seed,
+                    shape=tuple(g.shape), dtype=torch.float32)
     if isinstance(fresh, SummedRounds):            # (simulate's buffers are on the host)
         g32 = g32.cpu()
         out = simulate([fresh], [g32], [key])[0]
@@ -124,32 +160,83 @@ def local_error(comp: Compressor, g: torch.Tensor, name: str = "t") -> float:
         out = torch.zeros(g32.numel(), device=g32.device)
         fresh.combine([msg], [key], out)
         out = fresh.finalize(out, key)
-    return float((out.view(-1) - g32.reshape(-1)).double().pow(2).sum())
+    return out.reshape(-1) - g32.reshape(-1)
+
+
+def sample_index(name: str, numel: int, sample: int, seed: int = 0) -> Optional[np.ndarray]:
+    """The coordinates of tensor ``name`` (``numel`` elements) whose error
+    :func:`measure_errors` estimates from: None (all of them) when ``numel <= sample``,
+    else ``sample`` distinct ones drawn uniformly without replacement (int64, increasing)
+    by NumPy's Philox generator keyed by the exchange's ``seed`` and 64 bits of BLAKE2b of
+    ``name`` (Python's ``hash`` differs between processes): the same on every rank."""
+    if numel <= sample:
+        return None
+    tag = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+    gen = np.random.Generator(np.random.Philox(key=[int(seed) & 0xFFFFFFFFFFFFFFFF, tag]))
+    return np.sort(gen.choice(numel, size=int(sample), replace=False)).astype(np.int64)
 
 
 def measure_errors(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.Tensor]],
-                   transport) -> Dict[str, List[float]]:
-    """{name: [error of each candidate]}: :func:`local_error` on this rank's gradient of
-    each tensor of ``grads`` (None: this rank has none), averaged over the ranks whose
-    gradient was finite, in rank order (collective: every rank gets the same numbers).  A
-    tensor no rank had a finite gradient for gets NaN errors."""
-    names = sorted(grads)
-    vals = np.zeros((len(names), len(cands) + 1), dtype=np.float64)
+                   shapes: Dict[str, Tuple[int, ...]], transport, sample: int = SAMPLE,
+                   seed: int = 0) -> Dict[str, List[float]]:
+    """{name: [error of each candidate]}: for each tensor of ``shapes`` ({name: shape},
+    the same on every rank) and candidate c, an unbiased estimate of the squared error of
+    the ranks' average, ``||(1/N) sum_r (C(g_r) - g_r)||^2`` over the N ranks whose
+    gradient ``grads[name]`` (this rank's, of that shape, or None: it has none) was
+    finite.  Each rank computes its residual ``d_r = C(g_r) - g_r`` (:func:`residual`,
+    :func:`measure_key`: independent stochastic roundings per rank) and keeps the ``S =
+    min(numel, sample)`` coordinates of :func:`sample_index`; one allgather of every
+    tensor's and candidate's samples (float32: the residuals are float32, so nothing is
+    lost), summed in float64 in rank order, gives every rank the same ``s = sum_r
+    d_r[subset]`` and the estimate ``(numel / S) ||s / N||^2`` (exact when ``S = numel``).
+    A tensor no rank had a finite gradient for gets NaN errors.  ValueError (on every
+    rank, after the collective) for a gradient of another numel than its shape's, or a
+    ``sample`` below 1."""
+    if int(sample) < 1:
+        raise ValueError(f"sample must be >= 1, got {sample!r}")
+    names = sorted(shapes)
+    K = len(cands)
+    sizes = [int(np.prod(shapes[n])) for n in names]
+    widths = [min(s, int(sample)) for s in sizes]
+    offsets = np.cumsum([0] + [1 + K * w for w in widths])
+    vals = np.zeros(int(offsets[-1]), dtype=np.float32)
     for i, n in enumerate(names):
-        g = grads[n]
+        g = grads.get(n)
         if g is None or not bool(torch.isfinite(g).all()):
             continue
-        vals[i, :-1] = [local_error(c, g, n) for c in cands]
-        vals[i, -1] = 1.0
-    got = transport.allgather(vals.reshape(-1).view(np.uint8))
-    total = np.zeros_like(vals)
-    for r in got:                                  # rank order: the same sum everywhere
-        total += np.frombuffer(r.tobytes(), dtype=np.float64).reshape(vals.shape)
+        if g.numel() != sizes[i]:
+            vals[int(offsets[i])] = -1.0                   # raised below, on every rank
+            continue
+        idx = sample_index(n, sizes[i], int(sample), seed)
+        key = measure_key(n, transport.rank, seed)
+        lo = int(offsets[i])
+        vals[lo] = 1.0                                     # this rank counts
+        for k, c in enumerate(cands):
+            d = residual(c, g, key)
+            if idx is not None:
+                d = d[torch.from_numpy(idx).to(d.device)]
+            a = lo + 1 + k * widths[i]
+            vals[a:a + widths[i]] = d.cpu().numpy()
+    got = transport.allgather(vals.view(np.uint8))
+    total = np.zeros(vals.shape, dtype=np.float64)
+    for r, data in enumerate(got):                 # rank order: the same sum everywhere
+        v = np.frombuffer(data.tobytes(), dtype=np.float32)
+        bad = [n for i, n in enumerate(names) if v[int(offsets[i])] < 0]
+        if bad:
+            raise ValueError(f"rank {r}'s gradient of {bad[0]} does not have the "
+                             f"{sizes[names.index(bad[0])]} elements of its shape "
+                             f"{tuple(shapes[bad[0]])}")
+        total += v
     out = {}
     for i, n in enumerate(names):
-        count = total[i, -1]
-        out[n] = ([float(x) for x in total[i, :-1] / count] if count > 0
-                  else [math.nan] * len(cands))
+        lo, w = int(offsets[i]), widths[i]
+        count = total[lo]
+        if count <= 0:
+            out[n] = [math.nan] * K
+            continue
+        mean = total[lo + 1:lo + 1 + K * w].reshape(K, w) / count
+        scale = sizes[i] / w if w else 0.0
+        out[n] = [float(scale * np.dot(m, m)) for m in mean]
     return out
 
 
@@ -286,7 +373,7 @@ def _rate(a: Tuple[float, float], b: Tuple[float, float]) -> float:
 class Choice:
     """One tensor's entry of the plan: ``spec`` of its compressor, ``path`` ("allreduce",
     "allgather" or "rounds"), predicted ``bytes`` sent per rank and ``seconds``, measured
-    squared ``error`` (as :func:`local_error`, averaged over ranks)."""
+    squared ``error`` of the ranks' average (:func:`measure_errors`'s estimate)."""
     spec: str
     path: str
     bytes: float
@@ -298,17 +385,20 @@ class LayerPlanner:
     """The per-layer plan of one exchange (module docstring).
 
     auto: the :class:`hvdcomp.Auto` built with ``per_layer=True`` (its compressor,
-    ``fallbacks``, ``budget`` factor, ``bits`` / ``densities`` / ``ranks``, and ``link`` /
-    ``codecs`` given instead of measured); shapes: {name: shape} of the tensors it plans;
-    transport / allreduce / device: as :meth:`hvdcomp.Auto.make_plan`.  Construction
-    measures the link and every candidate's codec costs (collective: every rank together,
-    the slowest rank's values).  ``pending`` until :meth:`decide`; ``choices``: {name:
-    :class:`Choice`}; ``budget``: the absolute budget (sum of squared errors) once decided.
+    ``fallbacks``, ``budget`` factor, ``bits`` / ``densities`` / ``ranks``, ``sample``, and
+    ``link`` / ``codecs`` given instead of measured); shapes: {name: shape} of the tensors
+    it plans; transport / allreduce / device: as :meth:`hvdcomp.Auto.make_plan`; seed: the
+    exchange's shared seed (the errors' sampled coordinates and Philox streams:
+    :func:`measure_errors`).  Construction measures the link and every candidate's codec
+    costs (collective: every rank together, the slowest rank's values).  ``pending`` until
+    :meth:`decide`; ``choices``: {name: :class:`Choice`}; ``budget``: the absolute budget
+    (sum of squared errors of the ranks' average) once decided.
     """
 
     def __init__(self, auto: Auto, shapes: Dict[str, Tuple[int, ...]], transport,
-                 allreduce=None, device=None):
+                 allreduce=None, device=None, seed: int = 0):
         self.auto, self.shapes = auto, dict(shapes)
+        self.seed = int(seed)
         self.size = transport.size
         self.cands = candidates(auto.compressor, auto.fallbacks, auto.bits, auto.densities,
                                 auto.ranks)
@@ -365,12 +455,14 @@ class LayerPlanner:
     # --- the decision ------------------------------------------------------------------
     def decide(self, grads: Dict[str, Optional[torch.Tensor]], transport) -> Dict[str, Choice]:
         """Measure every candidate's error on ``grads`` ({name: this rank's first gradient,
-        of the parameter's shape, or None}; errors in the gradient's units squared), solve,
+        of the parameter's shape, or None}; errors of the ranks' average, in the gradient's
+        units squared: :func:`measure_errors`), solve,
         and record the plan (collective; every rank gets the same plan, logged on rank 0).
         A tensor no rank had a finite gradient for keeps the user's compressor (outside the
         budget).  ConfigError when the budget cannot be met (every rank alike);
         :class:`~hvdcomp.errors.Mismatch` if the ranks' plans differ (a digest check)."""
-        errs = measure_errors(self.cands, {n: grads.get(n) for n in self.shapes}, transport)
+        errs = measure_errors(self.cands, grads, self.shapes, transport,
+                              sample=self.auto.sample, seed=self.seed)
         user = self.cands.index(self.auto.compressor)
         names = sorted(self.shapes)
         known = [n for n in names if not any(math.isnan(e) for e in errs[n])]
@@ -487,16 +579,18 @@ def _measure_rounds(comp: Compressor, transport, numel: int) -> CodecCost:
     return CodecCost(0.0, t / (rows * cols), 0.0, 0.0, 0.0, 0.0)
 
 
-def planner(plan, hierarchy: str, transport, allreduce=None
+def planner(plan, hierarchy: str, transport, allreduce=None, seed: int = 0
             ) -> Tuple[Optional[LayerPlanner], str]:
     """``(LayerPlanner or None, hierarchy)`` of an exchange's :class:`~.plan.Plan` (a
     planner where a per-layer Auto plans some tensors: built now, measuring the costs on
-    every rank together) and the hierarchy it runs with: "flat" with a planner (module
-    docstring; ConfigError for "host"), else ``hierarchy`` unchanged."""
+    every rank together; ``seed``: the exchange's) and the hierarchy it runs with: "flat"
+    with a planner (module docstring; ConfigError for "host"), else ``hierarchy``
+    unchanged."""
     if not plan.layer_shapes:
         return None, hierarchy
     if hierarchy == "host":
         raise ConfigError("Auto(per_layer=True) plans the flat exchange; use hierarchy="
                           "'flat' or 'auto' (flat with it)")
     dev = plan.entries[next(iter(plan.layer_shapes))].param.device
-    return LayerPlanner(plan.auto, plan.layer_shapes, transport, allreduce, device=dev), "flat"
+    return (LayerPlanner(plan.auto, plan.layer_shapes, transport, allreduce, device=dev,
+                         seed=seed), "flat")

@@ -15,7 +15,7 @@ import copy
 import math
 import os
 import sys
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -229,15 +229,25 @@ def sgd_reference(model, avg: Dict[str, torch.Tensor], lr: float = LR):
     return {n: p.detach().clone().add_(avg[n], alpha=-lr) for n, p in model.named_parameters()}
 
 
+def sent_paths(opt) -> Dict[str, tuple]:
+    """{name: (summed by Horovod's allreduce, compressor name)} of the drop-in's exchange
+    now: taken before a step's backward, how that step sends each tensor (a per-layer Auto
+    adopts its plan when its first exchange finishes, which may be inside backward)."""
+    return {e.name: (e.allreduce, e.compressor.name) for e in entries(exchange_of(opt))}
+
+
 def assert_params(model, opt, want: Dict[str, torch.Tensor], where, atol: float = 1e-7,
-                  atol_fp16: float = 1e-4) -> None:
+                  atol_fp16: float = 1e-4, sent: Optional[Dict[str, tuple]] = None) -> None:
     """The parameters after the drop-in's step equal ``want``: bit for bit where the exchange
     decoded in rank order; up to rtol 1e-6 and ``atol`` (``atol_fp16`` for fp16 sums) where
-    Horovod's allreduce summed in MPI's order."""
+    Horovod's allreduce summed in MPI's order.  ``sent``: :func:`sent_paths` taken before
+    the step (default: the exchange's paths now)."""
+    sent = sent or sent_paths(opt)
     for e in entries(exchange_of(opt)):
         p = dict(model.named_parameters())[e.name].detach()
-        if e.allreduce:
-            tol = atol_fp16 if e.compressor.name == "fp16" else atol
+        allreduce, name = sent[e.name]
+        if allreduce:
+            tol = atol_fp16 if name == "fp16" else atol
             assert torch.allclose(p, want[e.name], rtol=1e-6, atol=tol), \
                 (where, e.name, (p - want[e.name]).abs().max())
         else:
