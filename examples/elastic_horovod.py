@@ -1,11 +1,17 @@
 """An elastic Horovod job with hvdcomp's drop-in optimizer: workers come and go.
 
-    .venv/bin/horovodrun --gloo -np 2 --min-np 1 --max-np 4 \\
-        --host-discovery-script ./discover_hosts.sh python examples/elastic_horovod.py
+On one machine (the hosts all "localhost"; a resize: edit hosts.txt while it runs):
+
+    printf 'localhost:2\n' > hosts.txt
+    printf '#!/bin/sh\ncat hosts.txt\n' > discover_hosts.sh && chmod +x discover_hosts.sh
+    .venv/bin/horovodrun --gloo --network-interface lo -np 2 --min-np 1 --max-np 4 \
+        --host-discovery-script ./discover_hosts.sh .venv/bin/python examples/elastic_horovod.py --steps 1500
+    # meanwhile: printf 'localhost:3\n' > hosts.txt   (3 ranks), then back to localhost:2
 
 (``discover_hosts.sh`` prints the available hosts, one ``host:slots`` a line, as Horovod's
-elastic documentation describes; add ``--network-interface lo`` when every host is this
-machine.)  Written as for Horovod's own optimizer: ``import hvdcomp.torch as hvd``,
+elastic documentation describes.  Without ``--network-interface lo`` on one machine the job
+waits silently.  A worker Horovod removes prints "has been removed from elastic job" and
+exits 134: expected.)  Written as Written as for Horovod's own optimizer: ``import hvdcomp.torch as hvd``,
 ``hvd.elastic.TorchState`` holding the model and the optimizer, ``state.commit()`` every
 few steps, the training function decorated with ``hvd.elastic.run``.
 
