@@ -146,24 +146,12 @@ def worker(args):
     from hvdcomp.auto import from_spec
     from hvdcomp.exchange import Exchange
     from hvdcomp.transport import HorovodAllreduce, MPITransport
-    from shapes import bert_base, resnet50
+    from shapes import bert_base, resnet50, synthetic_params
     hvd.init()
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
     shapes = {"resnet50": resnet50, "bert_base": bert_base}[args.model]()
-    # gradients: views of one random bank (a BERT-sized set per rank would not fit 8 ranks
-    # in this machine's memory); parameters: expanded zeros (the exchange reads only shapes)
-    total = sum(math.prod(s) for _, s in shapes)
-    bank = torch.randn(min(total, 1 << 25), generator=torch.Generator().manual_seed(100 + rank))
-    bank *= 1e-3
-    params, off = [], 0
-    for i, (name, shape) in enumerate(shapes):
-        n = math.prod(shape)
-        p = torch.nn.Parameter(torch.zeros(()).expand(shape))
-        o = (off * 7 + i * 4099) % max(len(bank) - n, 1)
-        p.grad = bank[o:o + n].view(shape)
-        off += n
-        params.append((name, p))
+    params = synthetic_params(shapes, rank)
 
     def barrier(tag):
         hvd.allreduce(torch.zeros(1), name=f"barrier.{tag}")

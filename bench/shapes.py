@@ -67,3 +67,25 @@ if __name__ == "__main__":
     for name, fn in (("resnet50", resnet50), ("bert_base", bert_base)):
         s = fn()
         print(name, len(s), "tensors", numel(s), "parameters")
+
+
+def synthetic_params(shapes: List[Tuple[str, Shape]], rank: int):
+    """``[(name, parameter)]`` of ``shapes`` with synthetic gradients for ``rank``: the
+    parameters are expanded zeros (an exchange reads only their shapes), each gradient a
+    view of one random bank of at most 2^25 floats (N(0, 1e-6), seeded by the rank), at
+    offsets that differ per tensor: a BERT-sized set per rank would not fit 8 ranks in
+    the development machine's memory."""
+    import math
+    import torch
+    total = sum(math.prod(s) for _, s in shapes)
+    bank = torch.randn(min(total, 1 << 25), generator=torch.Generator().manual_seed(100 + rank))
+    bank *= 1e-3
+    params, off = [], 0
+    for i, (name, shape) in enumerate(shapes):
+        n = math.prod(shape)
+        p = torch.nn.Parameter(torch.zeros(()).expand(shape))
+        o = (off * 7 + i * 4099) % max(len(bank) - n, 1)
+        p.grad = bank[o:o + n].view(shape)
+        off += n
+        params.append((name, p))
+    return params
