@@ -21,7 +21,7 @@ ABSENT_REFUSE = "refuse"    # a clear error: every rank's message is needed (NDQ
 class Declarations:
     """The declarations the exchange core reads (defaults here; the families override):
     ``absent_rank``, ``wire_dtype``, ``sends_values``, ``shard_unit`` / ``shard_shape``,
-    ``second_stage``, ``for_dtype`` and ``shared_state``.  Only
+    ``second_stage``, ``for_dtype``, ``shared_state`` and ``biased``.  Only
     :class:`~hvdcomp.compressors.base.Compressor` inherits it; ``name`` is the
     compressor's registered name."""
     name: ClassVar[str] = "?"
@@ -73,3 +73,9 @@ class Declarations:
     # last uploads and aggregates), which no rank of the new world owns
     # (:meth:`hvdcomp.exchange.driver.Driver.load_state_dict`).
     shared_state: ClassVar[Tuple[str, ...]] = ()
+
+    # The decoded gradient is a biased estimate, corrected over steps by error feedback (or,
+    # for LAQ, by lazy uploads): top-k, DGC, sign with error feedback, PowerSGD.  Auto per
+    # layer (hvdcomp.exchange.layer_plan.effective_error) weighs such a compressor's one-step
+    # error by the contraction it implies rather than as an unbiased variance.
+    biased: ClassVar[bool] = False

@@ -172,6 +172,7 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
     named_parameters=model.named_parameters(), compression="laq:bits=4,alpha=0.2")``.
     """
     keeps_state = True          # Qprev, aggregates, history of parameter changes
+    biased = True
     example = "laq:bits=4"
     absent_rank = ABSENT_LAST   # receivers keep each rank's last upload (its Qprev)
 

@@ -99,6 +99,7 @@ class SignEF(TensorBuckets, Compressor):
     """
     example = "signef"
     keeps_state = True          # the residuals
+    biased = True
     code_bits = _BITS
 
     def __init__(self, bucket_size: int = 0, entropy: bool = False):

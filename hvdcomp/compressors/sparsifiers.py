@@ -319,6 +319,7 @@ class TopK(_Residuals):
         msg = c.encode(grad, hvdcomp.TensorKey("fc.weight", 0, step, rank, size))
     """
     example = "topk:density=0.05"
+    biased = True
 
     def __init__(self, density: float = 0.001, values: str = "fp32",
                  error_feedback: bool = True):
@@ -372,6 +373,11 @@ class RandK(_Residuals):
         self.error_feedback = settings.boolean("error_feedback", error_feedback)
         self.unbiased = settings.boolean("unbiased", unbiased)
         self._init_state()
+
+    @property
+    def biased(self) -> bool:
+        """Biased unless scaled by n / k on decoding (Declarations.biased)."""
+        return not self.unbiased
 
     def scale(self, n: int) -> float:
         """The float32 factor applied on decoding: n / k if unbiased, else 1."""
@@ -474,6 +480,7 @@ class DGC(MomentumCorrection, _Sparse):
     """
     example = "dgc:density=0.05"
     keeps_state = True          # u, v and the warm-up's step
+    biased = True
 
     def __init__(self, density: float = 0.001, values: str = "fp32",
                  sample_ratio: float = 0.01, exact_k: bool = True, accumulate: bool = True,

@@ -2,6 +2,7 @@
 of the ranks' average (exact, sampled, and its 1/N effect), the budget on measured errors,
 two ranks with one plan and identical averages, the plan in the checkpoint."""
 import itertools
+import json
 import math
 import os
 import random
@@ -15,11 +16,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hvdcomp  # noqa: E402
 from hvdcomp.auto import LinkCost, from_spec  # noqa: E402
 from hvdcomp.compressors import TensorKey  # noqa: E402
+from hvdcomp.compressors.protocols import AdaptiveLevels  # noqa: E402
 from hvdcomp.errors import ConfigError  # noqa: E402
 from hvdcomp.exchange import Exchange  # noqa: E402
 from hvdcomp.exchange.driver import Driver, Settings  # noqa: E402
 from hvdcomp.auto import CodecCost  # noqa: E402
-from hvdcomp.exchange.layer_plan import (candidates, measure_errors, measure_key,  # noqa: E402
+from hvdcomp.exchange.layer_plan import (candidates, effective_error,  # noqa: E402
+                                         measure_errors, measure_key,
                                          sample_index, solve)
 from world import run_ranks  # noqa: E402
 
@@ -88,6 +91,8 @@ def _decoded(spec, g, name, rank, seed=0):
     c = hvdcomp.get(spec)
     k = measure_key(name, rank, seed)
     key = TensorKey(name, 0, 0, 0, 1, k.seed, shape=tuple(g.shape), dtype=g.dtype)
+    if isinstance(c, AdaptiveLevels):                   # the planner's rule: levels fitted
+        c.adopt(c.update(c.statistics(g), 1))           # to this gradient alone
     out = torch.zeros(g.numel())
     c.decode(c.encode(g, key), key, out)
     return out.double()
@@ -103,6 +108,16 @@ def _error_of_average(spec, gs, name):
     dec = torch.stack([_decoded(spec, g, name, r) for r, g in enumerate(gs)]).mean(0)
     ref = torch.stack([g.reshape(-1).double() for g in gs]).mean(0)
     return float((dec - ref).pow(2).sum())
+
+
+def _norm2(gs):
+    """||mean_r g_r||^2 (float64)."""
+    return float(torch.stack([g.reshape(-1).double() for g in gs]).mean(0).pow(2).sum())
+
+
+def _charged(spec, e, norm2):
+    """What the plan charges: e, or e / (1 - e / norm2) for a biased compressor."""
+    return e / (1 - e / norm2) if hvdcomp.get(spec).biased else e
 
 
 ERROR_SPECS = ("qsgd:bits=3", "alq:bits=2", "topk:density=0.01", "fp16", "none")
@@ -131,6 +146,17 @@ def test_error_of_the_average_exact_when_every_coordinate_is_sampled():
         want = [_error_of_average(s, gs, n) for s in ERROR_SPECS]
         assert got[0][n] == pytest.approx(want, rel=1e-6, abs=1e-12), n
     assert got[0]["a"][-1] == 0.0 and got[0]["a"][0] > 0
+
+    def with_norms(rank, tp):
+        return measure_errors(cands, grads(rank), shapes, tp, sample=2000, with_norms=True)
+
+    (errs, norms), = set((json.dumps(e, sort_keys=True), json.dumps(m, sort_keys=True))
+                         for e, m in run_ranks(3, with_norms))
+    assert json.loads(errs) == got[0]                   # the same errors, and the norms:
+    for n in shapes:                                    # ||mean of the finite gradients||^2
+        gs = [grads(r)[n].reshape(-1).double() for r in range(3) if grads(r)[n] is not None]
+        want = float(torch.stack(gs).mean(0).pow(2).sum())
+        assert json.loads(norms)[n] == pytest.approx(want, rel=1e-6), n
 
     def wrong(rank, tp):                                # rank 1's gradient of b is short
         g = {"b": torch.ones(300 if rank == 0 else 299)}
@@ -205,6 +231,37 @@ def test_average_over_ranks_shrinks_an_unbiased_quantizers_error_not_top_ks():
             assert 0.15 < ratio < 0.4, (spec, ratio)
 
 
+def test_fitted_levels_and_biased_compressors_charged_their_unbiased_equivalent():
+    """ALQ is measured with levels fitted to the gradient: on a heavy-tailed gradient its
+    error is the fitted table's (the test's own decode with a table fitted here), well
+    below the initial table's; a biased compressor is charged e / (1 - e / ||g||^2), an
+    unbiased one e (hand-worked values)."""
+    g = torch.randn(64, 512, generator=torch.Generator().manual_seed(4)) ** 3
+    tp = _one_rank_transport()
+    got, norms = measure_errors([hvdcomp.get("alq:bits=3")], {"w": g}, {"w": g.shape}, tp,
+                                sample=1 << 20, with_norms=True)
+    assert got["w"][0] == pytest.approx(_error("alq:bits=3", g, "w"), rel=1e-6)
+    c = hvdcomp.get("alq:bits=3")                       # the initial (NUQSGD) table's error
+    key = TensorKey("w", 0, 0, 0, 1, measure_key("w", 0).seed, shape=tuple(g.shape),
+                    dtype=g.dtype)
+    out = torch.zeros(g.numel())
+    c.decode(c.encode(g, key), key, out)
+    initial = float((out.double() - g.reshape(-1).double()).pow(2).sum())
+    assert got["w"][0] < 0.5 * initial, (got["w"][0], initial)
+    assert norms["w"] == pytest.approx(float(g.double().pow(2).sum()), rel=1e-6)
+    # hand-worked: e = 0.9 of a squared norm 2 is worth 1.8 / 0.1 = 18; e >= norm: the
+    # least contraction, 1e-6; unbiased (and fp16) charged e itself; a zero gradient: e
+    top, rk = hvdcomp.get("topk:density=0.01"), hvdcomp.get("randk:unbiased=1")
+    assert effective_error(top, 1.8, 2.0) == pytest.approx(18.0, rel=1e-12)
+    assert effective_error(top, 3.0, 2.0) == pytest.approx(3.0 / 1e-6, rel=1e-12)
+    assert effective_error(top, 0.0, 0.0) == 0.0
+    for comp in (hvdcomp.get("alq:bits=3"), hvdcomp.get("fp16"), rk):
+        assert effective_error(comp, 1.8, 2.0) == 1.8
+    assert [hvdcomp.get(s).biased for s in ("topk", "dgc", "signef", "powersgd", "randk",
+                                             "qsgd", "alq", "terngrad", "none")] == [
+        True, True, True, True, True, False, False, False, False]
+
+
 def _model():
     """The same parameters on every rank (from a generator of their own: the ranks are
     threads sharing torch's global one)."""
@@ -263,11 +320,12 @@ def test_budget_is_respected_and_defaults_to_the_compressors_error():
         reference = sum(_error("qsgd:bits=3", grads[n], n) for n in weights)
         assert layer.reference == pytest.approx(reference, rel=1e-6)
         assert layer.budget == pytest.approx(factor * layer.reference, rel=1e-12)
-        measured = sum(_error(layer.choices[n].spec, grads[n], n) for n in weights)
-        assert measured <= layer.budget * (1 + 1e-6)
-        # the plan's own numbers: the same errors, and no faster plan within the budget
-        assert [layer.choices[n].error for n in weights] == pytest.approx(
-            [_error(layer.choices[n].spec, grads[n], n) for n in weights], rel=1e-6)
+        # the plan's own numbers: each choice charged its error, a biased one (top-k,
+        # PowerSGD) e / (1 - e / ||g||^2) (one rank: the average is its own gradient)
+        want = [_charged(layer.choices[n].spec, _error(layer.choices[n].spec, grads[n], n),
+                         _norm2([grads[n]])) for n in weights]
+        assert [layer.choices[n].error for n in weights] == pytest.approx(want, rel=1e-5)
+        assert sum(want) <= layer.budget * (1 + 1e-5)
         if factor == 1.0:                       # the user's compressor alone is feasible
             assert layer.totals()["seconds"] <= sum(
                 layer.predict(hvdcomp.get("qsgd:bits=3"), grads[n].shape)[0]
@@ -386,12 +444,14 @@ def test_nonfinite_first_gradients_and_the_log(caplog):
     assert layer.state_dict()["plan"] == other.state_dict()["plan"]
     c = layer.choices["2.weight"]
     g0 = _grads(list(_model().named_parameters()), 0, 0)["2.weight"]
-    assert c.error == pytest.approx(_error(c.spec, g0, "2.weight"), rel=1e-6)  # rank 0's alone
+    want = _charged(c.spec, _error(c.spec, g0, "2.weight"), _norm2([g0]))
+    assert c.error == pytest.approx(want, rel=1e-5)     # rank 0's alone
     assert layer.choices["4.weight"].spec == hvdcomp.get("qsgd:bits=3").spec()
     w0 = _grads(list(_model().named_parameters()), 0, 0)["0.weight"]
     w1 = _grads(list(_model().named_parameters()), 1, 0)["0.weight"]
-    want = _error_of_average(layer.choices["0.weight"].spec, [w0, w1], "0.weight")
-    assert layer.choices["0.weight"].error == pytest.approx(want, rel=1e-6)  # of the average
+    spec = layer.choices["0.weight"].spec
+    want = _charged(spec, _error_of_average(spec, [w0, w1], "0.weight"), _norm2([w0, w1]))
+    assert layer.choices["0.weight"].error == pytest.approx(want, rel=1e-5)  # of the average
     lines = [r.getMessage() for r in caplog.records if r.name == "hvdcomp"]
     assert sum("Auto per layer: budget" in x for x in lines) == 1     # rank 0 only
     for n, ch in layer.choices.items():
