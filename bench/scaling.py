@@ -10,7 +10,8 @@ python bench/scaling.py --worker ...`: one rank per host, each host in its own n
 namespace behind its own link of RATE in both directions (MPI over TCP).  For every method
 (fp32 and fp16 through Horovod's allreduce; ALQ 3 bits and DGC 0.1 % over the allgather and
 over the reduce-scatter; Auto; hvdcomp's PowerSGD at ranks 1, 2, 4, its P and Q summed by
-Horovod's allreduce in rounds) each rank times a warm-up and --reps exchanges of synthetic
+Horovod's allreduce in rounds; Auto per layer, whose first exchange, the warm-up, is fp32 and
+decides its plan) each rank times a warm-up and --reps exchanges of synthetic
 gradients with the model's shapes (bench/shapes.py); with --ddp-methods
 (``torch-powersgd:rank=R``) the same ranks then shut Horovod down and time PyTorch's
 powerSGD_hook (Vogels et al. 2019; error feedback, warm start) under DDP over Gloo between
@@ -54,13 +55,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 METHODS = ["none", "fp16", "ag+alq:bits=3", "rs+alq:bits=3", "ag+dgc:density=0.001",
            "rs+dgc:density=0.001", "auto+alq:bits=3", "powersgd:rank=1", "powersgd:rank=2",
-           "powersgd:rank=4"]
+           "powersgd:rank=4", "auto+layer+alq:bits=3"]
 # PyTorch's powerSGD_hook, timed under DDP over Gloo between the same hosts (--ddp-methods)
 DDP_METHODS = ["torch-powersgd:rank=1", "torch-powersgd:rank=2", "torch-powersgd:rank=4"]
 LABELS = {"none": "fp32 allreduce", "fp16": "fp16 allreduce",
           "ag+alq:bits=3": "ALQ 3b allgather", "rs+alq:bits=3": "ALQ 3b reduce-scatter",
           "ag+dgc:density=0.001": "DGC 0.1% allgather",
           "rs+dgc:density=0.001": "DGC 0.1% reduce-scatter", "auto+alq:bits=3": "Auto(ALQ 3b)",
+          "auto+layer+alq:bits=3": "Auto per layer (ALQ 3b)",
           **{f"powersgd:rank={r}": f"hvdcomp PowerSGD r{r}" for r in (1, 2, 4)},
           **{f"torch-powersgd:rank={r}": f"PyTorch PowerSGD hook r{r}" for r in (1, 2, 4)}}
 RESULTS = os.path.join(ROOT, "bench", "results", "scaling")

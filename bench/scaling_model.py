@@ -384,7 +384,10 @@ def fit_at(rows: List[dict], cores: int, background: float) -> Dict[str, float]:
 LABELS = {"none": "fp32 allreduce", "fp16": "fp16 allreduce",
           "ag+alq:bits=3": "ALQ 3b allgather", "rs+alq:bits=3": "ALQ 3b reduce-scatter",
           "ag+dgc:density=0.001": "DGC 0.1% allgather",
-          "rs+dgc:density=0.001": "DGC 0.1% reduce-scatter", "auto+alq:bits=3": "Auto(ALQ 3b)"}
+          "rs+dgc:density=0.001": "DGC 0.1% reduce-scatter", "auto+alq:bits=3": "Auto(ALQ 3b)",
+          "auto+layer+alq:bits=3": "Auto per layer (ALQ 3b)",
+          **{f"powersgd:rank={r}": f"hvdcomp PowerSGD r{r}" for r in (1, 2, 4)},
+          **{f"torch-powersgd:rank={r}": f"PyTorch PowerSGD hook r{r}" for r in (1, 2, 4)}}
 FIXED = ["none", "fp16", "ag+alq:bits=3", "rs+alq:bits=3", "ag+dgc:density=0.001",
          "rs+dgc:density=0.001"]
 #: The hierarchical methods of bench/scaling_hier.py ("host+": hvdcomp/exchange/hier.py).
@@ -481,7 +484,8 @@ def render(res: dict, p: Dict[str, float]) -> str:
                      f"{r['tx'] / 1e6:.2f} | {r['rx'] / 1e6:.2f} | {r['sent'] / 1e6:.2f} / "
                      f"{r['recv'] / 1e6:.2f} | {r['encode']:.3f} | {r['comm']:.3f} | "
                      f"{r['decode']:.3f} | {prs} | {err} |")
-        auto = [r for r in cr if r["method"].startswith("auto")]
+        auto = [r for r in cr if r["method"].startswith("auto")
+                and not r["method"].startswith("auto+layer")]
         fixed = [r for r in cr if r["method"] in AUTO_CHOICES]
         if auto and fixed:
             best = min(fixed, key=lambda r: r["median_s"])
@@ -492,6 +496,19 @@ def render(res: dict, p: Dict[str, float]) -> str:
                       f"{100 * (a['median_s'] / best['median_s'] - 1):+.0f} % "
                       f"(target: at most +10 %); its plan (elements per path): "
                       f"{a['elements']}"]
+            layer = [r for r in cr if r["method"].startswith("auto+layer")]
+            every = [r for r in cr if not r["method"].startswith("auto")]
+            if layer and every:
+                a, best = layer[0], min(every, key=lambda r: r["median_s"])
+                beats = all(a["median_s"] < r["median_s"] for r in every)
+                L += ["", f"Auto per layer: {a['median_s']:.3f} s against the best fixed "
+                          f"choice of this cell (every row but Auto's: "
+                          f"{LABELS.get(best['method'], best['method'])}) "
+                          f"{best['median_s']:.3f} s: "
+                          f"{100 * (a['median_s'] / best['median_s'] - 1):+.0f} % (#22 (d): "
+                          f"at most +10 %; faster than every fixed choice here: "
+                          f"{'yes' if beats else 'no'}); its plan (elements per "
+                          f"compressor and path): {a['elements']}"]
             dgc = [r for r in cr if "dgc" in r["method"]]
             if dgc:
                 d = min(dgc, key=lambda r: r["median_s"])
