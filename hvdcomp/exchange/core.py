@@ -313,7 +313,14 @@ def report_plan(ex: "Exchange") -> None:
         counts: Dict[str, int] = {}
         for e in ex.entries.values():
             counts[e.compressor.name] = counts.get(e.compressor.name, 0) + 1
-        logger.info("Auto's plan (tensors per path): %s; cost model: %s", counts,
-                    ex.cost_model.as_dict() if ex.cost_model is not None else None)
+        if ex.layer is not None and ex.layer.pending:
+            # no plan yet: the first step's gradients decide it (LayerPlanner.log says it)
+            logger.info("Auto per layer: plan pending; the first step sends every tensor "
+                        "as fp32 (tensors per path in it: %s), the plan chosen from its "
+                        "gradients is logged after it; cost model: %s", counts,
+                        ex.cost_model.as_dict() if ex.cost_model is not None else None)
+        else:
+            logger.info("Auto's plan (tensors per path): %s; cost model: %s", counts,
+                        ex.cost_model.as_dict() if ex.cost_model is not None else None)
         if ex.hierarchy_choice is not None:
             logger.info("Auto's hierarchy: %s", ex.hierarchy_choice.as_dict())
