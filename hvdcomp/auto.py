@@ -62,16 +62,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .compressors import Compressor, TensorKey, get
+from .compressors import Compressor, TensorKey, get, prefixes
 from .errors import ConfigError
 
 __all__ = ["Auto", "CostModel", "LinkCost", "CodecCost", "fit_line", "from_spec", "spec_collective",
            "merge_collective", "COLLECTIVES"]
 
-AUTO_PREFIX = "auto+"
-LAYER_PREFIX = "layer+"      # after "auto+": Auto(..., per_layer=True)
+AUTO_PREFIX = prefixes.AUTO
+LAYER_PREFIX = prefixes.LAYER      # after "auto+": Auto(..., per_layer=True)
 COLLECTIVES = ("allgather", "reduce_scatter", "auto")
-_COLLECTIVE_PREFIXES = {"rs+": "reduce_scatter", "ag+": "allgather"}
+_COLLECTIVE_PREFIXES = prefixes.COLLECTIVE
 
 
 def from_spec(spec: str) -> Tuple[object, Optional[str]]:

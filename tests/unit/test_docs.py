@@ -215,6 +215,19 @@ def test_compressors_page_what_each_sends_lists_every_compressor():
     assert sorted(listed) == sorted(_own())
 
 
+def test_compressors_page_spec_prefixes_table_lists_every_prefix():
+    """Newcomer trial item 3: the "Spec prefixes" table names the prefixes the exchange
+    reads (hvdcomp.compressors.prefixes), each once, in their order."""
+    from hvdcomp.compressors import prefixes
+    text = _read(os.path.join(ROOT, "docs", "compressors.md"))
+    start = text.index("\n### Spec prefixes\n")
+    section = text[start:text.index("\n## ", start + 1)]
+    listed = [row.split("|")[1].strip().strip("`") for row in section.splitlines()
+              if row.startswith("| `")]
+    assert listed == list(prefixes.MEANING)
+    assert prefixes.ORDER in section
+
+
 def test_readme_is_short():
     """Issue 20, item 5: a README a newcomer reads in two minutes (at most ~150 lines, with
     room for a new compressor's row; everything else lives in docs/)."""
