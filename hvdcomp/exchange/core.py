@@ -94,9 +94,8 @@ class Exchange(LoopProtocols):
             agree_settings(transport, {"collective": collective, "hierarchy": hierarchy},
                            "the collective (allgather, reduce_scatter or auto) and the "
                            "hierarchy (auto, flat or host)")
-        self.buckets = [] if fusion_bytes is None else fuse(named_params, fusion_bytes)
-        #: whether the exchange forms fusion buckets (else the caller does: :meth:`call`)
-        self.fused = fusion_bytes is not None
+        self.fused = fusion_bytes is not None      # else the caller forms buckets (call())
+        self.buckets = fuse(named_params, fusion_bytes) if self.fused else []
         self.plan = Plan(named_params, compression, transport, allreduce,
                          min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                          collective=collective)
@@ -104,19 +103,16 @@ class Exchange(LoopProtocols):
         #: a per-layer Auto's planner (:mod:`.layer_plan`), else None; its exchange is flat
         self.layer, hierarchy = planner(self.plan, hierarchy, transport, allreduce,
                                         seed=self.seed)
-        # with Auto deciding flat or hierarchical (hier_choice.settle), only its decision
-        # is logged
-        decides = hierarchy == "auto" and self.auto is not None and self.auto.model is not None
+        decides = hierarchy == "auto" and getattr(self.auto, "model", None) is not None
         self.hierarchy = plan_hierarchy(hierarchy, transport, self.compression, collective,
-                                        log=not decides)
+                                        log=not decides)    # Auto's decision: settle logs it
         #: Auto's flat-or-hierarchical decision (hier_choice.py), or None
         self.hierarchy, self.hierarchy_choice = settle(
             self.hierarchy, self.auto if hierarchy == "auto" else None, transport, allreduce,
             self.entries, collective, len(self.buckets), fusion_bytes is not None)
         across = None                  # the hierarchy's collective across hosts
         if self.hierarchy is not None:
-            if (collective == "reduce_scatter" and self.hierarchy[1].size > 1
-                    and fusion_bytes is not None):
+            if collective == "reduce_scatter" and self.hierarchy[1].size > 1 and self.fused:
                 across = self.buckets
             for e in self.entries.values():
                 e.hier = (not e.allreduce and not e.rounds and e.param.numel() > 0
