@@ -15,7 +15,11 @@ continues bit for bit as if nothing had happened.  Restarted at another world si
 rank loads rank 0's hook state: hvdcomp keeps the step and the state all ranks share (ALQ's
 fitted levels, PowerSGD's Q), resets the per-rank state and logs a warning
 (docs/semantics.md, "Elastic restarts").  --fail-at STEP: rank 1 dies (SIGKILL) just before
-that step's backward on the first attempt, to try it.  --hold STEP:SIZE: at that step, while
+that step's backward on the first attempt, to try it; the other rank then prints a
+traceback ("[rank0]: ... RuntimeError: ... gloo ... Connection closed by peer": its
+collective with the dead worker fails) and torchrun logs "failed (exitcode: -9)" before it
+restarts both and they print "resumed at step ...": expected, the job goes on.  A Gloo
+traceback on the surviving workers at any restart is expected.  --hold STEP:SIZE: at that step, while
 the world has SIZE ranks, the workers wait for a host to join or leave (a leaving host makes
 their next barrier fail; docs/semantics.md, "Nodes joining and leaving"), to try a resize.
 --out DIR: each rank writes its final parameters and hook state there.

@@ -11,7 +11,9 @@ On one machine (the hosts all "localhost"; a resize: edit hosts.txt while it run
 (``discover_hosts.sh`` prints the available hosts, one ``host:slots`` a line, as Horovod's
 elastic documentation describes.  Without ``--network-interface lo`` on one machine the job
 waits silently.  A worker Horovod removes prints "has been removed from elastic job" and
-exits 134: expected.)  Written as Written as for Horovod's own optimizer: ``import hvdcomp.torch as hvd``,
+exits 134 (horovodrun reports its exit code); at a reset the remaining workers may print a
+Gloo traceback (their collective with the departed worker fails) before Horovod resets
+them: both expected, the job goes on.)  Written as for Horovod's own optimizer: ``import hvdcomp.torch as hvd``,
 ``hvd.elastic.TorchState`` holding the model and the optimizer, ``state.commit()`` every
 few steps, the training function decorated with ``hvd.elastic.run``.
 

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fashion  # noqa: E402
-from train_mnist import HorovodJob, Metrics, TorchrunJob, under_torchrun  # noqa: E402
+from train_mnist import (HorovodJob, Metrics, TorchrunJob, compression_label,  # noqa: E402
+                         under_torchrun)
 
 PROG = "train_fashion.py"
 # PyTorch's hooks accepted as --compression under torchrun: name -> {setting: (type, default)}
@@ -284,11 +285,13 @@ def main(argv=None):
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                           weight_decay=args.weight_decay)
     net, opt = job.wrap(model, opt, args)
+    label = (job.compression.spec() if hook is not None
+             else compression_label(args.compression, job.compression))
     if rank == 0:
         print(f"hvdcomp real task: {args.model} ({nparams:,} parameters), Fashion-MNIST "
               f"{len(x_tr)} train / {len(x_te)} test images, {size} ranks x batch "
               f"{args.batch_size}, {steps_per_epoch} steps per epoch, {job.name}, "
-              f"compression {job.compression.spec()}, collective {job.collective}",
+              f"compression {label}, collective {job.collective}",
               flush=True)
     metrics = Metrics(args.log_dir) if rank == 0 and args.log_dir else None
     show = rank == 0 and not args.no_progress
@@ -368,7 +371,7 @@ def main(argv=None):
         metrics.close()
     if rank == 0:
         print(f"final: test acc {history[-1]['test_acc']:.2f} %, {args.model}, compression "
-              f"{job.compression.spec()}, {steps} steps, training "
+              f"{label}, {steps} steps, training "
               f"{history[-1]['train_seconds']:.1f} s, wall {time.time() - t_start:.1f} s",
               flush=True)
         if args.json:

@@ -48,6 +48,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mnist import FC300100, load_digits  # noqa: E402
 
 
+def compression_label(spec: str, compressor) -> str:
+    """The compression as the banner and the ``final:`` line name it.  ``spec``: the user's
+    --compression; ``compressor``: the exchange's compressor (with Auto, Auto's inner one).
+    A spec with exchange prefixes ("host+", "flat+", "auto+", "auto+layer+", "rs+", "ag+")
+    is shown as given, the compressor's full settings after it in parentheses, e.g.
+    "auto+alq:bits=3 (alq:bits=3,bucket_size=8192,...)"; a plain one as the compressor's
+    full settings alone ("alq:bits=3,bucket_size=8192,...")."""
+    import hvdcomp
+    from hvdcomp.auto import from_spec
+    from hvdcomp.exchange.driver import split_hierarchy
+    hierarchy, rest = split_hierarchy(spec)
+    comp, collective = from_spec(rest)
+    if hierarchy is None and collective is None and not isinstance(comp, hvdcomp.Auto):
+        return compressor.spec()
+    return f"{spec.strip()} ({compressor.spec()})"
+
+
 def under_torchrun() -> bool:
     """torchrun (torch.distributed.run) sets TORCHELASTIC_RUN_ID for every worker."""
     return "TORCHELASTIC_RUN_ID" in os.environ
@@ -285,9 +302,10 @@ def main(argv=None):
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                           weight_decay=args.weight_decay)
     net, opt = job.wrap(model, opt, args)
+    label = compression_label(args.compression, job.compression)
     if rank == 0:
         print(f"hvdcomp main job: FC-300-100, {len(x_tr)} train / {len(x_te)} test MNIST "
-              f"digits, {size} ranks, {job.name}, compression {job.compression.spec()}, "
+              f"digits, {size} ranks, {job.name}, compression {label}, "
               f"collective {job.collective}", flush=True)
     show = rank == 0 and not args.no_progress
     try:
@@ -354,7 +372,7 @@ def main(argv=None):
         metrics.close()
     if rank == 0:
         print(f"final: test acc {history[-1]['test_acc']:.2f} %, compression "
-              f"{job.compression.spec()}, ratio {history[-1]['ratio']:.2f}x, "
+              f"{label}, ratio {history[-1]['ratio']:.2f}x, "
               f"wall {time.time() - t_start:.1f} s", flush=True)
         if args.json:
             import json

@@ -62,16 +62,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .compressors import Compressor, TensorKey, get
+from .compressors import Compressor, TensorKey, get, prefixes
 from .errors import ConfigError
 
 __all__ = ["Auto", "CostModel", "LinkCost", "CodecCost", "fit_line", "from_spec", "spec_collective",
            "merge_collective", "COLLECTIVES"]
 
-AUTO_PREFIX = "auto+"
-LAYER_PREFIX = "layer+"      # after "auto+": Auto(..., per_layer=True)
+AUTO_PREFIX = prefixes.AUTO
+LAYER_PREFIX = prefixes.LAYER      # after "auto+": Auto(..., per_layer=True)
 COLLECTIVES = ("allgather", "reduce_scatter", "auto")
-_COLLECTIVE_PREFIXES = {"rs+": "reduce_scatter", "ag+": "allgather"}
+_COLLECTIVE_PREFIXES = prefixes.COLLECTIVE
 
 
 def from_spec(spec: str) -> Tuple[object, Optional[str]]:
@@ -207,6 +207,24 @@ class CostModel:
         pays once per path; ties: the earlier in CHOICES)."""
         t = self.seconds(n, fused=True)
         return min((c for c in CHOICES if c in allowed), key=lambda c: t[c])
+
+    def summary(self) -> str:
+        """One line of the measured costs, for the log: each collective's bandwidth (bytes
+        contributed per rank per second) and latency, the compressor's encode and decode
+        seconds per element (the whole model: :meth:`as_dict`)."""
+        L, C = self.link, self.codec
+
+        def link(name, latency, per_byte):
+            rate = f"{1e-9 / per_byte:.3g} GB/s" if per_byte > 0 else "no per-byte cost"
+            return f"{name} ({latency * 1e3:.3g} ms, {rate})"
+
+        parts = ([link("allreduce", L.ar_latency, L.ar_per_byte)] if self.allreduce else [])
+        parts.append(link("allgather", L.ag_latency, L.ag_per_byte))
+        if L.aa_latency or L.aa_per_byte:
+            parts.append(link("all-to-all", L.aa_latency, L.aa_per_byte))
+        parts.append(f"encode {C.encode_per_elem * 1e9:.3g} ns and decode "
+                     f"{C.decode_per_elem * 1e9:.3g} ns per element")
+        return ", ".join(parts)
 
     def as_dict(self) -> dict:
         return {"link": asdict(self.link), "codec": asdict(self.codec),

@@ -62,12 +62,21 @@ def _horovod() -> Dict[str, Any]:
             "nccl": bool(hvd.nccl_built()), "cuda": bool(hvd.cuda_built())}
 
 
+def library_line(raw: str) -> str:
+    """The first line of MPI's library version string, up to its first NUL (Open MPI's
+    string, through mpi4py, ends in the C string's terminator), without blanks or other
+    control characters around or in it; "" when nothing is left."""
+    text = raw.split("\0", 1)[0].strip()
+    first = text.splitlines()[0] if text else ""
+    return "".join(ch for ch in first if ch.isprintable()).strip()
+
+
 def _mpi() -> Dict[str, Any]:
     if _version("mpi4py") is None:
         return {"installed": False}
     from mpi4py import MPI
     level = MPI.Query_thread()
-    return {"installed": True, "library": MPI.Get_library_version().strip().splitlines()[0],
+    return {"installed": True, "library": library_line(MPI.Get_library_version()),
             "thread_level": _THREAD_LEVELS[level] if 0 <= level < 4 else str(level),
             "world_size": MPI.COMM_WORLD.Get_size()}
 

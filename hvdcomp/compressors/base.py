@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ConfigError, WireFormatError
 from ..wire import FLAG_ENTROPY, FLAG_NONFINITE, Message, dtype_code, register_codec
-from . import settings
+from . import prefixes, settings
 from .declarations import ABSENT_LAST, ABSENT_REFUSE, ABSENT_ZEROS, Declarations
 from .state import finite
 
@@ -358,8 +358,13 @@ def _convert(cls, pname: str, raw: str, default: Any) -> Any:
 def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
     """Parse ``"name:key=value,key=value"`` into ``(name, kwargs)`` with typed values.
 
-    Raises ConfigError for an unknown name or setting, listing what is valid.
+    Raises ConfigError for an unknown name or setting, listing what is valid, and for a
+    spec that starts with an exchange prefix ("auto+", "rs+", "host+"...:
+    :mod:`.prefixes`), saying where those are taken.
     """
+    prefix = prefixes.leading(spec)
+    if prefix is not None:
+        raise ConfigError(prefixes.prefix_error(spec, prefix))
     spec = spec.strip()
     name, _, rest = spec.partition(":")
     name = name.strip().lower()
@@ -389,7 +394,9 @@ def get(spec, **kwargs) -> Compressor:
     """A compressor from a name or a one-line spec, e.g. ``get("alq", bits=3)`` or
     ``get("alq:bits=3,bucket_size=8192")``.  A Compressor instance is returned as is.
 
-    Raises ConfigError for unknown names or settings and for invalid values.
+    Raises ConfigError for unknown names or settings and for invalid values, and for an
+    exchange prefix ("auto+alq:bits=3", "rs+...", "host+...": settings of the exchange,
+    taken by its ``compression=``; :mod:`.prefixes`).
     """
     if isinstance(spec, Compressor):
         if kwargs:

@@ -94,7 +94,8 @@ class Exchange(LoopProtocols):
             agree_settings(transport, {"collective": collective, "hierarchy": hierarchy},
                            "the collective (allgather, reduce_scatter or auto) and the "
                            "hierarchy (auto, flat or host)")
-        self.buckets = [] if fusion_bytes is None else fuse(named_params, fusion_bytes)
+        self.fused = fusion_bytes is not None      # else the caller forms buckets (call())
+        self.buckets = fuse(named_params, fusion_bytes) if self.fused else []
         self.plan = Plan(named_params, compression, transport, allreduce,
                          min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                          collective=collective)
@@ -102,15 +103,16 @@ class Exchange(LoopProtocols):
         #: a per-layer Auto's planner (:mod:`.layer_plan`), else None; its exchange is flat
         self.layer, hierarchy = planner(self.plan, hierarchy, transport, allreduce,
                                         seed=self.seed)
-        self.hierarchy = plan_hierarchy(hierarchy, transport, self.compression, collective)
+        decides = hierarchy == "auto" and getattr(self.auto, "model", None) is not None
+        self.hierarchy = plan_hierarchy(hierarchy, transport, self.compression, collective,
+                                        log=not decides)    # Auto's decision: settle logs it
         #: Auto's flat-or-hierarchical decision (hier_choice.py), or None
         self.hierarchy, self.hierarchy_choice = settle(
             self.hierarchy, self.auto if hierarchy == "auto" else None, transport, allreduce,
             self.entries, collective, len(self.buckets), fusion_bytes is not None)
         across = None                  # the hierarchy's collective across hosts
         if self.hierarchy is not None:
-            if (collective == "reduce_scatter" and self.hierarchy[1].size > 1
-                    and fusion_bytes is not None):
+            if collective == "reduce_scatter" and self.hierarchy[1].size > 1 and self.fused:
                 across = self.buckets
             for e in self.entries.values():
                 e.hier = (not e.allreduce and not e.rounds and e.param.numel() > 0
@@ -304,16 +306,28 @@ def report_cuda(named_params: Sequence[Tuple[str, torch.Tensor]], rank: int) -> 
 
 
 def report_plan(ex: "Exchange") -> None:
-    """Log (INFO) the exchange's start-up facts: transport, buckets, and with an Auto how
-    many tensors go each way and the cost model it measured."""
-    logger.info("exchange: %d tensors in %d buckets, %d ranks, transport %s, compression %s",
-                len(ex.entries), len(ex.buckets), ex.size, ex.transport.name,
-                ex.compression.spec())
+    """Log (INFO) the exchange's start-up facts: transport, buckets (where the exchange
+    forms them), and with an Auto how many tensors go each way and a one-line summary of
+    the cost model it measured (:meth:`~hvdcomp.auto.CostModel.summary`; the whole model,
+    and the hierarchy choice, at DEBUG)."""
+    # (without fusion buckets the caller forms them, e.g. DDP: their number is its own)
+    buckets = f" in {len(ex.buckets)} buckets" if ex.fused else ""
+    logger.info("exchange: %d tensors%s, %d ranks, transport %s, compression %s",
+                len(ex.entries), buckets, ex.size, ex.transport.name, ex.compression.spec())
     if ex.auto is not None:
         counts: Dict[str, int] = {}
         for e in ex.entries.values():
             counts[e.compressor.name] = counts.get(e.compressor.name, 0) + 1
-        logger.info("Auto's plan (tensors per path): %s; cost model: %s", counts,
-                    ex.cost_model.as_dict() if ex.cost_model is not None else None)
-        if ex.hierarchy_choice is not None:
-            logger.info("Auto's hierarchy: %s", ex.hierarchy_choice.as_dict())
+        model = ex.cost_model
+        summary = model.summary() if model is not None else "none"
+        if ex.layer is not None and ex.layer.pending:
+            # no plan yet: the first step's gradients decide it (LayerPlanner.log says it)
+            logger.info("Auto per layer: plan pending; the first step sends every tensor "
+                        "as fp32 (tensors per path in it: %s), the plan chosen from its "
+                        "gradients is logged after it; cost model: %s", counts, summary)
+        else:
+            logger.info("Auto's plan (tensors per path): %s; cost model: %s", counts,
+                        summary)
+        logger.debug("Auto's cost model: %s", model.as_dict() if model is not None else None)
+        if ex.hierarchy_choice is not None:     # (its decision: logged once, by settle)
+            logger.debug("Auto's hierarchy: %s", ex.hierarchy_choice.as_dict())

@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple
 import torch
 
 from ..auto import Auto, from_spec, merge_collective, spec_collective
-from ..compressors import Compressor
+from ..compressors import Compressor, prefixes
 from ..errors import ConfigError
 from ..transport import Allreduce, Transport
 from . import momentum
@@ -40,7 +40,7 @@ __all__ = ["Settings", "Driver", "Reports", "resolve"]
 
 
 #: The spec string's hierarchy prefixes ("host+alq:bits=3"), before everything else.
-HIERARCHY_PREFIXES = {"host+": "host", "flat+": "flat"}
+HIERARCHY_PREFIXES = prefixes.HIERARCHY
 
 
 def split_hierarchy(spec: str) -> Tuple[Optional[str], str]:

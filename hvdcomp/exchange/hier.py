@@ -323,8 +323,8 @@ class _Given(Averaging):
 HIERARCHIES = ("auto", "flat", "host")
 
 
-def plan_hierarchy(hierarchy: str, transport: Transport, compression, collective: str
-                   ) -> Optional[Tuple[Transport, Transport, Topology]]:
+def plan_hierarchy(hierarchy: str, transport: Transport, compression, collective: str,
+                   log: bool = True) -> Optional[Tuple[Transport, Transport, Topology]]:
     """Whether the exchange over ``transport`` is hierarchical, and its carriers:
     ``(host, cross, topology)``, or None for the flat exchange.  Collective where it
     discovers the topology (every rank alike, with the same settings: agreed first).
@@ -334,7 +334,9 @@ def plan_hierarchy(hierarchy: str, transport: Transport, compression, collective
     counts, a compressor that cannot be cut into pieces);
     "auto": hierarchical where "host" would be, with more than one host, else flat with
     the reason logged (INFO, rank 0).  One rank per host is flat in both (the same
-    exchange as today's).  ConfigError for another value."""
+    exchange as today's).  ConfigError for another value.  ``log``: False leaves the
+    hierarchical outcome unlogged (Auto decides afterwards and logs its decision:
+    :func:`~.hier_choice.settle`)."""
     if hierarchy not in HIERARCHIES:
         raise ConfigError(f"hierarchy must be one of {', '.join(HIERARCHIES)}; got "
                           f"{hierarchy!r}")
@@ -369,7 +371,7 @@ def plan_hierarchy(hierarchy: str, transport: Transport, compression, collective
                     f"network")
     host = transport.split(list(topo.hosts))
     cross = transport.split([topo.local_rank_of(r) for r in range(topo.size)])
-    if transport.rank == 0:
+    if transport.rank == 0 and log:
         logger.info("exchange: hierarchical, %s: float32 sums inside each host, "
                     "compression across hosts", topo.describe())
     return host, cross, topo

@@ -29,9 +29,9 @@ so
 
 (``B`` fusion buckets; the hierarchical path's latencies: the host's all-to-all and
 allgather and the cross-host collective).  The exchange is hierarchical when
-``T_hier < T_flat``, with the tensors whose cheapest path is ``h`` over it; the decision,
-its reason and the numbers are logged (INFO, rank 0) and kept as a :class:`HierChoice`
-(``Exchange.hierarchy_choice``, the doors' ``hierarchy_choice``).
+``T_hier < T_flat``, with the tensors whose cheapest path is ``h`` over it; the decision
+and its reason are logged once (INFO, rank 0; the links' numbers at DEBUG) and kept as a
+:class:`HierChoice` (``Exchange.hierarchy_choice``, the doors' ``hierarchy_choice``).
 
 No paper: the arithmetic of the hierarchical schemes (e.g. Horovod's hierarchical
 allreduce; Agarwal et al., MLSys 2022, for the "does it pay?" question) with measured costs.
@@ -202,8 +202,8 @@ def settle(hierarchy, auto: Optional[Auto], transport: Transport, allreduce, ent
     choice = decide(sizes, auto.model, allowed, h, c,
                     topo.host_count, topo.local_size, max(buckets, 1), across)
     if transport.rank == 0:
-        logger.info("exchange: %s (hierarchy='auto', Auto's cost model; host link %s, "
-                    "across hosts %s)", choice.reason, asdict(h), asdict(c))
+        logger.info("exchange: %s (hierarchy='auto', Auto's cost model)", choice.reason)
+        logger.debug("exchange: host link %s, across hosts %s", asdict(h), asdict(c))
     if not choice.hierarchical:
         for t in (host, cross):
             t.close()

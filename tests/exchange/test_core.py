@@ -149,3 +149,53 @@ def test_after_step_gives_laq_the_parameter_change_and_refits_alq():
         ex.after_step(step)
     assert alq.level_version == 1          # statistics of step 0, table fitted before step 1
     ex.close()
+
+
+# --- the start-up log (newcomer trial item 5): one line each, details at DEBUG ------------
+
+def test_cost_model_summary_by_hand():
+    from hvdcomp.auto import CodecCost, CostModel, LinkCost
+    link = LinkCost(ar_latency=1e-3, ar_per_byte=1e-10, ag_latency=2e-4, ag_per_byte=4e-10)
+    codec = CodecCost(encode_fixed=1e-4, encode_per_elem=5e-9, decode_fixed=2e-5,
+                      decode_per_elem=2e-9, bytes_fixed=12, bytes_per_elem=0.375)
+    # 1e-10 s/byte = 10 GB/s; 4e-10 = 2.5 GB/s
+    assert CostModel(link, codec, 4).summary() == (
+        "allreduce (1 ms, 10 GB/s), allgather (0.2 ms, 2.5 GB/s), encode 5 ns and decode "
+        "2 ns per element")
+    link = LinkCost(1e-3, 1e-10, 2e-4, 0.0, aa_latency=5e-4, aa_per_byte=1e-9)
+    assert CostModel(link, codec, 4, allreduce=False).summary() == (
+        "allgather (0.2 ms, no per-byte cost), all-to-all (0.5 ms, 1 GB/s), encode 5 ns and "
+        "decode 2 ns per element")
+
+
+@pytest.mark.parametrize("fusion", [1 << 20, None])
+def test_start_up_log_is_one_line_each_with_the_cost_model_at_debug(fusion, caplog):
+    from hvdcomp.auto import CodecCost, LinkCost
+    link = LinkCost(ar_latency=1e-3, ar_per_byte=1e-10, ag_latency=2e-4, ag_per_byte=4e-10)
+    codec = CodecCost(1e-4, 5e-9, 2e-5, 2e-9, 12, 0.375)
+    auto = hvdcomp.Auto("qsgd:bits=4", link=link, codec=codec)
+    params = [(n, torch.nn.Parameter(p.float())) for n, p in _params()[1:4]]
+    caplog.set_level("DEBUG", logger="hvdcomp")
+    ex = Exchange(params, auto, OneRank(), allreduce=Float32Sums(), fusion_bytes=fusion,
+                  min_compress_numel=16)
+    ex.close()
+    info = [r.getMessage() for r in caplog.records
+            if r.name == "hvdcomp" and r.levelname == "INFO"]
+    debug = [r.getMessage() for r in caplog.records
+             if r.name == "hvdcomp" and r.levelname == "DEBUG"]
+    # no "0 buckets" where the caller (DDP) forms them: the count only where it is known
+    where = " in 1 buckets" if fusion else ""
+    assert info == [
+        f"exchange: 3 tensors{where}, 1 ranks, transport fake, compression "
+        f"{hvdcomp.get('qsgd:bits=4').spec()}",
+        f"Auto's plan (tensors per path): {_counts(ex)}; cost model: allreduce (1 ms, "
+        f"10 GB/s), allgather (0.2 ms, 2.5 GB/s), encode 5 ns and decode 2 ns per element"]
+    assert debug == [f"Auto's cost model: {ex.cost_model.as_dict()}"]
+
+
+def _counts(ex):
+    """{compressor name: tensors} in registration order, as the log counts them."""
+    out = {}
+    for e in ex.entries.values():
+        out[e.compressor.name] = out.get(e.compressor.name, 0) + 1
+    return out

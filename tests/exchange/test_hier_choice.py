@@ -122,11 +122,13 @@ def grad(name, rank, step):
 
 
 @pytest.mark.parametrize("hosts", ["0,0,1,1"])
-def test_auto_decides_alike_on_every_rank_and_runs(monkeypatch, hosts):
+def test_auto_decides_alike_on_every_rank_and_runs(monkeypatch, hosts, caplog):
     """Threads as ranks on 2 pretended hosts x 2: every rank gets the same HierChoice, the
     decision is decide()'s on the recorded costs, the paths follow it, and a step gives the
-    same average on every rank."""
+    same average on every rank.  The decision is logged once, at INFO (rank 0), its
+    numbers at DEBUG (newcomer trial item 5)."""
     monkeypatch.setenv("HVDCOMP_TEST_HOSTS", hosts)
+    caplog.set_level("DEBUG", logger="hvdcomp")
     n = len(hosts.split(","))
 
     def body(rank, tp):
@@ -158,3 +160,9 @@ def test_auto_decides_alike_on_every_rank_and_runs(monkeypatch, hosts):
     assert all(o[0] == out[0][0] for o in out)
     for x in SHAPES:
         assert all(torch.equal(out[0][1][x], o[1][x]) for o in out)
+    info = [r.getMessage() for r in caplog.records
+            if r.name == "hvdcomp" and r.levelname == "INFO" and "hierarch" in r.getMessage()]
+    assert info == [f"exchange: {out[0][0]['reason']} (hierarchy='auto', Auto's cost model)"]
+    debug = [r.getMessage() for r in caplog.records
+             if r.name == "hvdcomp" and r.levelname == "DEBUG"]
+    assert f"Auto's hierarchy: {out[0][0]}" in debug

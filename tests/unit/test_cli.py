@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 import hvdcomp
@@ -37,12 +38,15 @@ def test_info_json_matches_the_modules():
     except ImportError:
         assert d["mpi"] == {"installed": False}
     else:
-        assert d["mpi"]["library"] == MPI.Get_library_version().strip().splitlines()[0]
+        raw = MPI.Get_library_version()
+        assert d["mpi"]["library"] == raw.split("\0")[0].strip().splitlines()[0].strip()
+        assert "\0" not in d["mpi"]["library"] and d["mpi"]["library"].isprintable()
         assert d["mpi"]["thread_level"] in ("single", "funneled", "serialized", "multiple")
 
 
 def test_info_text_lists_every_section_and_compressor():
     out = _run("info")
+    assert "\0" not in out                   # Open MPI's version string ends in a NUL
     for section in ("versions", "horovod", "mpi", "compressors", "kernels", "host_build",
                     "cuda"):
         assert f"\n{section}\n" in "\n" + out
@@ -55,3 +59,19 @@ def test_a_failing_probe_is_reported_not_raised(monkeypatch):
     from hvdcomp import cli
     monkeypatch.setattr(cli, "_kernels", lambda: 1 / 0)
     assert cli.info()["kernels"] == "error: ZeroDivisionError: division by zero"
+
+
+@pytest.mark.parametrize("raw, want", [
+    # Open MPI 4.1 through mpi4py 4: the C string's terminator comes along
+    ("Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, May 26, "
+     "2022\x00", "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, "
+     "May 26, 2022"),
+    ("Open MPI v5.0.3\x00\x7f\x12garbage", "Open MPI v5.0.3"),     # bytes after the NUL
+    ("MPICH Version:      4.0\nMPICH Release date: Fri Jan 21 2022\n", "MPICH Version:      4.0"),
+    ("  Intel(R) MPI Library 2021.6\t\x1b \n", "Intel(R) MPI Library 2021.6"),
+    ("\x00", ""),
+    ("", ""),
+])
+def test_mpi_library_line_strips_nul_and_trailing_garbage(raw, want):
+    from hvdcomp.cli import library_line
+    assert library_line(raw) == want

@@ -3,8 +3,8 @@ hvdcomp/exchange, hvdcomp/auto.py, hvdcomp/ddp/ or hvdcomp/torch/ imports a conc
 compressor class (issue 20, item 2).  What they may take from hvdcomp.compressors: the base
 contract (Compressor, TensorKey, the ABSENT_* values of ``Compressor.absent_rank``), the
 registry functions (get, available, parse_spec, register, registry, examples), and the
-helper modules that hold no compressor (protocols, state, settings).  Everything else a core
-module needs is a declared property of the compressor (hvdcomp/compressors/base.py).
+helper modules that hold no compressor (protocols, state, settings, prefixes).  Everything
+else a core module needs is a declared property of the compressor (hvdcomp/compressors/base.py).
 
 The source is read with ``ast`` (nothing is executed): ``from ... import`` statements,
 ``import`` statements, and attribute access on a name bound to a compressors module.
@@ -20,7 +20,7 @@ CONTRACT = {"Compressor", "TensorKey", "get", "available", "parse_spec", "regist
             "registry", "examples", "ABSENT_ZEROS", "ABSENT_LAST", "ABSENT_REFUSE"}
 # {module: names allowed from it (None: any)}
 ALLOWED = {PKG: CONTRACT, PKG + ".base": CONTRACT, PKG + ".protocols": None,
-           PKG + ".state": None, PKG + ".settings": None}
+           PKG + ".state": None, PKG + ".settings": None, PKG + ".prefixes": None}
 
 
 def _core_modules():

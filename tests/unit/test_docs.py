@@ -215,6 +215,42 @@ def test_compressors_page_what_each_sends_lists_every_compressor():
     assert sorted(listed) == sorted(_own())
 
 
+def test_compressors_page_spec_prefixes_table_lists_every_prefix():
+    """Newcomer trial item 3: the "Spec prefixes" table names the prefixes the exchange
+    reads (hvdcomp.compressors.prefixes), each once, in their order."""
+    from hvdcomp.compressors import prefixes
+    text = _read(os.path.join(ROOT, "docs", "compressors.md"))
+    start = text.index("\n### Spec prefixes\n")
+    section = text[start:text.index("\n## ", start + 1)]
+    listed = [row.split("|")[1].strip().strip("`") for row in section.splitlines()
+              if row.startswith("| `")]
+    assert listed == list(prefixes.MEANING)
+    assert prefixes.ORDER in section
+
+
+def test_settings_page_signatures_and_hierarchy_default_match_the_code():
+    """Newcomer trial item 6: the signatures docs/settings.md shows carry the code's
+    defaults, and the hierarchy's default is described as the code resolves it (None: the
+    spec string's prefix, else "auto")."""
+    import inspect
+    hvd = pytest.importorskip("hvdcomp.torch")
+    from hvdcomp.ddp import HookState
+    from hvdcomp.exchange.driver import merge_hierarchy
+    text = _read(os.path.join(ROOT, "docs", "settings.md"))
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    opt_src, hook_src = block.split("hvdcomp.ddp.HookState(")
+    for src, fn in ((opt_src, hvd.DistributedOptimizer), (hook_src, HookState)):
+        shown = dict(re.findall(r"(\w+)=([^,)\n]+)", src))
+        params = inspect.signature(fn).parameters
+        assert shown and set(shown) <= set(params), (fn, set(shown) - set(params))
+        for name, default in shown.items():
+            assert eval(default, {"hvd": hvd}) == params[name].default, (fn, name)
+    assert merge_hierarchy(None, "alq:bits=3") == "auto"
+    assert merge_hierarchy(None, "host+alq:bits=3") == "host"
+    assert ("the default, `None`, takes the spec string's prefix, else `\"auto\"`"
+            in " ".join(text.split()))
+
+
 def test_readme_is_short():
     """Issue 20, item 5: a README a newcomer reads in two minutes (at most ~150 lines, with
     room for a new compressor's row; everything else lives in docs/)."""

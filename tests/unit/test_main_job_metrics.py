@@ -5,7 +5,11 @@ TensorBoard scalars (tag = column, step = epoch).
 tensorboard is not a dependency (and launch/setup does not install it), so its path runs
 here with a stand-in ``torch.utils.tensorboard`` module that records what the job writes.
 The job runs in this process for 2 short epochs on one rank (the DDP hook over a 1-process
-Gloo group: no launcher needed)."""
+Gloo group: no launcher needed).
+
+Also the job's banner and ``final:`` line (newcomer trial item 2): they name the user's
+--compression when it has exchange prefixes (``auto+``...), not Auto's inner compressor
+alone, and a per-layer Auto logs no plan before it has one."""
 import csv
 import json
 import logging
@@ -16,6 +20,7 @@ import types
 import pytest
 import torch
 
+import hvdcomp
 import train_mnist                   # examples/ is on sys.path (tests/conftest.py)
 from mnist import FC300100
 
@@ -99,3 +104,53 @@ def test_metrics_csv_and_tensorboard_scalars(tensorboard, one_rank, tmp_path, mo
     want = [(col, float(r[col]), int(r["epoch"])) for r in rows for col in header
             if col != "epoch"]
     assert [(tag, float(v), step) for tag, v, step in w.scalars] == want
+
+
+ALQ3 = hvdcomp.get("alq:bits=3").spec()      # "alq:bits=3,bucket_size=8192,..."
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("alq:bits=3", ALQ3),
+    ("  alq:bits=3 ", ALQ3),
+    ("auto+alq:bits=3", f"auto+alq:bits=3 ({ALQ3})"),
+    ("auto+layer+alq:bits=3", f"auto+layer+alq:bits=3 ({ALQ3})"),
+    ("rs+alq:bits=3", f"rs+alq:bits=3 ({ALQ3})"),
+    ("host+auto+ag+alq:bits=3", f"host+auto+ag+alq:bits=3 ({ALQ3})"),
+    ("flat+alq:bits=3", f"flat+alq:bits=3 ({ALQ3})"),
+])
+def test_compression_label_names_the_users_spec(spec, want):
+    assert train_mnist.compression_label(spec, hvdcomp.get("alq:bits=3")) == want
+
+
+def _banner_and_final(capsys, spec):
+    train_mnist.main(["--launcher", "torchrun", "--epochs", "1", "--max-steps", "2",
+                      "--no-progress", "--compression", spec])
+    out = capsys.readouterr().out.splitlines()
+    banner = [x for x in out if x.startswith("hvdcomp main job:")]
+    final = [x for x in out if x.startswith("final:")]
+    assert len(banner) == len(final) == 1, out
+    return banner[0], final[0]
+
+
+@pytest.mark.parametrize("spec, shown", [
+    ("alq:bits=3", ALQ3),
+    ("auto+layer+alq:bits=3", f"auto+layer+alq:bits=3 ({ALQ3})"),
+])
+def test_banner_and_final_line_name_the_users_spec(spec, shown, one_rank, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="hvdcomp")
+    banner, final = _banner_and_final(capsys, spec)
+    assert banner == (f"hvdcomp main job: FC-300-100, 4000 train / 1000 test MNIST digits, "
+                      f"1 ranks, torch.distributed (DDP hook), compression {shown}, "
+                      f"collective allgather")
+    assert f", compression {shown}, ratio " in final, final
+    logs = [r.getMessage() for r in caplog.records if r.name == "hvdcomp"]
+    if spec.startswith("auto+layer+"):
+        # no "Auto's plan" before the plan exists: the first step is labelled as fp32,
+        # then the per-layer plan once decided
+        assert not any(x.startswith("Auto's plan") for x in logs), logs
+        pending = [i for i, x in enumerate(logs) if x.startswith(
+            "Auto per layer: plan pending; the first step sends every tensor as fp32 "
+            "(tensors per path in it: {'none': 6}), the plan chosen from its gradients is "
+            "logged after it")]
+        decided = [i for i, x in enumerate(logs) if x.startswith("Auto per layer: budget")]
+        assert len(pending) == len(decided) == 1 and pending[0] < decided[0], logs

@@ -226,3 +226,56 @@ def test_register_twice_raises():
     with pytest.raises(ValueError, match="qsgd"):
         register("qsgd")(type("Dup", (Compressor,), {}))
     assert type(hvdcomp.get("qsgd")) is hvdcomp.QSGD
+
+
+# --- exchange prefixes ("auto+", "rs+", "host+"...): settings of the exchange, not of get --
+
+def test_get_with_an_exchange_prefix_says_where_it_belongs():
+    """Newcomer trial item 3: a short error naming the prefix and where it is taken, not
+    the whole registry."""
+    with pytest.raises(ConfigError) as e:
+        hvdcomp.get("auto+alq:bits=3")
+    assert str(e.value) == (
+        "'auto+alq:bits=3': 'auto+' is an exchange setting (hvdcomp.Auto(SPEC)), not part of "
+        "a compressor's spec, which is all hvdcomp.get takes; give the whole string as the "
+        "exchange's compression= (hvdcomp.torch.DistributedOptimizer, hvdcomp.ddp, "
+        "$HVDCOMP_COMPRESSION, the main job's --compression), prefixes in the order "
+        "[host+|flat+][auto+[layer+]][rs+|ag+]SPEC (docs/compressors.md, \"Spec prefixes\")")
+
+
+@pytest.mark.parametrize("spec, prefix, meaning", [
+    ("host+alq:bits=3", "host+", "hierarchy='host'"),
+    ("flat+alq", "flat+", "hierarchy='flat'"),
+    (" Auto+layer+alq", "auto+", "hvdcomp.Auto(SPEC)"),
+    ("layer+alq", "layer+", "hvdcomp.Auto(SPEC, per_layer=True), after 'auto+'"),
+    ("RS+qsgd:bits=4", "rs+", "collective='reduce_scatter'"),
+    ("ag+topk", "ag+", "collective='allgather'"),
+])
+def test_every_exchange_prefix_is_refused_by_get_and_parse_spec(spec, prefix, meaning):
+    for parse in (hvdcomp.get, hvdcomp.compressors.parse_spec):
+        with pytest.raises(ConfigError) as e:
+            parse(spec)
+        msg = str(e.value)
+        assert msg.startswith(f"{spec.strip()!r}: {prefix!r} is an exchange setting "
+                              f"({meaning}), not part of a compressor's spec"), msg
+        assert "valid (with their defaults)" not in msg and len(msg) < 450, msg
+
+
+def test_the_prefixes_get_refuses_are_those_the_exchange_reads():
+    """The list in hvdcomp.compressors.prefixes is the real one: each prefix is consumed by
+    the exchange's spec parsing (split_hierarchy, from_spec) with the setting it names."""
+    from hvdcomp.auto import from_spec
+    from hvdcomp.compressors import prefixes
+    from hvdcomp.exchange.driver import split_hierarchy
+    assert set(prefixes.MEANING) == {"host+", "flat+", "auto+", "layer+", "rs+", "ag+"}
+    assert split_hierarchy("host+alq") == ("host", "alq")
+    assert split_hierarchy("flat+auto+alq") == ("flat", "auto+alq")
+    auto, coll = from_spec("auto+alq:bits=3")
+    assert isinstance(auto, hvdcomp.Auto) and not auto.per_layer and coll is None
+    auto, coll = from_spec("auto+layer+rs+alq:bits=3")
+    assert isinstance(auto, hvdcomp.Auto) and auto.per_layer and coll == "reduce_scatter"
+    assert auto.compressor.spec() == hvdcomp.get("alq:bits=3").spec()
+    comp, coll = from_spec("ag+qsgd:bits=4")
+    assert comp.spec() == hvdcomp.get("qsgd:bits=4").spec() and coll == "allgather"
+    with pytest.raises(ConfigError, match=r"^'auto\+alq': 'auto\+' is an exchange setting"):
+        from_spec("rs+auto+alq")           # out of order: the rest reaches get

@@ -1,0 +1,137 @@
+"""launch/setup refuses a venv that belongs to another checkout (newcomer trial, item 1).
+
+A clone whose ``.venv`` was a symbolic link to another checkout's venv ran launch/setup,
+whose editable install then re-pointed that venv's ``import hvdcomp`` at the clone.
+launch/check-venv, which setup runs before it changes anything, refuses then.  The venvs
+here are real ones (``venv.create``, no pip) in a temporary directory, with the
+``direct_url.json`` pip writes for an editable install (PEP 610); no shared venv is
+touched."""
+import json
+import os
+import shutil
+import subprocess
+import venv
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHECK = os.path.join(ROOT, "launch", "check-venv")
+
+
+def _venv(path, installed_from=None, editable=True):
+    """A venv at ``path``; with ``installed_from``, hvdcomp's metadata as pip leaves it
+    after ``pip install [-e] installed_from``."""
+    venv.create(path, with_pip=False, symlinks=True)
+    if installed_from is not None:
+        site = subprocess.run(
+            [os.path.join(path, "bin", "python"), "-I", "-c",
+             "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True, capture_output=True, text=True).stdout.strip()
+        info = os.path.join(site, "hvdcomp-0.1.0.dist-info")
+        os.makedirs(info)
+        with open(os.path.join(info, "METADATA"), "w") as f:
+            f.write("Metadata-Version: 2.1\nName: hvdcomp\nVersion: 0.1.0\n")
+        with open(os.path.join(info, "direct_url.json"), "w") as f:
+            json.dump({"dir_info": {"editable": editable},
+                       "url": "file://" + os.path.realpath(installed_from)}, f)
+    return path
+
+
+def _check(checkout, venv_path):
+    return subprocess.run([CHECK, checkout, venv_path], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture
+def two_checkouts(tmp_path):
+    """``main`` and ``clone``: two directories standing for two checkouts."""
+    main, clone = tmp_path / "main", tmp_path / "clone"
+    main.mkdir()
+    clone.mkdir()
+    return str(main), str(clone)
+
+
+def _other_owner_message(venv_path, owner, checkout):
+    return ("hvdcomp setup: ERROR: the virtual environment %s holds an editable install of "
+            "hvdcomp from %s; setting up here would re-install it from %s, so that every "
+            "user of that venv would import this checkout's hvdcomp instead. Nothing was "
+            "changed." % (venv_path, owner, checkout))
+
+
+def test_a_link_to_another_checkouts_venv_is_refused(two_checkouts):
+    main, clone = two_checkouts
+    _venv(os.path.join(main, ".venv"), installed_from=main)
+    os.symlink(os.path.join(main, ".venv"), os.path.join(clone, ".venv"))
+    r = _check(clone, os.path.join(clone, ".venv"))
+    assert r.returncode == 1
+    assert r.stderr.startswith(_other_owner_message(os.path.join(clone, ".venv"), main, clone))
+    assert "run launch/setup in %s, the checkout the venv belongs to" % main in r.stderr
+    assert "HVDCOMP_VENV=<a new directory>" in r.stderr
+
+
+def test_a_venv_named_by_HVDCOMP_VENV_holding_another_checkout_is_refused(two_checkouts):
+    main, clone = two_checkouts
+    other = _venv(os.path.join(main, ".venv"), installed_from=main)
+    r = _check(clone, other)
+    assert r.returncode == 1
+    assert r.stderr.startswith(_other_owner_message(other, main, clone))
+
+
+def test_a_link_to_a_venv_without_hvdcomp_is_refused(two_checkouts):
+    main, clone = two_checkouts
+    target = _venv(os.path.join(main, ".venv"))
+    link = os.path.join(clone, ".venv")
+    os.symlink(target, link)
+    r = _check(clone, link)
+    assert r.returncode == 1
+    assert r.stderr.startswith(
+        "hvdcomp setup: ERROR: %s is a symbolic link to %s, which may be another checkout's "
+        "virtual environment" % (link, os.path.realpath(target)))
+    assert r.stderr.rstrip().endswith("HVDCOMP_VENV=%s launch/setup" % os.path.realpath(target))
+
+
+@pytest.mark.parametrize("case", ["own venv, installed", "own venv, no hvdcomp",
+                                  "own venv, non-editable install", "no venv yet",
+                                  "link to a venv installed from this checkout"])
+def test_a_venv_of_this_checkout_passes(two_checkouts, case):
+    main, clone = two_checkouts
+    path = os.path.join(clone, ".venv")
+    if case == "own venv, installed":
+        _venv(path, installed_from=clone)
+    elif case == "own venv, no hvdcomp":
+        _venv(path)
+    elif case == "own venv, non-editable install":   # setup replaces it: nobody else's
+        _venv(path, installed_from=main, editable=False)
+    elif case == "link to a venv installed from this checkout":   # e.g. on a faster disk
+        os.symlink(_venv(os.path.join(main, "venv-for-clone"), installed_from=clone), path)
+    r = _check(clone, path)
+    assert (r.returncode, r.stderr) == (0, "")
+
+
+def test_setup_refuses_before_it_changes_anything(two_checkouts, tmp_path):
+    """launch/setup itself (a copy, in the clone) stops at the check: status 1, the
+    message, and the other checkout's venv exactly as it was."""
+    main, clone = two_checkouts
+    _venv(os.path.join(main, ".venv"), installed_from=main)
+    os.symlink(os.path.join(main, ".venv"), os.path.join(clone, ".venv"))
+    os.makedirs(os.path.join(clone, "launch"))
+    for name in ("launch/setup", "launch/check-venv", "pyproject.toml", "setup.cfg"):
+        shutil.copy2(os.path.join(ROOT, name), os.path.join(clone, name))
+
+    def tree():
+        out = []
+        for d, _, files in os.walk(os.path.join(main, ".venv")):
+            for f in files:
+                p = os.path.join(d, f)
+                out.append((p, os.path.getmtime(p), os.path.getsize(p)))
+        return sorted(out)
+
+    before = tree()
+    env = {k: v for k, v in os.environ.items() if k not in ("HVDCOMP_VENV", "HVDCOMP_PYTHON")}
+    env["HVDCOMP_CACHE"] = str(tmp_path / "cache")
+    r = subprocess.run([os.path.join(clone, "launch", "setup")], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert r.returncode == 1
+    assert r.stderr.startswith(_other_owner_message(os.path.join(clone, ".venv"), main, clone))
+    assert tree() == before
+    assert not os.path.exists(tmp_path / "cache")
