@@ -435,7 +435,9 @@ def fit(res: dict, cores: int = 0) -> Dict[str, float]:
 
 
 def _order(method):
-    return (FIXED + ["auto+alq:bits=3"]).index(method) if method in LABELS else 99
+    order = FIXED + ["auto+alq:bits=3"] + [m for m in LABELS if m not in FIXED
+                                            and m != "auto+alq:bits=3"]
+    return order.index(method) if method in order else 99
 
 
 def render(res: dict, p: Dict[str, float]) -> str:
