@@ -812,26 +812,27 @@ def _validation_table(val, comp, exr):
               "same hosts and link (median step times):\n",
               "| row | hosts x rate | vs fp32 measured | vs fp32 composed | vs fp16 measured | "
               "vs fp16 composed |", "|---|---|---|---|---|---|"]
-    at = {(v["label"], v["hosts"], v["rate"]): v for v in val if v.get("median_step_s")}
+    at = {(v["label"], v["model"], v["hosts"], v["rate"]): v for v in val
+          if v.get("median_step_s")}
 
     def composed(v):
         c = comp.get((v["model"], MODELS[v["model"]]["batch"]))
         e = exr.get((v["model"], v["hosts"], v["rate"], v["spec"]))
         return c["median_s"] + e["median_s"] if c and e else None
 
-    for (label, hosts, rate), v in sorted(at.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+    for (label, model, hosts, rate), v in sorted(at.items(), key=lambda kv: kv[0][1:]):
         if label in ("fp32", "fp16") or rate == "loopback":
             continue
         cells = []
         for base in ("fp32", "fp16"):
-            b = at.get((base, hosts, rate))
+            b = at.get((base, model, hosts, rate))
             if b is None:
                 cells += ["-", "-"]
                 continue
             cv, cb = composed(v), composed(b)
             cells += [f"{b['median_step_s'] / v['median_step_s']:.2f}x",
                       f"{cb / cv:.2f}x" if cv and cb else "-"]
-        lines.append(f"| {label} | {hosts} x {rate} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} ({model}) | {hosts} x {rate} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

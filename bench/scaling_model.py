@@ -498,24 +498,24 @@ def render(res: dict, p: Dict[str, float]) -> str:
                       f"{100 * (a['median_s'] / best['median_s'] - 1):+.0f} % "
                       f"(target: at most +10 %); its plan (elements per path): "
                       f"{a['elements']}"]
-            layer = [r for r in cr if r["method"].startswith("auto+layer")]
-            every = [r for r in cr if not r["method"].startswith("auto")]
-            if layer and every:
-                a, best = layer[0], min(every, key=lambda r: r["median_s"])
-                beats = all(a["median_s"] < r["median_s"] for r in every)
-                L += ["", f"Auto per layer: {a['median_s']:.3f} s against the best fixed "
-                          f"choice of this cell (every row but Auto's: "
-                          f"{LABELS.get(best['method'], best['method'])}) "
-                          f"{best['median_s']:.3f} s: "
-                          f"{100 * (a['median_s'] / best['median_s'] - 1):+.0f} % (#22 (d): "
-                          f"at most +10 %; faster than every fixed choice here: "
-                          f"{'yes' if beats else 'no'}); its plan (elements per "
-                          f"compressor and path): {a['elements']}"]
             dgc = [r for r in cr if "dgc" in r["method"]]
             if dgc:
                 d = min(dgc, key=lambda r: r["median_s"])
                 L += [f"(DGC, another compressor that Auto(ALQ 3b) does not choose: "
                       f"{LABELS[d['method']]} {d['median_s']:.3f} s.)"]
+        layer = [r for r in cr if r["method"].startswith("auto+layer")]
+        every = [r for r in cr if not r["method"].startswith("auto")]
+        if layer and every:
+            a, best = layer[0], min(every, key=lambda r: r["median_s"])
+            beats = all(a["median_s"] < r["median_s"] for r in every)
+            L += ["", f"Auto per layer: {a['median_s']:.3f} s against the best fixed "
+                      f"choice of this cell (every row but Auto's: "
+                      f"{LABELS.get(best['method'], best['method'])}) "
+                      f"{best['median_s']:.3f} s: "
+                      f"{100 * (a['median_s'] / best['median_s'] - 1):+.0f} % (#22 (d): "
+                      f"at most +10 %; faster than every fixed choice here: "
+                      f"{'yes' if beats else 'no'}); its plan (elements per "
+                      f"compressor and path): {a['elements']}"]
         L.append("")
     # targets
     L += ["## Targets (issue 11)", ""]

@@ -45,21 +45,22 @@ independent errors average out (about ``1/N`` of one rank's), while a biased,
 deterministic method's (top-k, PowerSGD) on the ranks' similar gradients are aligned and
 stay about one rank's.  Two corrections make the families comparable:
 
-* a quantizer whose levels are fitted (ALQ, AMQ) is measured with levels fitted to the
-  gradient it measures (:func:`residual`): the table it trains with after its first refit;
-* a biased compressor (``Compressor.biased``: top-k, DGC, sign, PowerSGD) is charged the
-  variance of the unbiased compressor its measured contraction is worth,
-  ``e / (1 - e / ||(1/N) sum_r g_r||^2)`` (:func:`effective_error`), not its one-step
-  error, which its error feedback makes look small (top-k at 0.1 %: about 0.9 of the
-  gradient's squared norm, worth a variance of about 9 times it).
+* a quantizer whose levels are fitted (ALQ, AMQ) is measured with a table fitted as its
+  first refit would fit it, one per candidate, to the statistics of every planned tensor
+  on every rank (:func:`fitted_levels`, one more small allgather);
+* a biased compressor (``Compressor.biased``: top-k, DGC, sign, PowerSGD, LAQ) is charged
+  the variance of the unbiased compressor its contraction is worth, ``e / (1 - rho)``
+  with ``rho`` the ranks' mean of ``||C(g_r) - g_r||^2 / ||g_r||^2`` on the whole tensor
+  (:func:`effective_error`), not its one-step error, which its error feedback makes look
+  small (top-k at 0.1 %: ``rho`` about 0.9, charged 10 times its error).
 
 ``B = budget x`` the total error of the user's compressor at its settings, charged the
 same way (``budget=1.0``: no more error than the user's choice, which is therefore always
 feasible).
 
 What it costs, once: every candidate's encode and decode of every planned tensor on each
-rank, and an allgather of ``tensors x (1 + (candidates + 1) x S)`` float32 values per rank
-(ResNet-50's 54 compressed weights, 11 candidates, ``S = 1024``: 2.6 MB per rank).
+rank, and an allgather of ``tensors x (1 + candidates x (S + 1))`` float32 values per rank
+(ResNet-50's 54 compressed weights, 11 candidates, ``S = 1024``: 2.4 MB per rank).
 Its limits: it is one step's error, while error feedback (top-k, PowerSGD) carries what a
 step leaves out into later steps, where biased errors accumulate and PowerSGD's warm start
 improves on the first step's single power iteration (the contraction is a worst-case
@@ -109,7 +110,8 @@ from .buckets import agree
 from .rounds import simulate
 
 __all__ = ["Choice", "LayerPlanner", "MIN_DELTA", "SAMPLE", "candidates", "effective_error",
-           "measure_errors", "measure_key", "planner", "residual", "sample_index", "solve"]
+           "fitted_levels", "measure_errors", "measure_key", "planner", "residual", "sample_index",
+           "solve"]
 
 #: Relative slack of the budget test (sums of the same errors in another order may differ
 #: in the last bits).
@@ -153,22 +155,26 @@ def measure_key(name: str, rank: int, seed: int = 0) -> TensorKey:
     return TensorKey(name, 0, 0, 0, 1, mixed)
 
 
-def residual(comp: Compressor, g: torch.Tensor, key: TensorKey) -> torch.Tensor:
+def residual(comp: Compressor, g: torch.Tensor, key: TensorKey,
+             levels: Optional[np.ndarray] = None) -> torch.Tensor:
     """``C(g) - g``, flat float32 on ``g``'s device (a compressor summed in rounds: on the
     host), of one compress and decompress of ``g`` (any shape, float; a float16 / bfloat16
     gradient is cast first) by a fresh copy of ``comp`` (``comp``'s state is untouched,
     so error feedback has no history) with ``key`` (:func:`measure_key`; world size 1).
     A compressor whose levels are fitted to the gradients (ALQ, AMQ: AdaptiveLevels) is
-    measured with levels fitted to ``g`` itself, as it trains after its first refit (its
-    initial table is there for the first ``refit_steps[0]`` steps only, and errs several
-    times more).  Meaningless for a non-finite ``g`` (:func:`measure_errors` skips those)."""
+    measured with a fitted table, as it trains after its first refit (its initial table is
+    there for the first ``refit_steps[0]`` steps only, and errs several times more):
+    ``levels`` (a payload of :func:`fitted_levels`), else one fitted to ``g`` alone.
+    Meaningless for a non-finite ``g`` (:func:`measure_errors` skips those)."""
     fresh = get(comp.spec())
     g32 = g.detach().to(torch.float32)
     key = TensorKey(key.name, key.tensor_id, key.step, key.rank, key.world_size, key.seed,
                     shape=tuple(g.shape), dtype=torch.float32)
     if isinstance(fresh, AdaptiveLevels):          # the table it trains with once fitted
-        fresh.observe(g32)
-        fresh.adopt(fresh.update(fresh.pending_stats(), 1))
+        if levels is None:
+            fresh.observe(g32)
+            levels = fresh.update(fresh.pending_stats(), 1)
+        fresh.adopt(levels)
     if isinstance(fresh, SummedRounds):            # (simulate's buffers are on the host)
         g32 = g32.cpu()
         out = simulate([fresh], [g32], [key])[0]
@@ -193,31 +199,66 @@ def sample_index(name: str, numel: int, sample: int, seed: int = 0) -> Optional[
     return np.sort(gen.choice(numel, size=int(sample), replace=False)).astype(np.int64)
 
 
+def fitted_levels(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.Tensor]],
+                  transport) -> Dict[int, Optional[np.ndarray]]:
+    """{index into ``cands``: level payload} for each candidate whose levels are fitted
+    (AdaptiveLevels: ALQ, AMQ): one table per candidate, fitted, as training's refit
+    fits the one table of a compressor instance, to the statistics of every finite
+    gradient of ``grads`` on every rank, summed in rank order (one allgather of float64;
+    every rank fits the same sum, so every rank holds the same table); None where no rank
+    had a finite gradient (the initial table stays).  Collective: every rank calls it with
+    the same candidates."""
+    ks = [k for k, c in enumerate(cands) if isinstance(c, AdaptiveLevels)]
+    if not ks:
+        return {}
+    fresh = {k: get(cands[k].spec()) for k in ks}
+    for g in grads.values():
+        if g is not None and g.numel() and bool(torch.isfinite(g).all()):
+            for k in ks:
+                fresh[k].observe(g.detach().to(torch.float32))
+    parts = []
+    for k in ks:
+        st = fresh[k].pending_stats()
+        parts.append(np.asarray(fresh[k].empty_stats() if st is None else st, np.float64))
+    mine = np.concatenate(parts)
+    total = np.zeros_like(mine)
+    for data in transport.allgather(mine.view(np.uint8)):     # rank order
+        total += np.frombuffer(data.tobytes(), dtype=np.float64)
+    out, at = {}, 0
+    for k, part in zip(ks, parts):
+        summed, at = total[at:at + part.size], at + part.size
+        out[k] = fresh[k].update(summed, 1) if summed.any() else None
+    return out
+
+
 def measure_errors(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.Tensor]],
                    shapes: Dict[str, Tuple[int, ...]], transport, sample: int = SAMPLE,
-                   seed: int = 0, with_norms: bool = False):
+                   seed: int = 0, with_ratios: bool = False):
     """{name: [error of each candidate]}: for each tensor of ``shapes`` ({name: shape},
     the same on every rank) and candidate c, an unbiased estimate of the squared error of
     the ranks' average, ``||(1/N) sum_r (C(g_r) - g_r)||^2`` over the N ranks whose
     gradient ``grads[name]`` (this rank's, of that shape, or None: it has none) was
     finite.  Each rank computes its residual ``d_r = C(g_r) - g_r`` (:func:`residual`,
-    :func:`measure_key`: independent stochastic roundings per rank) and keeps the ``S =
-    min(numel, sample)`` coordinates of :func:`sample_index`; one allgather of every
-    tensor's and candidate's samples (float32: the residuals are float32, so nothing is
-    lost), summed in float64 in rank order, gives every rank the same ``s = sum_r
+    :func:`measure_key`: independent stochastic roundings per rank; fitted levels from
+    :func:`fitted_levels`, one table per candidate over every tensor and rank) and keeps
+    the ``S = min(numel, sample)`` coordinates of :func:`sample_index`; one allgather of
+    every tensor's and candidate's samples (float32: the residuals are float32, so nothing
+    is lost), summed in float64 in rank order, gives every rank the same ``s = sum_r
     d_r[subset]`` and the estimate ``(numel / S) ||s / N||^2`` (exact when ``S = numel``).
-    A tensor no rank had a finite gradient for gets NaN errors.  ``with_norms``: return
-    ``(errors, norms)``, ``norms`` {name: the same estimate of ``||(1/N) sum_r g_r||^2``}
-    (from the same coordinates, in the same allgather).  ValueError (on every rank, after
-    the collective) for a gradient of another numel than its shape's, or a ``sample``
-    below 1."""
+    A tensor no rank had a finite gradient for gets NaN errors.  ``with_ratios``: return
+    ``(errors, ratios)``, ``ratios`` {name: [the mean over those ranks of
+    ``||d_r||^2 / ||g_r||^2`` over the whole tensor (0 for a zero gradient), per
+    candidate]} (the same allgather: a biased compressor's contraction,
+    :func:`effective_error`).  ValueError (on every rank, after the collective) for a
+    gradient of another numel than its shape's, or a ``sample`` below 1."""
     if int(sample) < 1:
         raise ValueError(f"sample must be >= 1, got {sample!r}")
+    tables = fitted_levels(cands, grads, transport)
     names = sorted(shapes)
     K = len(cands)
     sizes = [int(np.prod(shapes[n])) for n in names]
     widths = [min(s, int(sample)) for s in sizes]
-    offsets = np.cumsum([0] + [1 + (K + 1) * w for w in widths])   # count, cands, g
+    offsets = np.cumsum([0] + [1 + K * (w + 1) for w in widths])   # count, samples, ratios
     vals = np.zeros(int(offsets[-1]), dtype=np.float32)
     for i, n in enumerate(names):
         g = grads.get(n)
@@ -228,19 +269,15 @@ def measure_errors(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.
             continue
         idx = sample_index(n, sizes[i], int(sample), seed)
         key = measure_key(n, transport.rank, seed)
-        lo = int(offsets[i])
+        lo, w = int(offsets[i]), widths[i]
         vals[lo] = 1.0                                     # this rank counts
+        norm2 = float(g.detach().double().pow(2).sum())
         for k, c in enumerate(cands):
-            d = residual(c, g, key)
+            d = residual(c, g, key, tables.get(k))
+            vals[lo + 1 + K * w + k] = float(d.double().pow(2).sum()) / norm2 if norm2 else 0.0
             if idx is not None:
                 d = d[torch.from_numpy(idx).to(d.device)]
-            a = lo + 1 + k * widths[i]
-            vals[a:a + widths[i]] = d.cpu().numpy()
-        x = g.detach().reshape(-1).to(torch.float32)
-        if idx is not None:
-            x = x[torch.from_numpy(idx).to(x.device)]
-        a = lo + 1 + K * widths[i]
-        vals[a:a + widths[i]] = x.cpu().numpy()
+            vals[lo + 1 + k * w:lo + 1 + (k + 1) * w] = d.cpu().numpy()
     got = transport.allgather(vals.view(np.uint8))
     total = np.zeros(vals.shape, dtype=np.float64)
     for r, data in enumerate(got):                 # rank order: the same sum everywhere
@@ -251,46 +288,49 @@ def measure_errors(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.
                              f"{sizes[names.index(bad[0])]} elements of its shape "
                              f"{tuple(shapes[bad[0]])}")
         total += v
-    out, norms = {}, {}
+    out, ratios = {}, {}
     for i, n in enumerate(names):
         lo, w = int(offsets[i]), widths[i]
         count = total[lo]
         if count <= 0:
-            out[n], norms[n] = [math.nan] * K, math.nan
+            out[n], ratios[n] = [math.nan] * K, [math.nan] * K
             continue
-        mean = total[lo + 1:lo + 1 + (K + 1) * w].reshape(K + 1, w) / count
+        mean = total[lo + 1:lo + 1 + K * w].reshape(K, w) / count
         scale = sizes[i] / w if w else 0.0
-        out[n] = [float(scale * np.dot(m, m)) for m in mean[:K]]
-        norms[n] = float(scale * np.dot(mean[K], mean[K]))
-    return (out, norms) if with_norms else out
+        out[n] = [float(scale * np.dot(m, m)) for m in mean]
+        ratios[n] = [float(x) / count for x in total[lo + 1 + K * w:lo + 1 + K * (w + 1)]]
+    return (out, ratios) if with_ratios else out
 
 
 #: The least contraction :func:`effective_error` credits a biased compressor with (its
-#: one-step error at or above the gradient's own squared norm: no contraction measured).
+#: residual as large as the gradient itself: no contraction measured).
 MIN_DELTA = 1e-6
 
 
-def effective_error(comp: Compressor, error: float, norm2: float) -> float:
+def effective_error(comp: Compressor, error: float, ratio: float) -> float:
     """The error the plan charges ``comp`` on a tensor: ``error`` (the squared error of the
     ranks' average, :func:`measure_errors`) for an unbiased compressor, whose error is a
-    variance; for a biased one (``comp.biased``: top-k, DGC, sign, PowerSGD, corrected by
-    error feedback) the variance of the unbiased compressor its measured contraction is
-    worth, ``error / delta`` with ``delta = 1 - error / norm2`` (at least
-    :data:`MIN_DELTA`), ``norm2`` the squared norm of the ranks' averaged gradient.
+    variance; for a biased one (``comp.biased``: top-k, DGC, sign, PowerSGD, LAQ,
+    corrected by error feedback) the variance of the unbiased compressor its contraction
+    is worth, ``error / delta`` with ``delta = 1 - ratio`` (at least :data:`MIN_DELTA`),
+    ``ratio`` the ranks' mean of ``||C(g_r) - g_r||^2 / ||g_r||^2`` over the whole
+    tensor (:func:`measure_errors` ``with_ratios``).
 
     Why: a compressor that keeps ``||C(x) - x||^2 <= (1 - delta) ||x||^2`` (contractive,
     biased) and an unbiased one of variance ``omega ||x||^2`` are matched by ``delta = 1 /
     (1 + omega)``, the scaled unbiased compressor ``C / (1 + omega)`` being
     ``delta``-contractive (Beznosikov, Horvath, Richtarik and Safaryan, "On biased
-    compression for distributed learning", JMLR 24, 2023, Sec. 2, Lemma 1; Stich, Cordonnier
-    and Jaggi, NeurIPS 2018, Sec. 2); so ``omega = 1 / delta - 1 = (error / norm2) / delta``.
-    Charged at its one-step error instead, top-k at density 0.1 % (about 0.9 ``norm2``) would
-    look ten times better than its unbiased equivalent, and a plan of top-k everywhere
-    would fit any budget an unbiased quantizer sets (measured on bench/real_task.py: 89.2 %
-    against fp32's 90.1 %)."""
-    if not getattr(comp, "biased", False) or not norm2 > 0:
+    compression for distributed learning", JMLR 24, 2023, Sec. 2; Stich, Cordonnier and
+    Jaggi, NeurIPS 2018, Sec. 2): a step of it is worth ``1 / delta`` of an exact one.
+    Charged at its one-step error instead, top-k at density 0.1 % (``ratio`` about 0.9)
+    would look ten times better than its unbiased equivalent, and a plan of top-k
+    everywhere would fit any budget an unbiased quantizer sets (measured on
+    bench/real_task.py: 89.2 % against fp32's 90.1 %).  The contraction is measured per
+    rank on the whole tensor (exact), not on the sampled coordinates, where top-k at 0.1 %
+    keeps about one of 1024."""
+    if not getattr(comp, "biased", False):
         return float(error)
-    return float(error) / max(1.0 - float(error) / float(norm2), MIN_DELTA)
+    return float(error) / max(1.0 - float(ratio), MIN_DELTA)
 
 
 def _pareto(times: Sequence[float], errors: Sequence[float]) -> List[int]:
@@ -514,9 +554,9 @@ class LayerPlanner:
         A tensor no rank had a finite gradient for keeps the user's compressor (outside the
         budget).  ConfigError when the budget cannot be met (every rank alike);
         :class:`~hvdcomp.errors.Mismatch` if the ranks' plans differ (a digest check)."""
-        raw, norms = measure_errors(self.cands, grads, self.shapes, transport,
-                                    sample=self.auto.sample, seed=self.seed, with_norms=True)
-        errs = {n: [effective_error(c, e, norms[n]) for c, e in zip(self.cands, raw[n])]
+        raw, ratios = measure_errors(self.cands, grads, self.shapes, transport,
+                                     sample=self.auto.sample, seed=self.seed, with_ratios=True)
+        errs = {n: [effective_error(c, e, q) for c, e, q in zip(self.cands, raw[n], ratios[n])]
                 for n in raw}
         user = self.cands.index(self.auto.compressor)
         names = sorted(self.shapes)

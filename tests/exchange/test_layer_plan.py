@@ -85,39 +85,53 @@ def test_solver_hand_case_and_infeasible_budget():
         solve([[1, 2]], [[1, 3]], 0.5)
 
 
-def _decoded(spec, g, name, rank, seed=0):
+def _table(spec, gs):
+    """The level table the planner measures an ALQ/AMQ candidate with: fitted to the summed
+    statistics of the gradients ``gs`` (every tensor of every rank); None for another
+    compressor."""
+    c = hvdcomp.get(spec)
+    if not isinstance(c, AdaptiveLevels):
+        return None
+    return c.update(sum(c.statistics(g) for g in gs), 1)
+
+
+def _decoded(spec, g, name, rank, seed=0, levels=None):
     """C(g) by the compressor's own encode and decode (as a world of one, with the key the
-    planner documents for ``rank``: measure_key), flat float64."""
+    planner documents for ``rank``: measure_key), flat float64; an ALQ/AMQ with the table
+    ``levels`` (default: fitted to g alone)."""
     c = hvdcomp.get(spec)
     k = measure_key(name, rank, seed)
     key = TensorKey(name, 0, 0, 0, 1, k.seed, shape=tuple(g.shape), dtype=g.dtype)
-    if isinstance(c, AdaptiveLevels):                   # the planner's rule: levels fitted
-        c.adopt(c.update(c.statistics(g), 1))           # to this gradient alone
+    if isinstance(c, AdaptiveLevels):
+        c.adopt(_table(spec, [g]) if levels is None else levels)
     out = torch.zeros(g.numel())
     c.decode(c.encode(g, key), key, out)
     return out.double()
 
 
-def _error(spec, g, name="w", rank=0, seed=0):
+def _error(spec, g, name="w", rank=0, seed=0, levels=None):
     """||C(g) - g||^2 of one rank (a world of one)."""
-    return float((_decoded(spec, g, name, rank, seed) - g.reshape(-1).double()).pow(2).sum())
+    return float((_decoded(spec, g, name, rank, seed, levels) - g.reshape(-1).double())
+                 .pow(2).sum())
 
 
-def _error_of_average(spec, gs, name):
+def _error_of_average(spec, gs, name, levels=None):
     """||mean_r C(g_r) - mean_r g_r||^2 over the ranks' gradients ``gs`` (by rank)."""
-    dec = torch.stack([_decoded(spec, g, name, r) for r, g in enumerate(gs)]).mean(0)
+    dec = torch.stack([_decoded(spec, g, name, r, levels=levels)
+                       for r, g in enumerate(gs)]).mean(0)
     ref = torch.stack([g.reshape(-1).double() for g in gs]).mean(0)
     return float((dec - ref).pow(2).sum())
 
 
-def _norm2(gs):
-    """||mean_r g_r||^2 (float64)."""
-    return float(torch.stack([g.reshape(-1).double() for g in gs]).mean(0).pow(2).sum())
+def _ratio(spec, gs, name):
+    """The ranks' mean of ||C(g_r) - g_r||^2 / ||g_r||^2 (``gs`` by rank)."""
+    return sum(_error(spec, g, name, r) / float(g.double().pow(2).sum())
+               for r, g in enumerate(gs)) / len(gs)
 
 
-def _charged(spec, e, norm2):
-    """What the plan charges: e, or e / (1 - e / norm2) for a biased compressor."""
-    return e / (1 - e / norm2) if hvdcomp.get(spec).biased else e
+def _charged(spec, e, ratio):
+    """What the plan charges: e, or e / (1 - ratio) for a biased compressor."""
+    return e / (1 - ratio) if hvdcomp.get(spec).biased else e
 
 
 ERROR_SPECS = ("qsgd:bits=3", "alq:bits=2", "topk:density=0.01", "fp16", "none")
@@ -141,22 +155,25 @@ def test_error_of_the_average_exact_when_every_coordinate_is_sampled():
 
     got = run_ranks(3, body)
     assert got[0] == got[1] == got[2]                   # every rank the same numbers
+    every = [g for r in range(3) for g in grads(r).values() if g is not None]
     for n in shapes:
         gs = [grads(r)[n] for r in range(3) if grads(r)[n] is not None]
-        want = [_error_of_average(s, gs, n) for s in ERROR_SPECS]
+        # ALQ: one table, fitted to every tensor of every rank (what its refit would do)
+        want = [_error_of_average(s, gs, n, _table(s, every)) for s in ERROR_SPECS]
         assert got[0][n] == pytest.approx(want, rel=1e-6, abs=1e-12), n
     assert got[0]["a"][-1] == 0.0 and got[0]["a"][0] > 0
 
-    def with_norms(rank, tp):
-        return measure_errors(cands, grads(rank), shapes, tp, sample=2000, with_norms=True)
+    def with_ratios(rank, tp):
+        return measure_errors(cands, grads(rank), shapes, tp, sample=2000, with_ratios=True)
 
-    (errs, norms), = set((json.dumps(e, sort_keys=True), json.dumps(m, sort_keys=True))
-                         for e, m in run_ranks(3, with_norms))
-    assert json.loads(errs) == got[0]                   # the same errors, and the norms:
-    for n in shapes:                                    # ||mean of the finite gradients||^2
-        gs = [grads(r)[n].reshape(-1).double() for r in range(3) if grads(r)[n] is not None]
-        want = float(torch.stack(gs).mean(0).pow(2).sum())
-        assert json.loads(norms)[n] == pytest.approx(want, rel=1e-6), n
+    (errs, ratios), = set((json.dumps(e, sort_keys=True), json.dumps(m, sort_keys=True))
+                          for e, m in run_ranks(3, with_ratios))
+    assert json.loads(errs) == got[0]                   # the same errors, and the ratios:
+    for n in shapes:                                    # mean_r ||d_r||^2 / ||g_r||^2
+        gs = [grads(r)[n] for r in range(3) if grads(r)[n] is not None]
+        want = [sum(_error(s, g, n, r, levels=_table(s, every)) / float(g.double().pow(2).sum())
+                    for r, g in enumerate(gs)) / len(gs) for s in ERROR_SPECS]
+        assert json.loads(ratios)[n] == pytest.approx(want, rel=1e-5, abs=1e-12), n
 
     def wrong(rank, tp):                                # rank 1's gradient of b is short
         g = {"b": torch.ones(300 if rank == 0 else 299)}
@@ -223,7 +240,8 @@ def test_average_over_ranks_shrinks_an_unbiased_quantizers_error_not_top_ks():
     got = run_ranks(N, body)
     assert got[0] == got[3]
     for j, spec in enumerate(specs):
-        per_rank = sum(_error(spec, grad(r), "w", r) for r in range(N)) / N
+        table = _table(spec, [grad(r) for r in range(N)])        # ALQ: one table, all ranks
+        per_rank = sum(_error(spec, grad(r), "w", r, levels=table) for r in range(N)) / N
         ratio = got[0]["w"][j] / per_rank
         if spec.startswith("topk"):
             assert 0.8 < ratio < 1.05, (spec, ratio)
@@ -238,8 +256,8 @@ def test_fitted_levels_and_biased_compressors_charged_their_unbiased_equivalent(
     unbiased one e (hand-worked values)."""
     g = torch.randn(64, 512, generator=torch.Generator().manual_seed(4)) ** 3
     tp = _one_rank_transport()
-    got, norms = measure_errors([hvdcomp.get("alq:bits=3")], {"w": g}, {"w": g.shape}, tp,
-                                sample=1 << 20, with_norms=True)
+    got, ratios = measure_errors([hvdcomp.get("alq:bits=3")], {"w": g}, {"w": g.shape}, tp,
+                                 sample=1 << 20, with_ratios=True)
     assert got["w"][0] == pytest.approx(_error("alq:bits=3", g, "w"), rel=1e-6)
     c = hvdcomp.get("alq:bits=3")                       # the initial (NUQSGD) table's error
     key = TensorKey("w", 0, 0, 0, 1, measure_key("w", 0).seed, shape=tuple(g.shape),
@@ -248,15 +266,24 @@ def test_fitted_levels_and_biased_compressors_charged_their_unbiased_equivalent(
     c.decode(c.encode(g, key), key, out)
     initial = float((out.double() - g.reshape(-1).double()).pow(2).sum())
     assert got["w"][0] < 0.5 * initial, (got["w"][0], initial)
-    assert norms["w"] == pytest.approx(float(g.double().pow(2).sum()), rel=1e-6)
-    # hand-worked: e = 0.9 of a squared norm 2 is worth 1.8 / 0.1 = 18; e >= norm: the
-    # least contraction, 1e-6; unbiased (and fp16) charged e itself; a zero gradient: e
+    assert ratios["w"][0] == pytest.approx(got["w"][0] / float(g.double().pow(2).sum()),
+                                           rel=1e-5)
+    # the contraction is measured on the whole tensor: top-k at 0.1 % keeps about one of
+    # 1024 sampled coordinates, and its ratio must not depend on the sample
+    top = [hvdcomp.get("topk:density=0.001")]
+    want = _error("topk:density=0.001", g, "w") / float(g.double().pow(2).sum())
+    for sample in (16, 1024, 1 << 20):
+        _, r = measure_errors(top, {"w": g}, {"w": g.shape}, tp, sample=sample,
+                              with_ratios=True)
+        assert r["w"][0] == pytest.approx(want, rel=1e-6), sample
+    # hand-worked: ratio 0.9 (contraction 0.1): e = 1.8 is charged 18; ratio >= 1: the
+    # least contraction, 1e-6; unbiased (and fp16) charged e itself
     top, rk = hvdcomp.get("topk:density=0.01"), hvdcomp.get("randk:unbiased=1")
-    assert effective_error(top, 1.8, 2.0) == pytest.approx(18.0, rel=1e-12)
-    assert effective_error(top, 3.0, 2.0) == pytest.approx(3.0 / 1e-6, rel=1e-12)
+    assert effective_error(top, 1.8, 0.9) == pytest.approx(18.0, rel=1e-12)
+    assert effective_error(top, 3.0, 1.5) == pytest.approx(3.0 / 1e-6, rel=1e-12)
     assert effective_error(top, 0.0, 0.0) == 0.0
     for comp in (hvdcomp.get("alq:bits=3"), hvdcomp.get("fp16"), rk):
-        assert effective_error(comp, 1.8, 2.0) == 1.8
+        assert effective_error(comp, 1.8, 0.9) == 1.8
     assert [hvdcomp.get(s).biased for s in ("topk", "dgc", "signef", "powersgd", "randk",
                                              "qsgd", "alq", "terngrad", "none")] == [
         True, True, True, True, True, False, False, False, False]
@@ -323,7 +350,7 @@ def test_budget_is_respected_and_defaults_to_the_compressors_error():
         # the plan's own numbers: each choice charged its error, a biased one (top-k,
         # PowerSGD) e / (1 - e / ||g||^2) (one rank: the average is its own gradient)
         want = [_charged(layer.choices[n].spec, _error(layer.choices[n].spec, grads[n], n),
-                         _norm2([grads[n]])) for n in weights]
+                         _ratio(layer.choices[n].spec, [grads[n]], n)) for n in weights]
         assert [layer.choices[n].error for n in weights] == pytest.approx(want, rel=1e-5)
         assert sum(want) <= layer.budget * (1 + 1e-5)
         if factor == 1.0:                       # the user's compressor alone is feasible
@@ -444,13 +471,14 @@ def test_nonfinite_first_gradients_and_the_log(caplog):
     assert layer.state_dict()["plan"] == other.state_dict()["plan"]
     c = layer.choices["2.weight"]
     g0 = _grads(list(_model().named_parameters()), 0, 0)["2.weight"]
-    want = _charged(c.spec, _error(c.spec, g0, "2.weight"), _norm2([g0]))
+    want = _charged(c.spec, _error(c.spec, g0, "2.weight"), _ratio(c.spec, [g0], "2.weight"))
     assert c.error == pytest.approx(want, rel=1e-5)     # rank 0's alone
     assert layer.choices["4.weight"].spec == hvdcomp.get("qsgd:bits=3").spec()
     w0 = _grads(list(_model().named_parameters()), 0, 0)["0.weight"]
     w1 = _grads(list(_model().named_parameters()), 1, 0)["0.weight"]
     spec = layer.choices["0.weight"].spec
-    want = _charged(spec, _error_of_average(spec, [w0, w1], "0.weight"), _norm2([w0, w1]))
+    want = _charged(spec, _error_of_average(spec, [w0, w1], "0.weight"),
+                    _ratio(spec, [w0, w1], "0.weight"))
     assert layer.choices["0.weight"].error == pytest.approx(want, rel=1e-5)  # of the average
     lines = [r.getMessage() for r in caplog.records if r.name == "hvdcomp"]
     assert sum("Auto per layer: budget" in x for x in lines) == 1     # rank 0 only
