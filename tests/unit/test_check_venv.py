@@ -44,10 +44,11 @@ def _check(checkout, venv_path):
 
 @pytest.fixture
 def two_checkouts(tmp_path):
-    """``main`` and ``clone``: two directories standing for two checkouts."""
+    """``main`` and ``clone``: two directories standing for two checkouts (each with the
+    hvdcomp/ package directory a checkout has)."""
     main, clone = tmp_path / "main", tmp_path / "clone"
-    main.mkdir()
-    clone.mkdir()
+    (main / "hvdcomp").mkdir(parents=True)
+    (clone / "hvdcomp").mkdir(parents=True)
     return str(main), str(clone)
 
 
@@ -66,7 +67,9 @@ def test_a_link_to_another_checkouts_venv_is_refused(two_checkouts):
     assert r.returncode == 1
     assert r.stderr.startswith(_other_owner_message(os.path.join(clone, ".venv"), main, clone))
     assert "run launch/setup in %s, the checkout the venv belongs to" % main in r.stderr
-    assert "HVDCOMP_VENV=<a new directory>" in r.stderr
+    assert ("Either make a venv of your own (remove the link %s, or set HVDCOMP_VENV=<a new "
+            "directory>, then run launch/setup again)" % os.path.join(clone, ".venv")
+            in r.stderr)
 
 
 def test_a_venv_named_by_HVDCOMP_VENV_holding_another_checkout_is_refused(two_checkouts):
@@ -75,6 +78,60 @@ def test_a_venv_named_by_HVDCOMP_VENV_holding_another_checkout_is_refused(two_ch
     r = _check(clone, other)
     assert r.returncode == 1
     assert r.stderr.startswith(_other_owner_message(other, main, clone))
+    # a real directory (e.g. a shared venv) is someone else's: no advice to remove it
+    assert ("Either make a venv of your own (set HVDCOMP_VENV=<a new directory>, then run "
+            "launch/setup again), or run launch/setup in %s, the checkout the venv belongs "
+            "to" % main in r.stderr)
+    assert "remove" not in r.stderr
+
+
+def test_a_clones_own_venv_directory_holding_another_checkout_is_not_offered_for_removal(
+        two_checkouts):
+    """The default <checkout>/.venv, a real directory (not a link) holding another
+    checkout's editable install: refused, and nothing suggests deleting it."""
+    main, clone = two_checkouts
+    path = _venv(os.path.join(clone, ".venv"), installed_from=main)
+    r = _check(clone, path)
+    assert r.returncode == 1
+    assert r.stderr.startswith(_other_owner_message(path, main, clone))
+    assert "(set HVDCOMP_VENV=<a new directory>, then run launch/setup again)" in r.stderr
+    assert "remove" not in r.stderr
+
+
+def _stale_note(venv_path, old, checkout):
+    return ("hvdcomp setup: note: %s holds a stale editable install of hvdcomp from %s (no "
+            "longer a checkout: moved or removed); it will be re-pointed at %s\n"
+            % (venv_path, old, checkout))
+
+
+@pytest.mark.parametrize("old_state", ["gone", "no hvdcomp/ package directory"])
+def test_a_moved_checkouts_own_venv_passes_with_a_note(tmp_path, old_state):
+    """A checkout moved or renamed: its venv's direct_url.json still names the old path.
+    That install is nobody's (the old path is no checkout): setup may go on and re-point
+    it, saying so in one line."""
+    old = tmp_path / "old-name"
+    if old_state == "no hvdcomp/ package directory":
+        old.mkdir()                           # e.g. a new, unrelated directory there
+    moved = tmp_path / "new-name"
+    (moved / "hvdcomp").mkdir(parents=True)
+    path = _venv(str(moved / ".venv"), installed_from=str(old))
+    r = _check(str(moved), path)
+    assert (r.returncode, r.stderr) == (0, _stale_note(path, str(old), str(moved)))
+
+
+def test_a_link_to_a_venv_with_a_stale_install_is_still_refused(tmp_path):
+    """Stale is no proof the venv is this checkout's: a link to it is refused as a link
+    (the link's own message)."""
+    target = _venv(str(tmp_path / "elsewhere" / "venv"), installed_from=str(tmp_path / "gone"))
+    checkout = tmp_path / "checkout"
+    (checkout / "hvdcomp").mkdir(parents=True)
+    link = str(checkout / ".venv")
+    os.symlink(target, link)
+    r = _check(str(checkout), link)
+    assert r.returncode == 1
+    assert r.stderr.startswith(
+        "hvdcomp setup: ERROR: %s is a symbolic link to %s, which may be another checkout's "
+        "virtual environment" % (link, os.path.realpath(target)))
 
 
 def test_a_link_to_a_venv_without_hvdcomp_is_refused(two_checkouts):
@@ -135,3 +192,4 @@ def test_setup_refuses_before_it_changes_anything(two_checkouts, tmp_path):
     assert r.stderr.startswith(_other_owner_message(os.path.join(clone, ".venv"), main, clone))
     assert tree() == before
     assert not os.path.exists(tmp_path / "cache")
+
