@@ -74,13 +74,19 @@ COLLECTIVES = ("allgather", "reduce_scatter", "auto")
 _COLLECTIVE_PREFIXES = prefixes.COLLECTIVE
 
 
-def from_spec(spec: str) -> Tuple[object, Optional[str]]:
+def from_spec(spec: str, *, whole: Optional[str] = None) -> Tuple[object, Optional[str]]:
     """``(compression, collective)`` of a spec string ``[auto+[layer+]][rs+|ag+]SPEC``:
     ``"auto+"`` gives ``Auto(SPEC)`` (``"auto+layer+"``: ``Auto(SPEC, per_layer=True)``),
     else the compressor ``hvdcomp.get(SPEC)``; ``"rs+"`` the collective "reduce_scatter",
     ``"ag+"`` "allgather", neither None (the exchange's default: "auto" with Auto, else
-    "allgather").  Raises ConfigError for a bad spec."""
+    "allgather").  ``whole``: the string ``spec`` is the rest of once the exchange has read
+    its hierarchy prefix ("host+" / "flat+", :mod:`hvdcomp.compressors.prefixes`), quoted in
+    errors; None: ``spec`` itself.  Raises ConfigError for a bad spec, and for an exchange
+    prefix out of order or repeated (e.g. ``"auto+host+alq"``, ``"rs+auto+alq"``), naming
+    it and the order ``[host+|flat+][auto+[layer+]][rs+|ag+]SPEC``."""
     s = spec.strip()
+    # a prefix already read (here or, with ``whole``, the hierarchy's by the exchange)
+    read = whole is not None and whole.strip().lower() != s.lower()
     auto = s.lower().startswith(AUTO_PREFIX)
     if auto:
         s = s[len(AUTO_PREFIX):]
@@ -90,6 +96,12 @@ def from_spec(spec: str) -> Tuple[object, Optional[str]]:
     collective = _COLLECTIVE_PREFIXES.get(s[:3].lower())
     if collective is not None:
         s = s[3:]
+    late = prefixes.leading(s)
+    # A hierarchy prefix in front of everything is in order: the exchange reads it, and
+    # hvdcomp.get's error says so (prefixes.prefix_error).
+    if late is not None and (read or auto or collective is not None
+                             or late not in prefixes.HIERARCHY):
+        raise ConfigError(prefixes.order_error(spec if whole is None else whole, late))
     return (Auto(s, per_layer=layer) if auto else get(s)), collective
 
 

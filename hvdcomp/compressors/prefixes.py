@@ -6,14 +6,15 @@ hvdcomp.ddp.register / HookState, ``$HVDCOMP_COMPRESSION``, the main job's
 ``[host+|flat+][auto+[layer+]][rs+|ag+]SPEC``.  The hierarchy prefix is read by
 :func:`hvdcomp.exchange.driver.split_hierarchy`, the others by :func:`hvdcomp.auto.from_spec`;
 ``SPEC`` is a compressor's spec, all that :func:`hvdcomp.get` takes (a prefix there raises
-ConfigError with :func:`prefix_error`).
+ConfigError with :func:`prefix_error`); a prefix out of order raises ConfigError with
+:func:`order_error`.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 __all__ = ["HIERARCHY", "AUTO", "LAYER", "COLLECTIVE", "MEANING", "ORDER", "leading",
-           "prefix_error"]
+           "prefix_error", "order_error"]
 
 #: hierarchy prefixes ("host+alq:bits=3"), before every other one: hierarchy setting
 HIERARCHY = {"host+": "host", "flat+": "flat"}
@@ -51,3 +52,10 @@ def prefix_error(spec: str, prefix: str) -> str:
             f"string as the exchange's compression= (hvdcomp.torch.DistributedOptimizer, "
             f"hvdcomp.ddp, $HVDCOMP_COMPRESSION, the main job's --compression), prefixes in "
             f"the order {ORDER} (docs/compressors.md, \"Spec prefixes\")")
+
+
+def order_error(spec: str, prefix: str) -> str:
+    """The message of the ConfigError :func:`hvdcomp.auto.from_spec` raises for ``spec``
+    (the whole exchange spec string) where the exchange prefix ``prefix`` comes after a
+    prefix that must follow it, or comes twice."""
+    return f"prefix {prefix!r} out of order in {spec.strip()!r}; the order is {ORDER}"

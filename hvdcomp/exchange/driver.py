@@ -77,7 +77,7 @@ def resolve(compression) -> Tuple[Any, Optional[str]]:
     if compression is None:
         compression = os.environ.get("HVDCOMP_COMPRESSION") or "none"
     if isinstance(compression, str):
-        return from_spec(split_hierarchy(compression)[1])
+        return from_spec(split_hierarchy(compression)[1], whole=compression)
     if isinstance(compression, (Auto, Compressor)):
         return compression, None
     raise TypeError(f"compression must be an hvdcomp compressor, an hvdcomp.Auto or a spec "

@@ -277,5 +277,5 @@ def test_the_prefixes_get_refuses_are_those_the_exchange_reads():
     assert auto.compressor.spec() == hvdcomp.get("alq:bits=3").spec()
     comp, coll = from_spec("ag+qsgd:bits=4")
     assert comp.spec() == hvdcomp.get("qsgd:bits=4").spec() and coll == "allgather"
-    with pytest.raises(ConfigError, match=r"^'auto\+alq': 'auto\+' is an exchange setting"):
-        from_spec("rs+auto+alq")           # out of order: the rest reaches get
+    with pytest.raises(ConfigError, match=r"^prefix 'auto\+' out of order in 'rs\+auto\+alq'"):
+        from_spec("rs+auto+alq")           # out of order: named, with the whole string
