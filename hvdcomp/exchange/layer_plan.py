@@ -47,7 +47,7 @@ stay about one rank's.  Two corrections make the families comparable:
 
 * a quantizer whose levels are fitted (ALQ, AMQ) is measured with a table fitted as its
   first refit would fit it, one per candidate, to the statistics of every planned tensor
-  on every rank (:func:`fitted_levels`, one more small allgather);
+  on every rank (:func:`fitted_levels`, the exchange's refit: a small sum and broadcast per candidate);
 * a biased compressor (``Compressor.biased``: top-k, DGC, sign, PowerSGD, LAQ) is charged
   the variance of the unbiased compressor its contraction is worth, ``e / (1 - rho)``
   with ``rho`` the ranks' mean of ``||C(g_r) - g_r||^2 / ||g_r||^2`` on the whole tensor
@@ -107,6 +107,7 @@ from ..compressors.protocols import AdaptiveLevels, SummedRounds
 from ..errors import ConfigError
 from ..log import logger
 from .buckets import agree
+from .loop import refit
 from .rounds import simulate
 
 __all__ = ["Choice", "LayerPlanner", "MIN_DELTA", "SAMPLE", "candidates", "effective_error",
@@ -202,32 +203,23 @@ def sample_index(name: str, numel: int, sample: int, seed: int = 0) -> Optional[
 def fitted_levels(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.Tensor]],
                   transport) -> Dict[int, Optional[np.ndarray]]:
     """{index into ``cands``: level payload} for each candidate whose levels are fitted
-    (AdaptiveLevels: ALQ, AMQ): one table per candidate, fitted, as training's refit
-    fits the one table of a compressor instance, to the statistics of every finite
-    gradient of ``grads`` on every rank, summed in rank order (one allgather of float64;
-    every rank fits the same sum, so every rank holds the same table); None where no rank
-    had a finite gradient (the initial table stays).  Collective: every rank calls it with
-    the same candidates."""
-    ks = [k for k, c in enumerate(cands) if isinstance(c, AdaptiveLevels)]
-    if not ks:
-        return {}
-    fresh = {k: get(cands[k].spec()) for k in ks}
-    for g in grads.values():
-        if g is not None and g.numel() and bool(torch.isfinite(g).all()):
-            for k in ks:
-                fresh[k].observe(g.detach().to(torch.float32))
-    parts = []
-    for k in ks:
-        st = fresh[k].pending_stats()
-        parts.append(np.asarray(fresh[k].empty_stats() if st is None else st, np.float64))
-    mine = np.concatenate(parts)
-    total = np.zeros_like(mine)
-    for data in transport.allgather(mine.view(np.uint8)):     # rank order
-        total += np.frombuffer(data.tobytes(), dtype=np.float64)
-    out, at = {}, 0
-    for k, part in zip(ks, parts):
-        summed, at = total[at:at + part.size], at + part.size
-        out[k] = fresh[k].update(summed, 1) if summed.any() else None
+    (AdaptiveLevels: ALQ, AMQ): one table per candidate, fitted by the exchange's own
+    refit (:func:`~.loop.refit`: statistics summed across ranks, fitted on rank 0,
+    broadcast) to every finite gradient of ``grads`` on every rank, as training's first
+    refit fits the one table of a compressor instance; None where no rank had a finite
+    gradient (the initial table stays).  Collective: every rank calls it with the same
+    candidates."""
+    out = {}
+    for k, c in enumerate(cands):
+        if not isinstance(c, AdaptiveLevels):
+            continue
+        fresh = get(c.spec())
+        for g in grads.values():
+            if g is not None and g.numel() and bool(torch.isfinite(g).all()):
+                fresh.observe(g.detach().to(torch.float32))
+        version = fresh.level_version
+        refit(fresh, transport, 0)
+        out[k] = fresh.levels.numpy() if fresh.level_version != version else None
     return out
 
 
@@ -328,7 +320,7 @@ def effective_error(comp: Compressor, error: float, ratio: float) -> float:
     bench/real_task.py: 89.2 % against fp32's 90.1 %).  The contraction is measured per
     rank on the whole tensor (exact), not on the sampled coordinates, where top-k at 0.1 %
     keeps about one of 1024."""
-    if not getattr(comp, "biased", False):
+    if not comp.biased:
         return float(error)
     return float(error) / max(1.0 - float(ratio), MIN_DELTA)
 
