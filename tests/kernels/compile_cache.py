@@ -3,8 +3,8 @@
 The warning checks of tests/kernels/test_compile.py compile every kernel source with nvcc
 and NVRTC (two architectures each) and the whole host library with g++ -Werror: about 110 s of one test
 run on the project's 2-core machines, to answer a question whose inputs rarely change.  The
-answer is a function of the command line, the compiler (its ``--version`` text) and the
-kernel sources (every file of kernels/), so a successful result is kept under that key in
+answer is a function of the command line (less the checkout's path), the compiler (its
+``--version`` text) and the kernel sources (every file of kernels/, by content), so a successful result is kept under that key in
 ``$HVDCOMP_CACHE/compile-checks`` (default ``~/.cache/hvdcomp/compile-checks``) and reused
 until one of them changes.  A failed compile is never kept: it runs again every time.
 HVDCOMP_NO_COMPILE_CACHE=1 turns the cache off.
@@ -30,8 +30,11 @@ def cache_dir() -> str:
 def _key(cmd: List[str], scratch: str) -> str:
     ver = subprocess.run([cmd[0], "--version"], capture_output=True, text=True,
                          timeout=60).stdout
-    # the scratch folder's name does not count
-    return _key_of([ver] + [arg.replace(scratch, "<scratch>") for arg in cmd])
+    # the scratch folder's name does not count, nor where the checkout is (the key holds
+    # every file of kernels/ by content): a fresh clone of the same sources hits the cache
+    kdir = _common.kernel_dir()
+    return _key_of([ver] + [arg.replace(scratch, "<scratch>").replace(kdir, "<kernels>")
+                            for arg in cmd])
 
 
 def _key_of(parts: List[str]) -> str:
