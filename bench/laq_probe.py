@@ -63,6 +63,8 @@ def main():
         opt.step()
         laq.after_step(step, sum(float((p.detach() - b).pow(2).sum())
                                  for p, b in zip(model.parameters(), before)))
+        for event in laq.drain_events():
+            print(f"step {step:3d} event: {event}")
         if step % 10 == 0 or step == args.steps - 1:
             counts = laq.counts()
             print(f"step {step:3d} loss {loss.item():.3g} (uploads, skips): "

@@ -453,6 +453,30 @@ def test_forced_upload_after_t_max_silent_rounds(t_max):
     want = [k % (t_max + 1) == 0 for k in range(20)]
     assert sent == want
     assert c.counts()["w"] == (sum(want), 20 - sum(want))
+    # skipped because of the parameter term, not the quantizer's error: nothing to report
+    assert c.drain_events() == []
+
+
+def test_a_tensor_the_rule_cannot_send_is_reported_at_its_forced_uploads():
+    # one coordinate 1e4 times the others: the 4-bit grid's error on the small ones
+    # (about R/15 each) outweighs the innovation, with no parameter term at all, so the
+    # tensor goes out only when t_max forces it, and each forced upload is reported
+    c = LAQ(bits=4, alpha=1.0, t_max=3)
+    g = torch.full((200,), 0.01)
+    g[7] = 100.0
+    v = g.double()
+    R = v.abs().max()
+    delta = 2 * R / 15 * torch.floor((v + R) / (2 * R / 15) + 0.5) - R
+    assert float(delta.pow(2).sum()) < 3 * float((delta - v).pow(2).sum())   # the premise
+    sent, events = [], []
+    for k in range(8):
+        sent.append(c.encode(g, key(step=k)) is not None)
+        c.after_step(k, 0.0)
+        events.append(c.drain_events())
+    assert sent == [False, False, False, True, False, False, False, True]
+    for k in range(8):
+        assert len(events[k]) == sent[k]
+    assert "w was sent only because it had been silent for t_max=3" in events[3][0]
 
 
 def test_history_keeps_the_newest_d_changes_with_equal_weights():
