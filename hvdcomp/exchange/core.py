@@ -312,8 +312,10 @@ def report_plan(ex: "Exchange") -> None:
     and the hierarchy choice, at DEBUG)."""
     # (without fusion buckets the caller forms them, e.g. DDP: their number is its own)
     buckets = f" in {len(ex.buckets)} buckets" if ex.fused else ""
+    # (with an Auto, the Auto's own spec: its inner compressor is only one of its paths)
+    shown = ex.auto.spec() if ex.auto is not None else ex.compression.spec()
     logger.info("exchange: %d tensors%s, %d ranks, transport %s, compression %s",
-                len(ex.entries), buckets, ex.size, ex.transport.name, ex.compression.spec())
+                len(ex.entries), buckets, ex.size, ex.transport.name, shown)
     if ex.auto is not None:
         counts: Dict[str, int] = {}
         for e in ex.entries.values():

@@ -187,7 +187,7 @@ def test_start_up_log_is_one_line_each_with_the_cost_model_at_debug(fusion, capl
     where = " in 1 buckets" if fusion else ""
     assert info == [
         f"exchange: 3 tensors{where}, 1 ranks, transport fake, compression "
-        f"{hvdcomp.get('qsgd:bits=4').spec()}",
+        f"auto(qsgd:bits=4,bucket_size=8192,entropy=False; fallbacks=none,fp16)",
         f"Auto's plan (tensors per path): {_counts(ex)}; cost model: allreduce (1 ms, "
         f"10 GB/s), allgather (0.2 ms, 2.5 GB/s), encode 5 ns and decode 2 ns per element"]
     assert debug == [f"Auto's cost model: {ex.cost_model.as_dict()}"]
