@@ -224,7 +224,7 @@ def train(args):
                         batch=cfg["batch"], lr=cfg["lr"], final_acc=res["final_acc"],
                         steps=res["steps"], steps_per_epoch=res["steps_per_epoch"],
                         compression=res["compression"], evals=res["evals"],
-                        wall_s=round(time.time() - t0, 1), load_before=load0,
+                        plan=res.get("plan"), wall_s=round(time.time() - t0, 1), load_before=load0,
                         load_after=conditions(), command=_rel(cmd)))
             print(f"  {label} seed {seed}: final {res['final_acc']:.2f} % "
                   f"({time.time() - t0:.0f} s, load {load0} -> {conditions()})", flush=True)

@@ -383,6 +383,9 @@ def main(argv=None):
                            "steps_per_epoch": steps_per_epoch, "steps": steps,
                            "wall_seconds": time.time() - t_start, "args": vars(args),
                            "evals": history, "final_acc": history[-1]["test_acc"],
+                           # {parameter: compressor it travels with} (per-layer Auto's
+                           # choice; None for PyTorch's hooks)
+                           "plan": job.plan,
                            **({"step_times": step_times} if args.step_times else {})}, f,
                           indent=1)
     job.close()
