@@ -271,7 +271,9 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
                 rec.silent += 1
                 rec.skips += 1
                 return None
-            self._note_forced(key.name, inn.delta_sq, inn.eps_sq, rec, x)
+            err = 3.0 * (self.slaq_err if self.stochastic else 1.0) * (inn.eps_sq
+                                                                        + rec.eps_hat_sq)
+            self._events += _forced_upload_event(self, key.name, inn.delta_sq, err, x)
         rec.qprev = inn.qnew.view(grad.shape)
         rec.eps_hat_sq = inn.eps_sq
         rec.silent = 0
@@ -279,26 +281,6 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
         codes, flags = write_codes(inn.packed, n, self.bits, self.entropy)
         return self._new_message(grad, key,
                                  (inn.R.reshape(1).cpu().numpy().view(np.uint8), codes), flags)
-
-    def _note_forced(self, name: str, delta_sq: float, eps_sq: float, rec: _Record,
-                     x: torch.Tensor) -> None:
-        """An event when a t_max upload was forced although the innovation is a sizeable
-        part of the gradient (``||delta||^2 >= ||grad||^2 / 4``) and the quantizer's own
-        error terms alone outweigh it: the rule cannot send such a tensor (its largest
-        innovation coordinate is tens of times its typical one at 4 bits), so the optimizer
-        applies gradients up to t_max steps old (on a 3.2M-element FC layer at 4 bits this
-        diverged: bench/results/real_task.md).  A small innovation held back by the previous
-        upload's error (a gradient that did not change) is the rule working: no event."""
-        err = 3.0 * (self.slaq_err if self.stochastic else 1.0) * (eps_sq + rec.eps_hat_sq)
-        grad_sq = float(x.double().pow(2).sum())
-        if delta_sq < err and delta_sq >= 0.25 * grad_sq:
-            self._events.append(
-                f"laq: {name} was sent only because it had been silent for t_max={self.t_max} "
-                f"rounds: its innovation (||delta||^2 = {delta_sq:.3g}, "
-                f"{delta_sq / grad_sq:.0%} of the gradient's) is below its {self.bits}-bit "
-                f"grid's own error term {err:.3g}, so the lazy rule cannot send it and the "
-                f"optimizer applies gradients up to {self.t_max} steps old; use more bits or "
-                f"a smaller t_max")
 
     def _record(self, name: str, grad: torch.Tensor) -> _Record:
         """The record of ``name`` (a new one for ``grad``'s size); ValueError if the one held
@@ -395,6 +377,25 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
         """
         hist, self._rec = _load_state(state, self._rec)
         self._hist = hist[:self.history]
+
+
+def _forced_upload_event(c: "LAQ", name: str, delta_sq: float, err: float,
+                         x: torch.Tensor) -> List[str]:
+    """[an event] when a t_max upload was forced although the innovation is a sizeable part
+    of the gradient (``||delta||^2 >= ||grad||^2 / 4``) and the quantizer's own error term
+    ``err`` alone outweighs it: the rule cannot send such a tensor (its largest innovation
+    coordinate is tens of times its typical one at 4 bits), so the optimizer applies
+    gradients up to t_max steps old (on a 3.2M-element FC layer at 4 bits this diverged:
+    bench/results/real_task.md); else [].  A small innovation held back by the previous
+    upload's error (a gradient that did not change) is the rule working: no event."""
+    grad_sq = float(x.double().pow(2).sum())
+    if not (delta_sq < err and delta_sq >= 0.25 * grad_sq):
+        return []
+    return [f"laq: {name} was sent only because it had been silent for t_max={c.t_max} "
+            f"rounds: its innovation (||delta||^2 = {delta_sq:.3g}, {delta_sq / grad_sq:.0%} "
+            f"of the gradient's) is below its {c.bits}-bit grid's own error term {err:.3g}, "
+            f"so the lazy rule cannot send it and the optimizer applies gradients up to "
+            f"{c.t_max} steps old; use more bits or a smaller t_max"]
 
 
 def _load_state(state: Any, held: Dict[str, _Record]
