@@ -590,11 +590,16 @@ def report(args):
             lines.append("|---|---|---|---|---|---|---|---|---|")
             tta = {}
             table = []
+            here = f"{hosts}x{rate}"
+            elsewhere = {}          # label: the links its (Auto's) plan was trained on
             for label in order:
                 rs = sorted(by[ROWS[label]], key=lambda r: r["seed"])
                 comps = compose(rs, c["median_s"], ex, target)
                 if any(x is None for x in comps):
                     continue
+                trained = sorted({r["link"] for r in rs if r.get("link")})
+                if trained and here not in trained:
+                    elsewhere[label] = trained
                 steady = ex.get(step_methods(ROWS[label], rs[0]["steps_per_epoch"], ex)(10 ** 6))
                 curves.setdefault(setting, {})[label] = comps
                 reached = [x for x in comps if x[1] is not None]
@@ -614,6 +619,8 @@ def report(args):
             if fp16:
                 tta["fp16"] = min(fp16)
             for label, steady, st, m, sd, fin, nr, n in table:
+                if label in elsewhere:
+                    label += " †"
                 if m is None:
                     lines.append(f"| {label} | {steady:.3f} | {c['median_s'] + steady:.3f} | "
                                  f"not reached ({nr}/{n} seeds) | - | - | - | - | {fin:.2f} |")
@@ -622,7 +629,15 @@ def report(args):
                 vsp = f"{best_psgd / m:.2f}x" if best_psgd else "-"
                 lines.append(f"| {label} | {steady:.3f} | {c['median_s'] + steady:.3f} | "
                              f"{st:.0f} | {m:.1f} | {_f(sd, 1)} | {vs16} | {vsp} | {fin:.2f} |")
-            lines.append(_targets(table, tta, best_psgd, ref))
+            if elsewhere:
+                lines.append("\n† Auto's plan depends on the link, and these rows were "
+                             "trained under another one (" + "; ".join(
+                                 f"{k}: {', '.join(v)}" for k, v in elsewhere.items())
+                             + "): their exchange per step is this link's plan, their steps "
+                             "to target that of the trained plan, which may differ. They are "
+                             "left out of the verdict below.")
+            lines.append(_targets([t for t in table if t[0] not in elsewhere], tta,
+                                  best_psgd, ref))
         if curves:
             figs.append(_plot_time(model, curves, target))
         lines.append(_exchange_table(model, exr))
