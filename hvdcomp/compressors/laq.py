@@ -36,6 +36,10 @@ With ``Qnew = Qprev + delta``, ``eps = Qnew - x`` (this step's quantization erro
     UPLOAD iff ||delta||^2 >= thr, or the tensor has been silent for t_max rounds in a row;
     on upload: Qprev = Qnew, eps_hat = eps, silent = 0;  on a skip: nothing changes but the
     silent counter, and ``encode`` returns None (a zero-length message, the empty upload).
+    A t_max upload of an innovation that is at least a quarter of the gradient's squared
+    norm yet below the eps terms alone is reported (an event, logged as a WARNING): such a
+    tensor (its largest coordinate tens of times its typical one, at 4 bits) can only go
+    out every t_max steps, and the optimizer applies its stale aggregate in between.
 
 The quantizer and the sums are the ops of hvdcomp.ops.laq (PyTorch references, and the
 kernels of kernels/laq.cu, equal bit for bit).  All squared norms are float64 sums of float32
