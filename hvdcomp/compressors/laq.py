@@ -153,7 +153,11 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
     module docstring for the exact grid, rule, units and wire format.
 
     Args:
-      bits: bits per coordinate (1..8): 2**bits grid points, 2**bits - 1 intervals.
+      bits: bits per coordinate (1..8): 2**bits grid points, 2**bits - 1 intervals.  The
+        grid's own error enters the rule, so at 4 bits a tensor whose innovation's largest
+        coordinate is tens of times its typical one (a large fully connected layer) goes
+        out only every t_max steps (reported as a warning; Fashion-MNIST's CNN diverged,
+        bench/results/real_task.md); at 8 bits that CNN uploaded every tensor every step.
       alpha: the step size the rule assumes: the learning rate of the wrapped optimizer,
         applied to the AVERAGED gradient (> 0).
       xi: total weight of the parameter-change term (the authors' 0.8), >= 0.
