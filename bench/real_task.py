@@ -727,24 +727,28 @@ CLAIMS = [
 # why a claim fails here, measured (shown under the claims table when its rows are present)
 CLAIM_NOTES = {
     "LAQ 4b": (
-        "LAQ 4b diverged: loss NaN by step 117 (also with alpha=0.5, the lr over 1 - "
-        "momentum, in a 120-step probe on 2 ranks). The cause is the paper's rule, not the "
-        "step size: a tensor uploads only when ||delta||^2 >= S/alpha^2 + 3(||eps||^2 + "
-        "||eps_hat||^2), and the deterministic 4-bit grid errs by up to R/15 per coordinate "
-        "(R: the innovation's largest magnitude). The CNN's 3.2M-element FC weight (98 % of "
-        "the model) has max/rms 11.6 at step 0, so ||delta||^2 = 0.87 barely beats 3||eps||^2 "
-        "= 0.61; with eps_hat added it never uploads again until t_max = 100 forces it. "
-        "One rank with alpha = lr (bench/laq_probe.py, results/laq_probe.txt): the FC weight "
-        "uploads at step 0 only, the other weights stop after step 12, and the loss goes "
-        "2.32 -> 3.72 (step 40) -> 9.4e3 (step 50). At 8 bits (2-rank probe, 120 steps, "
-        "82.4 %) every tensor uploads at every step (ratio 3.99x): no laziness either. The "
+        "LAQ 4b (the default alpha=0.1; the run's peak lr is 0.05 with momentum 0.9) "
+        "diverged: loss NaN by step 117. The step size is not the cause (a 120-step probe "
+        "on 2 ranks with alpha=0.5, the lr over 1 - momentum, diverged as well); the "
+        "paper's rule is: a tensor uploads only when ||delta||^2 >= S/alpha^2 + "
+        "3(||eps||^2 + ||eps_hat||^2), and the deterministic 4-bit grid errs by up to R/15 "
+        "per coordinate (R: the innovation's largest magnitude). The CNN's 3.2M-element FC "
+        "weight (98 % of the model) has max/rms 11.6 at step 0, so ||delta||^2 = 0.87 "
+        "barely beats 3||eps||^2 = 0.61; with eps_hat added it never uploads again until "
+        "t_max = 100 forces it. One rank with alpha = lr (bench/laq_probe.py, "
+        "results/laq_probe.txt): the FC weight uploads at step 0 only, the other weights "
+        "stop after step 12, and the loss goes 2.32 -> 3.72 (step 40) -> 9.4e3 (step 50); "
+        "hvdcomp now warns at step 10 (a tensor silent for 10 rounds whose innovation is "
+        "large). At 8 bits (2-rank probe, 120 steps, 82.4 % at step 120; output not "
+        "kept) every tensor uploads at every step (ratio 3.99x): no laziness either. The "
         "paper's models were smaller (logistic regression, a 200-unit MLP)."),
     "ALQ 2b": (
         "At 2 bits a quantizer has the levels {0, 1} of its norm and nothing to adapt: "
-        "ALQ and AMQ (L2 norm, their default) are QSGD, NUQSGD likewise; they differ only "
-        "by their random draws (87.54-87.59 %). The 2-point gap to QSGDinf is the norm: "
-        "the L-inf norm's grid is finer where the coordinates are (ALQ-inf / AMQ-inf at 2 "
-        "bits would be QSGDinf)."),
+        "with the L2 norm (their default) ALQ and AMQ are QSGD, and NUQSGD likewise: QSGD, "
+        "NUQSGD and AMQ give the identical 87.59 %, ALQ 87.54 % (an older run, another "
+        "launcher). The 2.4-2.5-point gap to QSGDinf is the norm: the L-inf norm's grid "
+        "is finer where the coordinates are (`alq:bits=2,norm=linf` is QSGDinf's "
+        "quantizer)."),
 }
 
 

@@ -173,6 +173,8 @@ class TorchHookJob(TorchrunJob):
     def plan(self):
         return None
 
+    specs = plan
+
     @property
     def last_stats(self):
         sent, self._last = self.counter.bytes - self._last, self.counter.bytes
@@ -383,9 +385,9 @@ def main(argv=None):
                            "steps_per_epoch": steps_per_epoch, "steps": steps,
                            "wall_seconds": time.time() - t_start, "args": vars(args),
                            "evals": history, "final_acc": history[-1]["test_acc"],
-                           # {parameter: compressor it travels with} (per-layer Auto's
-                           # choice; None for PyTorch's hooks)
-                           "plan": job.plan,
+                           # {parameter: spec of the compressor it travels with}
+                           # (per-layer Auto's choices; None for PyTorch's hooks)
+                           "plan": job.specs,
                            **({"step_times": step_times} if args.step_times else {})}, f,
                           indent=1)
     job.close()

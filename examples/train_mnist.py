@@ -102,6 +102,10 @@ class HorovodJob:
         return self.opt.plan
 
     @property
+    def specs(self):
+        return self.opt.specs
+
+    @property
     def last_stats(self):
         return self.opt.last_stats
 
@@ -157,6 +161,10 @@ class TorchrunJob:
     @property
     def plan(self):
         return self.state.plan
+
+    @property
+    def specs(self):
+        return self.state.specs
 
     @property
     def last_stats(self):

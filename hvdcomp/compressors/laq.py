@@ -36,10 +36,11 @@ With ``Qnew = Qprev + delta``, ``eps = Qnew - x`` (this step's quantization erro
     UPLOAD iff ||delta||^2 >= thr, or the tensor has been silent for t_max rounds in a row;
     on upload: Qprev = Qnew, eps_hat = eps, silent = 0;  on a skip: nothing changes but the
     silent counter, and ``encode`` returns None (a zero-length message, the empty upload).
-    A t_max upload of an innovation that is at least a quarter of the gradient's squared
-    norm yet below the eps terms alone is reported (an event, logged as a WARNING): such a
-    tensor (its largest coordinate tens of times its typical one, at 4 bits) can only go
-    out every t_max steps, and the optimizer applies its stale aggregate in between.
+    A tensor silent for min(t_max, 10) rounds whose innovation is at least a quarter of
+    the gradient's squared norm yet below the eps terms alone is reported (an event,
+    logged as a WARNING): such a tensor (its largest coordinate tens of times its typical
+    one, at 4 bits) can only go out every t_max rounds, and the optimizer applies its
+    stale aggregate in between.
 
 The quantizer and the sums are the ops of hvdcomp.ops.laq (PyTorch references, and the
 kernels of kernels/laq.cu, equal bit for bit).  All squared norms are float64 sums of float32
@@ -156,7 +157,7 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
       bits: bits per coordinate (1..8): 2**bits grid points, 2**bits - 1 intervals.  The
         grid's own error enters the rule, so at 4 bits a tensor whose innovation's largest
         coordinate is tens of times its typical one (a large fully connected layer) goes
-        out only every t_max steps (reported as a warning; Fashion-MNIST's CNN diverged,
+        out only every t_max steps (reported after 10 silent rounds; Fashion-MNIST's CNN diverged,
         bench/results/real_task.md); at 8 bits that CNN uploaded every tensor every step.
       alpha: the step size the rule assumes: the learning rate of the wrapped optimizer,
         applied to the AVERAGED gradient (> 0).
@@ -274,14 +275,16 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
         inn = ops.encode_innovation(x, q, self.bits)
         if inn is None:
             return self._nonfinite(grad, key)               # state unchanged
-        if not inn.delta_sq >= self.threshold(key.name, inn.eps_sq):
-            if rec.silent < self.t_max:
-                rec.silent += 1
-                rec.skips += 1
-                return None
-            err = 3.0 * (self.slaq_err if self.stochastic else 1.0) * (inn.eps_sq
-                                                                        + rec.eps_hat_sq)
-            self._events += _forced_upload_event(self, key.name, inn.delta_sq, err, x)
+        if not (inn.delta_sq >= self.threshold(key.name, inn.eps_sq)
+                or rec.silent >= self.t_max):
+            rec.silent += 1
+            rec.skips += 1
+            if rec.silent == min(self.t_max, STALE_REPORT):
+                err = 3.0 * (self.slaq_err if self.stochastic else 1.0) * (inn.eps_sq
+                                                                            + rec.eps_hat_sq)
+                self._events += _stale_event(self, key.name, rec.silent, inn.delta_sq, err,
+                                             x, q)
+            return None
         rec.qprev = inn.qnew.view(grad.shape)
         rec.eps_hat_sq = inn.eps_sq
         rec.silent = 0
@@ -387,23 +390,31 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
         self._hist = hist[:self.history]
 
 
-def _forced_upload_event(c: "LAQ", name: str, delta_sq: float, err: float,
-                         x: torch.Tensor) -> List[str]:
-    """[an event] when a t_max upload was forced although the innovation is a sizeable part
-    of the gradient (``||delta||^2 >= ||grad||^2 / 4``) and the quantizer's own error term
-    ``err`` alone outweighs it: the rule cannot send such a tensor (its largest innovation
-    coordinate is tens of times its typical one at 4 bits), so the optimizer applies
-    gradients up to t_max steps old (on a 3.2M-element FC layer at 4 bits this diverged:
-    bench/results/real_task.md); else [].  A small innovation held back by the previous
-    upload's error (a gradient that did not change) is the rule working: no event."""
+STALE_REPORT = 10     # silent rounds after which a tensor the rule cannot send is reported
+
+
+def _stale_event(c: "LAQ", name: str, silent: int, delta_sq: float, err: float,
+                 x: torch.Tensor, q: Optional[torch.Tensor]) -> List[str]:
+    """[an event] when a tensor has been silent for ``silent`` (= min(t_max, STALE_REPORT))
+    rounds although its innovation ``x - q`` (gradient minus last upload) is a sizeable
+    part of the gradient (``>= ||x||^2 / 4``) and the quantizer's own error term ``err``
+    alone outweighs the quantized innovation (``delta_sq``): the rule cannot send such a
+    tensor (its largest innovation coordinate is tens of times its typical one at 4
+    bits), so it goes out only when t_max forces it and the optimizer applies a stale
+    aggregate in between (on a 3.2M-element FC layer at 4 bits this diverged within 50
+    steps: bench/results/real_task.md); else [].  A small innovation held back by the
+    previous upload's error (a gradient that did not change), or a zero gradient, is the
+    rule working: no event."""
     grad_sq = float(x.double().pow(2).sum())
-    if not (delta_sq < err and delta_sq >= 0.25 * grad_sq):
+    inn_sq = float((x if q is None else x - q).double().pow(2).sum())
+    if not (delta_sq < err and grad_sq > 0 and inn_sq >= 0.25 * grad_sq):
         return []
-    return [f"laq: {name} was sent only because it had been silent for t_max={c.t_max} "
-            f"rounds: its innovation (||delta||^2 = {delta_sq:.3g}, {delta_sq / grad_sq:.0%} "
-            f"of the gradient's) is below its {c.bits}-bit grid's own error term {err:.3g}, "
-            f"so the lazy rule cannot send it and the optimizer applies gradients up to "
-            f"{c.t_max} steps old; use more bits or a smaller t_max"]
+    return [f"laq: {name} has been silent for {silent} rounds although its innovation is "
+            f"{inn_sq / grad_sq:.0%} of its gradient's squared norm: its {c.bits}-bit grid's "
+            f"own error term ({err:.3g}) outweighs the quantized innovation "
+            f"({delta_sq:.3g}), so the lazy rule cannot send it; it goes out only every "
+            f"t_max={c.t_max} rounds and the optimizer applies a stale gradient in between: "
+            f"use more bits or a smaller t_max"]
 
 
 def _load_state(state: Any, held: Dict[str, _Record]

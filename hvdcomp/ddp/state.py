@@ -60,7 +60,7 @@ class HookState(Reports, Owner):
     save :meth:`state_dict`).  docs/semantics.md, "Objects built again, re-wrapped or
     copied".
 
-    ``last_stats``, ``step``, ``plan``, ``paths``, ``compression``: as their docstrings say.
+    ``last_stats``, ``step``, ``plan``, ``specs``, ``paths``, ``compression``: as their docstrings say.
     """
 
     DOOR = Door(

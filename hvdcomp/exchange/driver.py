@@ -393,6 +393,12 @@ class Reports:
         return self._built().exchange.plan.compressor_names()
 
     @property
+    def specs(self) -> Dict[str, str]:
+        """{parameter name: spec of the compressor its gradient travels with} (with a
+        per-layer Auto: each tensor's choice, bits, density or rank included)."""
+        return self._built().exchange.plan.compressor_specs()
+
+    @property
     def paths(self) -> Dict[str, str]:
         """{parameter name: "allreduce", "allgather", "reduce_scatter" or "rounds" (summed by
         allreduces in rounds: PowerSGD)}."""

@@ -191,6 +191,10 @@ class Plan:
         """{parameter name: name of the compressor its gradient travels with}."""
         return {n: e.compressor.name for n, e in self.entries.items()}
 
+    def compressor_specs(self) -> Dict[str, str]:
+        """{parameter name: spec of the compressor its gradient travels with}."""
+        return {n: e.compressor.spec() for n, e in self.entries.items()}
+
     def paths(self) -> Dict[str, str]:
         """{parameter name: "allreduce", "allgather", "reduce_scatter" or "rounds"}."""
         return {n: e.path for n, e in self.entries.items()}

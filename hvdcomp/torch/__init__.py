@@ -76,8 +76,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     The settings the DDP hook shares (compression, also Horovod's Compression.none/fp16;
     collective, hierarchy, sparse_as_dense, fusion_bytes, min_compress_numel, compress_1d,
     seed, check_replicas, allreduce_summable; gradient_predivide_factor as in Horovod) mean
-    what :class:`hvdcomp.exchange.driver.Settings` says; ``optimizer.plan`` and
-    ``optimizer.paths`` show what they chose per tensor.  The others:
+    what :class:`hvdcomp.exchange.driver.Settings` says; ``optimizer.plan``,
+    ``optimizer.specs`` and ``optimizer.paths`` show what they chose per tensor.  The others:
 
     backward_passes_per_step: the gradients of k backward passes are summed locally and
         exchanged in the k-th.

@@ -457,11 +457,13 @@ def test_forced_upload_after_t_max_silent_rounds(t_max):
     assert c.drain_events() == []
 
 
-def test_a_tensor_the_rule_cannot_send_is_reported_at_its_forced_uploads():
+@pytest.mark.parametrize("t_max", [3, 12])
+def test_a_tensor_the_rule_cannot_send_is_reported_once_per_silent_stretch(t_max):
     # one coordinate 1e4 times the others: the 4-bit grid's error on the small ones
     # (about R/15 each) outweighs the innovation, with no parameter term at all, so the
-    # tensor goes out only when t_max forces it, and each forced upload is reported
-    c = LAQ(bits=4, alpha=1.0, t_max=3)
+    # tensor goes out only when t_max forces it; each silent stretch is reported once,
+    # after min(t_max, 10) silent rounds
+    c = LAQ(bits=4, alpha=1.0, t_max=t_max)
     g = torch.full((200,), 0.01)
     g[7] = 100.0
     v = g.double()
@@ -469,14 +471,20 @@ def test_a_tensor_the_rule_cannot_send_is_reported_at_its_forced_uploads():
     delta = 2 * R / 15 * torch.floor((v + R) / (2 * R / 15) + 0.5) - R
     assert float(delta.pow(2).sum()) < 3 * float((delta - v).pow(2).sum())   # the premise
     sent, events = [], []
-    for k in range(8):
+    for k in range(2 * (t_max + 1)):
         sent.append(c.encode(g, key(step=k)) is not None)
         c.after_step(k, 0.0)
         events.append(c.drain_events())
-    assert sent == [False, False, False, True, False, False, False, True]
-    for k in range(8):
-        assert len(events[k]) == sent[k]
-    assert "w was sent only because it had been silent for t_max=3" in events[3][0]
+    assert sent == [k % (t_max + 1) == t_max for k in range(2 * (t_max + 1))]
+    report_at = min(t_max, 10) - 1              # the step whose skip is the k-th in a row
+    want = [k % (t_max + 1) == report_at for k in range(2 * (t_max + 1))]
+    assert [len(e) for e in events] == [int(w) for w in want]
+    assert f"w has been silent for {min(t_max, 10)} rounds" in events[report_at][0]
+    # a zero gradient after uploads: no report, no error (its innovation is -Qprev)
+    c.encode(torch.zeros(200), key(step=99))
+    for k in range(100, 100 + t_max):
+        c.encode(torch.zeros(200), key(step=k))
+    assert all("silent" not in e for e in c.drain_events())
 
 
 def test_history_keeps_the_newest_d_changes_with_equal_weights():
