@@ -191,6 +191,12 @@ def test_start_up_log_is_one_line_each_with_the_cost_model_at_debug(fusion, capl
         f"Auto's plan (tensors per path): {_counts(ex)}; cost model: allreduce (1 ms, "
         f"10 GB/s), allgather (0.2 ms, 2.5 GB/s), encode 5 ns and decode 2 ns per element"]
     assert debug == [f"Auto's cost model: {ex.cost_model.as_dict()}"]
+    # each tensor's compressor by spec (what the doors' .specs show), settings included
+    full = {"qsgd": "qsgd:bits=4,bucket_size=8192,entropy=False", "fp16": "fp16",
+            "none": "none"}
+    names = ex.plan.compressor_names()
+    assert set(names.values()) <= set(full)
+    assert ex.plan.compressor_specs() == {n: full[c] for n, c in names.items()}
 
 
 def _counts(ex):
