@@ -14,6 +14,7 @@ import torch
 
 import hvdcomp
 from hvdcomp.compressors.base import TensorKey
+from hvdcomp.ops.laq import encode_innovation
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import fashion  # noqa: E402
@@ -23,13 +24,10 @@ WATCH = ("7.weight", "9.weight", "3.weight")
 
 def first_step_test(grad: torch.Tensor, bits: int):
     """(max/rms, ||delta||^2, 3||eps||^2) of LAQ's grid on ``grad`` with no previous upload
-    (Qprev = 0, R = max |grad|, tau = 1/(2^bits - 1)), in float64."""
-    v = grad.flatten().double()
-    R = v.abs().max()
-    tau = 1.0 / (2 ** bits - 1)
-    delta = 2 * tau * R * torch.floor((v + R) / (2 * tau * R) + 0.5) - R
-    return (float(R / v.pow(2).mean().sqrt()), float(delta.pow(2).sum()),
-            float(3 * (delta - v).pow(2).sum()))
+    (Qprev = 0), through the op LAQ itself uses (hvdcomp.ops.laq.encode_innovation)."""
+    x = grad.detach().reshape(-1).to(torch.float32)
+    inn = encode_innovation(x, None, bits)
+    return (float(x.abs().max() / x.pow(2).mean().sqrt()), inn.delta_sq, 3 * inn.eps_sq)
 
 
 def main():

@@ -240,10 +240,15 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
 
     def threshold(self, name: str, eps_sq: float) -> float:
         """The right-hand side of the rule for tensor ``name`` with this step's ``||eps||^2``."""
-        rec = self._rec[name]
         w = self.share(name)
-        err, const = (self.slaq_err, self.slaq_const) if self.stochastic else (1.0, 0.0)
-        return w * self.param_term() + 3.0 * err * (eps_sq + rec.eps_hat_sq) + w * const
+        const = self.slaq_const if self.stochastic else 0.0
+        return w * self.param_term() + self.error_term(name, eps_sq) + w * const
+
+    def error_term(self, name: str, eps_sq: float) -> float:
+        """The rule's quantization-error term for tensor ``name``: ``3 (||eps||^2 +
+        ||eps_hat||^2)``, times ``slaq_err`` under SLAQ."""
+        err = self.slaq_err if self.stochastic else 1.0
+        return 3.0 * err * (eps_sq + self._rec[name].eps_hat_sq)
 
     def after_step(self, step: int, param_delta_sq: float) -> None:
         """Record ``||theta_{k+1} - theta_k||^2`` (summed over all parameters) of step ``step``."""
@@ -280,10 +285,8 @@ class LAQ(ParamDeltas, ReportsEvents, Compressor):
             rec.silent += 1
             rec.skips += 1
             if rec.silent == min(self.t_max, STALE_REPORT):
-                err = 3.0 * (self.slaq_err if self.stochastic else 1.0) * (inn.eps_sq
-                                                                            + rec.eps_hat_sq)
-                self._events += _stale_event(self, key.name, rec.silent, inn.delta_sq, err,
-                                             x, q)
+                self._events += _stale_event(self, key.name, rec.silent, inn.delta_sq,
+                                             self.error_term(key.name, inn.eps_sq), x, q)
             return None
         rec.qprev = inn.qnew.view(grad.shape)
         rec.eps_hat_sq = inn.eps_sq
