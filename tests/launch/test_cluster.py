@@ -78,12 +78,12 @@ def test_ranks_per_host_fill_hosts_in_order(tmp_path):
 
 
 def test_link_rate_limits_traffic_between_hosts(tmp_path):
-    # 4 MB over a 40 Mbit/s link: after the token bucket's 1 MB burst, the rest takes at
-    # least (4 MB - 1 MiB) * 8 / 40e6 = 0.59 s (a lower bound: a slower machine only makes
+    # 4 MB over a 40 Mbit/s link: after the token bucket's 64 KB burst, the rest takes at
+    # least (4 MB - 64 KiB) * 8 / 40e6 = 0.79 s (a lower bound: a slower machine only makes
     # it longer); unshaped, the same bytes between namespaces take milliseconds.
     nbytes = 4_000_000
     rows = _probe(tmp_path, 2, "40mbit", 2, env={"PAYLOAD": str(nbytes)})
-    assert rows[1][3] >= 0.95 * (nbytes - 2**20) * 8 / 40e6, rows
+    assert rows[1][3] >= 0.95 * (nbytes - 2**16) * 8 / 40e6, rows
 
 
 def test_failure_exit_code_passes_through_and_cleans_up():
@@ -168,3 +168,23 @@ def test_ranks_of_a_host_share_its_name_memory_and_not_its_link(tmp_path):
     assert names[0] == names[1] != names[2] == names[3], names
     assert [int(lead) for _, _, lead, _ in rows] == [0, 0, 2, 2], rows
     assert float(rows[1][3]) < 0.3, rows
+
+
+@pytest.mark.parametrize("rate,burst", [("1gbit", 250_000), ("10gbit", 2_500_000),
+                                        ("100mbit", 65_536), ("40mbit", 65_536),
+                                        ("2Gbit", 500_000)])
+def test_burst_is_two_ms_of_the_link_and_at_least_64_kb(rate, burst):
+    # 2 ms of the link, in bytes: rate / 8 * 0.002; never below one 64 KB offload segment
+    env = {k: v for k, v in os.environ.items() if k != "HVDCOMP_CLUSTER_BURST"}
+    p = subprocess.run([os.path.join(os.path.dirname(CLUSTER), "tbf-burst"), rate],
+                       capture_output=True, text=True, env=env, timeout=30)
+    assert p.returncode == 0 and int(p.stdout) == burst, (p.stdout, p.stderr)
+
+
+def test_a_rate_tc_cannot_shape_exactly_is_refused_before_anything_is_built():
+    before = _namespaces()
+    for rate in ("fast", "1.5gbit", "100mbps"):
+        p = subprocess.run([CLUSTER, "2", rate, "--", "true"], capture_output=True,
+                           text=True, timeout=30)
+        assert p.returncode == 2 and f"got '{rate}'" in p.stderr, p.stderr
+    assert _namespaces() == before
