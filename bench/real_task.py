@@ -106,6 +106,7 @@ ITEM3 = ["fp32", "ALQ 3b", "AMQ 3b", "QSGD 3b", "QSGDinf 3b", "NUQSGD 3b", "Tern
          "NDQSG 4b", "LAQ 4b"]
 # the link settings of item 4: (hosts, rate)
 LINKS = [(4, "1gbit"), (8, "1gbit"), (4, "100mbit")]
+PRIMARY_LINK = "4x1gbit"        # Auto's accuracy rows are trained under this link
 RATE_LABEL = {"1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s", "10gbit": "10 Gbit/s"}
 DGC_STAGES = [0.25 ** (s + 1) for s in range(4)]      # warm-up densities (DGC Sec. 3.3)
 MASTER_PORT = 29577
@@ -525,7 +526,8 @@ def compose(train_rows, compute_s, ex, target):
 
 def report(args):
     tr = list(_latest(rows("train"), lambda r: (r["model"], r["spec"], r["seed"],
-                                                   r["epochs"], r["batch"], r["lr"])).values())
+                                                   r["epochs"], r["batch"], r["lr"],
+                                                   r.get("link", ""))).values())
     comp = _latest(rows("compute"), lambda r: (r["model"], r["batch"]))
     exr = _latest(rows("exchange"), lambda r: (r["model"], r["hosts"], r["rate"],
                                                   r["method"]))
@@ -538,9 +540,15 @@ def report(args):
         mine = [r for r in tr if r["model"] == model]
         if not mine:
             continue
-        by = {}
+        # by: the runs of each spec without link emulation or under the first link of
+        # LINKS; elsewhere: those trained under another link (Auto, whose plan depends on
+        # it), shown as rows of their own and used by that link's time table
+        by, elsewhere_runs = {}, {}
         for r in mine:
-            by.setdefault(r["spec"], []).append(r)
+            if r.get("link", "") in ("", PRIMARY_LINK):
+                by.setdefault(r["spec"], []).append(r)
+            else:
+                elsewhere_runs.setdefault(r["spec"], {}).setdefault(r["link"], []).append(r)
         fp32 = by.get("none", [])
         ref, ref_sd = _mean_sd(r["final_acc"] for r in fp32)
         target = ref - 0.5
@@ -554,8 +562,12 @@ def report(args):
                      "best eval (%) | MB sent per rank per step (mean over the run) | seeds reaching target |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
         order = [l for l in ROWS if ROWS[l] in by]
+        shown = [(label, by[ROWS[label]]) for label in order]
         for label in order:
-            rs = sorted(by[ROWS[label]], key=lambda r: r["seed"])
+            for link, rs in sorted(elsewhere_runs.get(ROWS[label], {}).items()):
+                shown.append((f"{label}, trained under {link}", rs))
+        for label, rs in shown:
+            rs = sorted(rs, key=lambda r: r["seed"])
             m, sd = _mean_sd(r["final_acc"] for r in rs)
             best = statistics.mean(max(e["test_acc"] for e in r["evals"]) for r in rs)
             mb = statistics.mean(r["evals"][-1]["bytes_per_rank"] / r["steps"] for r in rs) / 1e6
@@ -593,7 +605,8 @@ def report(args):
             here = f"{hosts}x{rate}"
             elsewhere = {}          # label: the links its (Auto's) plan was trained on
             for label in order:
-                rs = sorted(by[ROWS[label]], key=lambda r: r["seed"])
+                rs = sorted(elsewhere_runs.get(ROWS[label], {}).get(f"{hosts}x{rate}")
+                            or by[ROWS[label]], key=lambda r: r["seed"])
                 comps = compose(rs, c["median_s"], ex, target)
                 if any(x is None for x in comps):
                     continue
