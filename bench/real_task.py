@@ -562,17 +562,17 @@ def report(args):
                      "best eval (%) | MB sent per rank per step (mean over the run) | seeds reaching target |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
         order = [l for l in ROWS if ROWS[l] in by]
-        shown = [(label, by[ROWS[label]]) for label in order]
+        shown = [(label, ROWS[label], by[ROWS[label]]) for label in order]
         for label in order:
             for link, rs in sorted(elsewhere_runs.get(ROWS[label], {}).items()):
-                shown.append((f"{label}, trained under {link}", rs))
-        for label, rs in shown:
+                shown.append((f"{label}, trained under {link}", ROWS[label], rs))
+        for label, spec, rs in shown:
             rs = sorted(rs, key=lambda r: r["seed"])
             m, sd = _mean_sd(r["final_acc"] for r in rs)
             best = statistics.mean(max(e["test_acc"] for e in r["evals"]) for r in rs)
             mb = statistics.mean(r["evals"][-1]["bytes_per_rank"] / r["steps"] for r in rs) / 1e6
             reach = sum(any(e["test_acc"] >= target - 1e-9 for e in r["evals"]) for r in rs)
-            lines.append(f"| {label} | `{ROWS[label]}` | {','.join(str(r['seed']) for r in rs)} "
+            lines.append(f"| {label} | `{spec}` | {','.join(str(r['seed']) for r in rs)} "
                          f"| {m:.2f} | {_f(sd)} | {m - ref:+.2f} | {best:.2f} | {mb:.3f} | "
                          f"{reach}/{len(rs)} |")
         lines.append(_claims(by, ref))
