@@ -524,6 +524,25 @@ def compose(train_rows, compute_s, ex, target):
     return out
 
 
+def split_by_link(runs):
+    """({spec: runs without link emulation or under PRIMARY_LINK}, {spec: {link: runs
+    trained under another link}}): Auto's plan depends on the link, so its runs under
+    another link are rows of their own, and that link's time table uses them."""
+    by, elsewhere = {}, {}
+    for r in runs:
+        if r.get("link", "") in ("", PRIMARY_LINK):
+            by.setdefault(r["spec"], []).append(r)
+        else:
+            elsewhere.setdefault(r["spec"], {}).setdefault(r["link"], []).append(r)
+    return by, elsewhere
+
+
+def runs_for_link(by, elsewhere, spec, hosts, rate):
+    """The runs that price ``spec`` on hosts x rate: those trained under that link if
+    there are any, else the primary ones."""
+    return elsewhere.get(spec, {}).get(f"{hosts}x{rate}") or by[spec]
+
+
 def report(args):
     tr = list(_latest(rows("train"), lambda r: (r["model"], r["spec"], r["seed"],
                                                    r["epochs"], r["batch"], r["lr"],
@@ -540,15 +559,7 @@ def report(args):
         mine = [r for r in tr if r["model"] == model]
         if not mine:
             continue
-        # by: the runs of each spec without link emulation or under the first link of
-        # LINKS; elsewhere: those trained under another link (Auto, whose plan depends on
-        # it), shown as rows of their own and used by that link's time table
-        by, elsewhere_runs = {}, {}
-        for r in mine:
-            if r.get("link", "") in ("", PRIMARY_LINK):
-                by.setdefault(r["spec"], []).append(r)
-            else:
-                elsewhere_runs.setdefault(r["spec"], {}).setdefault(r["link"], []).append(r)
+        by, elsewhere_runs = split_by_link(mine)
         fp32 = by.get("none", [])
         ref, ref_sd = _mean_sd(r["final_acc"] for r in fp32)
         target = ref - 0.5
@@ -605,8 +616,8 @@ def report(args):
             here = f"{hosts}x{rate}"
             elsewhere = {}          # label: the links its (Auto's) plan was trained on
             for label in order:
-                rs = sorted(elsewhere_runs.get(ROWS[label], {}).get(f"{hosts}x{rate}")
-                            or by[ROWS[label]], key=lambda r: r["seed"])
+                rs = sorted(runs_for_link(by, elsewhere_runs, ROWS[label], hosts, rate),
+                            key=lambda r: r["seed"])
                 comps = compose(rs, c["median_s"], ex, target)
                 if any(x is None for x in comps):
                     continue

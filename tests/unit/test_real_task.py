@@ -66,3 +66,15 @@ def test_claims_verdicts():
     # DGC: 89.5 - 90.2 = -0.70, tolerance 0.5: fails by 0.20; SignEF: -0.30 holds
     assert "| DGC 0.1% - fp32 | -0.70 | 0.20 | 2 / 2 | no, by 0.20 points |" in text
     assert "| SignEF - fp32 | -0.30 | 0.20 | 2 / 2 | yes |" in text
+
+
+def test_runs_trained_under_another_link_price_only_that_link():
+    plain = [dict(_run("none", [90]), seed=s) for s in (0, 1)]
+    auto_1g = [dict(_run("auto", [90]), seed=s, link="4x1gbit") for s in (0, 1)]
+    auto_100m = [dict(_run("auto", [89]), seed=s, link="4x100mbit") for s in (0, 1, 2)]
+    by, elsewhere = real_task.split_by_link(plain + auto_100m + auto_1g)
+    assert by == {"none": plain, "auto": auto_1g}
+    assert elsewhere == {"auto": {"4x100mbit": auto_100m}}
+    assert real_task.runs_for_link(by, elsewhere, "auto", 4, "100mbit") == auto_100m
+    assert real_task.runs_for_link(by, elsewhere, "auto", 8, "1gbit") == auto_1g
+    assert real_task.runs_for_link(by, elsewhere, "none", 4, "100mbit") == plain
