@@ -106,7 +106,7 @@ ITEM3 = ["fp32", "ALQ 3b", "AMQ 3b", "QSGD 3b", "QSGDinf 3b", "NUQSGD 3b", "Tern
          "NDQSG 4b", "LAQ 4b"]
 # the link settings of item 4: (hosts, rate)
 LINKS = [(4, "1gbit"), (8, "1gbit"), (4, "100mbit")]
-PRIMARY_LINK = "4x1gbit"        # Auto's accuracy rows are trained under this link
+PRIMARY_LINK = "%dx%s" % LINKS[0]    # Auto's accuracy rows are trained under this link
 RATE_LABEL = {"1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s", "10gbit": "10 Gbit/s"}
 DGC_STAGES = [0.25 ** (s + 1) for s in range(4)]      # warm-up densities (DGC Sec. 3.3)
 MASTER_PORT = 29577
@@ -542,10 +542,10 @@ def split_by_link(runs):
     return by, elsewhere
 
 
-def runs_for_link(by, elsewhere, spec, hosts, rate):
-    """The runs that price ``spec`` on hosts x rate: those trained under that link if
-    there are any, else the primary ones."""
-    return elsewhere.get(spec, {}).get(f"{hosts}x{rate}") or by[spec]
+def runs_for_link(by, elsewhere, spec, link):
+    """The runs that price ``spec`` on ``link`` ("HOSTSxRATE"): those trained under that
+    link if there are any, else the primary ones."""
+    return elsewhere.get(spec, {}).get(link) or by[spec]
 
 
 def report(args):
@@ -621,7 +621,7 @@ def report(args):
             here = f"{hosts}x{rate}"
             elsewhere = {}          # label: the links its (Auto's) plan was trained on
             for label in order:
-                rs = sorted(runs_for_link(by, elsewhere_runs, ROWS[label], hosts, rate),
+                rs = sorted(runs_for_link(by, elsewhere_runs, ROWS[label], here),
                             key=lambda r: r["seed"])
                 comps = compose(rs, c["median_s"], ex, target)
                 if any(x is None for x in comps):

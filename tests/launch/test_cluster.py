@@ -184,7 +184,9 @@ def test_burst_is_two_ms_of_the_link_and_at_least_64_kb(rate, burst):
 def test_a_rate_tc_cannot_shape_exactly_is_refused_before_anything_is_built():
     before = _namespaces()
     for rate in ("fast", "1.5gbit", "100mbps"):
-        p = subprocess.run([CLUSTER, "2", rate, "--", "true"], capture_output=True,
-                           text=True, timeout=30)
-        assert p.returncode == 2 and f"got '{rate}'" in p.stderr, p.stderr
+        for burst in ("", "1mb"):               # an explicit burst does not let it through
+            p = subprocess.run([CLUSTER, "2", rate, "--", "true"], capture_output=True,
+                               text=True, timeout=30,
+                               env=dict(os.environ, HVDCOMP_CLUSTER_BURST=burst))
+            assert p.returncode == 2 and f"got '{rate}'" in p.stderr, (burst, p.stderr)
     assert _namespaces() == before

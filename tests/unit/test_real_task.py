@@ -75,6 +75,6 @@ def test_runs_trained_under_another_link_price_only_that_link():
     by, elsewhere = real_task.split_by_link(plain + auto_100m + auto_1g)
     assert by == {"none": plain, "auto": auto_1g}
     assert elsewhere == {"auto": {"4x100mbit": auto_100m}}
-    assert real_task.runs_for_link(by, elsewhere, "auto", 4, "100mbit") == auto_100m
-    assert real_task.runs_for_link(by, elsewhere, "auto", 8, "1gbit") == auto_1g
-    assert real_task.runs_for_link(by, elsewhere, "none", 4, "100mbit") == plain
+    assert real_task.runs_for_link(by, elsewhere, "auto", "4x100mbit") == auto_100m
+    assert real_task.runs_for_link(by, elsewhere, "auto", "8x1gbit") == auto_1g
+    assert real_task.runs_for_link(by, elsewhere, "none", "4x100mbit") == plain
