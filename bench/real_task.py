@@ -90,6 +90,8 @@ ROWS = {
     "QSGDinf 2b": "qsgdinf:bits=2",
     "NUQSGD 2b": "nuqsgd:bits=2",
     "DGC 0.1% no warm-up": "dgc:density=0.001",
+    # why the warm-up loses accuracy here: its dense stages with masking drop momentum
+    "DGC 0.1% warm-up without masking": f"dgc:density=0.001,{DGC_WARMUP},masking=0",
     "top-k 0.1%": "topk:density=0.001",
     "PSQ 4b": "psq:bits=4",
     "BHQ 4b": "bhq:bits=4",
