@@ -436,7 +436,10 @@ class DGC(MomentumCorrection, _Sparse):
          exactly hvdcomp.ops.sparsify.topk_indices (|v|, k), sampling only makes it cheap;
       4. send v[idx]; ``v[idx] <- v[idx] - decoded`` (0 for fp32 values);  momentum factor
          masking (Sec. 3.3), if on: ``u[idx] <- 0``.
-    Warm-up (Sec. 3.3): :func:`warmup_density`.
+    Warm-up (Sec. 3.3): :func:`warmup_density`.  With masking, its dense stages clear the
+    momentum of most coordinates at every step (at density 1 DGC is SGD without
+    momentum), so they train slower than momentum SGD: on a 3-epoch task this cost about a
+    point of final accuracy (bench/results/real_task.md); ``masking=False`` avoids it.
 
     The optimizer's own momentum must not apply to these tensors: with SGD, the drop-in
     optimizer (``handles_momentum``) keeps their gradients from the wrapped SGD, hands

@@ -624,3 +624,24 @@ def test_float64_beyond_float32_range(name, fitted_tables):
     assert c.encode(x.float(), KEY).flags & FLAG_NONFINITE
     assert _decodes_cleanly(c, x)
     assert c.encode(x, KEY).flags & FLAG_NONFINITE
+
+
+def test_two_bits_leave_nothing_to_adapt(rows, fitted_tables):
+    """At 2 bits (a sign and one magnitude bit) a quantizer of the L2 norm has only the
+    levels {0, 1}: ALQ and AMQ (with tables fitted to the real gradient), NUQSGD and QSGD
+    are one quantizer, and give the same message and the same decoded values bit for bit.
+    (Why the real task's 2-bit rows of these four methods end at the same accuracy.)"""
+    assert fitted_tables["alq", 2].tolist() == fitted_tables["amq", 2].tolist() == [0.0, 1.0]
+    ref = make("qsgd", 2, 128, fitted_tables)
+    want = ref.encode(rows, KEY)
+    out_ref = torch.zeros(rows.numel())
+    ref.decode(want, KEY, out_ref)
+    for name in ("nuqsgd", "alq", "amq"):
+        c = make(name, 2, 128, fitted_tables)
+        msg = c.encode(rows, KEY)
+        out = torch.zeros(rows.numel())
+        c.decode(msg, KEY, out)
+        assert len(msg.sections) == len(want.sections), name
+        assert all(np.array_equal(sec(msg, i), sec(want, i))
+                   for i in range(len(want.sections))), name
+        assert torch.equal(out, out_ref), name
