@@ -69,3 +69,27 @@ def test_rules_file_means_ring_from_one_mib():
     assert nums[5] == [0, 0, 0, 0]                   # below 1 MiB: Open MPI's choice
     assert nums[6] == [1 << 20, 4, 0, 0]             # from 1 MiB: the ring
     assert len(nums) == 7
+
+
+@pytest.mark.parametrize("gloo", [False, True])
+def test_horovodruns_mpi_controller_gets_the_rules_too(tmp_path, gloo):
+    """Under --horovodrun the rules reach Horovod's mpirun through --mpi-args (its MPI
+    controller); with --gloo no mpirun runs, and none are passed."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    hr = venv / "bin" / "horovodrun"
+    hr.write_text("#!/bin/sh\nfor a in \"$@\"; do echo \"$a\"; done\n")
+    hr.chmod(hr.stat().st_mode | stat.S_IXUSR)
+    e = dict(os.environ, HVDCOMP_VENV=str(venv),
+             PATH=fake_mpirun(tmp_path, "mpirun (Open MPI) 4.1.4") + os.pathsep
+             + os.environ["PATH"])
+    cmd = [RUN, "--horovodrun"] + (["--gloo"] if gloo else []) + ["-np", "2", "echo", "hi"]
+    p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    args = p.stdout.split("\n")
+    mpi_args = [a for a in args if a.startswith("--mpi-args=")]
+    if gloo:
+        assert "--gloo" in args and not mpi_args
+    else:
+        assert mpi_args == [f"--mpi-args=--mca coll_tuned_use_dynamic_rules 1 --mca "
+                            f"coll_tuned_dynamic_rules_filename {RULES}"]
