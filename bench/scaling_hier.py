@@ -130,6 +130,12 @@ def worker(args):
         gc.collect()
 
 
+def use_results(stem: str) -> None:
+    """Keep this run's rows in bench/results/<stem>.json (and its table in <stem>.md)."""
+    global RESULTS
+    RESULTS = os.path.join(ROOT, "bench", "results", stem)
+
+
 def load() -> list:
     if os.path.exists(RESULTS + ".json"):
         with open(RESULTS + ".json") as f:
@@ -186,11 +192,45 @@ def driver(args):
                            "-np", str(hosts * k), sys.executable, os.path.abspath(__file__),
                            "--worker", "--model", model, "--reps", str(args.reps),
                            "--methods", args.methods, "--hosts-n", str(hosts),
-                           "--rate", rate, "--command", cmd_line]
+                           "--rate", rate, "--command", cmd_line,
+                           "--results", os.path.basename(RESULTS)]
                     print("+", " ".join(cmd), flush=True)
                     subprocess.run(cmd, check=True, timeout=3600,
                                    env=dict(os.environ, PYTHONPATH=ROOT))
-    report()
+    if os.path.basename(RESULTS) == "scaling_hier":
+        report()
+    else:
+        table()
+
+
+def table():
+    """A run kept apart (--results): its cells, one table each, with the commands."""
+    rows = [summarize(r) for r in load()]
+    out = [f"# {os.path.basename(RESULTS)}: flat against hierarchical, one run per cell",
+           "", "Rows: bench/scaling_hier.py (module docstring says what each column is); "
+           "ratios hold within a cell (measured side by side), not across machines.", ""]
+    cells = {}
+    for r in rows:
+        cells.setdefault((r["model"], r["hosts"], r["ranks_per_host"], r["rate"]), []).append(r)
+    for (model, hosts, k, rate), rs in cells.items():
+        out += [f"## {model}, {hosts} hosts x {k} ranks, {rate} per host", "",
+                "    " + rs[0]["command"] + f"  # {rs[0]['measured']}", "",
+                "| method | path | time s (min-max) | NIC tx MB per host | NIC rx MB | in-host MB "
+                "per rank | encode s | comm s | decode s | load before / after |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rs:
+            out.append(
+                f"| {r['method']} | {'hierarchical' if r['hierarchical'] else 'flat'} | "
+                f"{r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f}) | "
+                f"{r['nic_tx'] / 1e6:.2f} | {r['nic_rx'] / 1e6:.2f} | "
+                f"{r['host_bytes'] / 1e6:.2f} | {r['encode']:.3f} | {r['comm']:.3f} | "
+                f"{r['decode']:.3f} | {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
+        for r in rs:
+            if r.get("choice"):
+                out.append(f"\n{r['method']}: {r['choice'].get('reason', r['choice'])}")
+        out.append("")
+    with open(RESULTS + ".md", "w") as f:
+        f.write("\n".join(out) + "\n")
 
 
 def report():
@@ -214,7 +254,11 @@ def main():
     ap.add_argument("--hosts-n", type=int, default=0)
     ap.add_argument("--rate", default="")
     ap.add_argument("--command", default="")
+    ap.add_argument("--results", default="scaling_hier",
+                    help="keep the rows in bench/results/RESULTS.json (another name: a run "
+                         "kept apart from the fitted cells, with its own table)")
     args = ap.parse_args()
+    use_results(args.results)
     if args.worker:
         worker(args)
     elif args.fit:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -123,6 +123,24 @@ def code_dtype(code: int) -> torch.dtype:
         raise WireFormatError(f"unknown dtype code {code}") from None
 
 
+def layout_size(head: bytes, secs: Sequence[np.ndarray]) -> int:
+    """The serialized length of a message of header ``head`` and ``secs``
+    (:meth:`Message.layout`)."""
+    return len(head) + sum(s.size for s in secs) + _CRC.size
+
+
+def write_layout(buf: np.ndarray, offset: int, head: bytes, secs: Sequence[np.ndarray]) -> int:
+    """Write a message (:meth:`Message.layout`'s ``head`` and ``secs``) and its CRC-32 into
+    the 1-D uint8 ``buf`` from ``offset``, each section copied once; returns the end."""
+    end = offset + len(head)
+    buf[offset:end] = np.frombuffer(head, dtype=np.uint8)
+    for s in secs:
+        buf[end:end + s.size] = s
+        end += s.size
+    _CRC.pack_into(buf, end, zlib.crc32(memoryview(buf[offset:end])))
+    return end + _CRC.size
+
+
 @dataclass(frozen=True)
 class Message:
     """One encoded tensor: header fields plus a tuple of byte sections.
@@ -154,8 +172,10 @@ class Message:
     def codec_name(self) -> str:
         return _CODEC_NAMES.get(self.codec, f"<unknown {self.codec}>")
 
-    def to_bytes(self) -> bytes:
-        """Serialize; the length is ``48 + 8*ndim + 8*nsections + sum(section lengths) + 4``."""
+    def layout(self) -> Tuple[bytes, List[np.ndarray]]:
+        """The serialized header (fixed part, shape, section lengths) and the sections as
+        uint8 views (no copies): the message is their concatenation and a CRC-32 of it.
+        ValueError for too many dimensions or sections."""
         if len(self.shape) > MAX_NDIM:
             raise ValueError(f"tensors of more than {MAX_NDIM} dimensions are not supported "
                              f"(got {len(self.shape)}); reshape before compressing")
@@ -169,8 +189,24 @@ class Message:
                            self.rank, self.seed & 0xFFFFFFFF, self.step, self.numel)
         head += struct.pack(f"<{len(self.shape)}Q", *self.shape)
         head += struct.pack(f"<{len(secs)}Q", *(s.size for s in secs))
-        body = b"".join([head] + [s.tobytes() for s in secs])
-        return body + _CRC.pack(zlib.crc32(body))
+        return head, secs
+
+    def nbytes(self) -> int:
+        """The serialized length: ``48 + 8*ndim + 8*nsections + sum(section lengths) + 4``."""
+        head, secs = self.layout()
+        return layout_size(head, secs)
+
+    def write(self, buf: np.ndarray, offset: int = 0) -> int:
+        """Serialize into ``buf[offset:]`` (1-D uint8, at least :meth:`nbytes` long from
+        ``offset``), each section copied once; returns the offset after the message.  The
+        bytes are :meth:`to_bytes`'s."""
+        return write_layout(buf, offset, *self.layout())
+
+    def to_bytes(self) -> bytes:
+        """Serialize; the length is ``48 + 8*ndim + 8*nsections + sum(section lengths) + 4``."""
+        buf = np.empty(self.nbytes(), dtype=np.uint8)
+        self.write(buf)
+        return buf.tobytes()
 
     @staticmethod
     def from_bytes(buf) -> "Message":

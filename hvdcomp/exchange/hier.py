@@ -7,9 +7,10 @@ cut for every tensor on every host, whatever the fusion buckets): local rank ``l
 piece ``l`` of every such tensor.  Per bucket (a fusion bucket, or a DDP hook's call):
 
 1. inside the host, a reduce-scatter of the uncompressed float32 gradients: each rank sends
-   piece ``l`` of its gradients to local rank ``l`` (``none`` messages in a frame, over an
-   all-to-all of the host's transport); local rank ``l`` sums them in local-rank order in
-   float32 and divides by ``L``: the host's mean of piece ``l``;
+   piece ``l`` of its gradients to local rank ``l`` (raw float32 in a frame, over an
+   all-to-all of the host's transport: :mod:`~hvdcomp.exchange.host_pieces`); local rank
+   ``l`` sums them in local-rank order in float32 and divides by ``L``: the host's mean of
+   piece ``l``;
 2. across hosts, the host means of piece ``l`` go through the flat compressed collective
    (:class:`~hvdcomp.exchange.collective.Allgather`; with ``collective="reduce_scatter"``
    and fusion buckets, :class:`~hvdcomp.exchange.scatter.ReduceScatter` over each fusion
@@ -18,8 +19,8 @@ piece ``l`` of every such tensor.  Per bucket (a fusion bucket, or a DDP hook's 
    mean with its own state kept under the piece's name (``name[lo:hi]``: residuals, DGC's
    momentum, on the piece's owner), and every rank of the group decodes the ``H``
    messages in host order and averages them (``Compressor.finalize`` over ``H``);
-3. inside the host, an allgather of the averaged pieces (float32, ``none`` messages): every
-   rank assembles every tensor's average.
+3. inside the host, an allgather of the averaged pieces (raw float32): every rank assembles
+   every tensor's average.
 
 So each rank encodes and decodes ``1/L`` of the compressed gradient, and each host sends
 one compressed gradient's worth (``L`` pieces) across the network instead of ``L`` of them.
@@ -27,15 +28,16 @@ The average is the same bits on every rank (step 2's decode is in host order on 
 ranks that hold a piece; step 3 copies bytes), and equal to a single-process computation
 from the same messages: per host the float32 sum of its ranks' pieces in local-rank order,
 divided by ``L``, encoded with key (piece, host number, ``H``), decoded in host order and
-finalized.  Each piece's messages carry their own tensor ids (``first_id + 3 (t L + l)``
-and the next two, for the three stages), so each draws its own Philox streams.
+finalized.  Each piece's cross-host messages carry their own tensor id (``first_id + 3 (t
+L + l) + 1``), so each draws its own Philox streams.
 
 Joined and absent ranks: a rank with no gradient for a tensor contributes zeros to its
 host's sum, and a host where no rank has it sends nothing for its pieces (absent, as a
 rank of the flat exchange); the average is then over the ranks that have not joined (their
 count summed across hosts: one small sum of 8 bytes per bucket among the ranks of a local
 rank).  NaN policy: a piece whose host sum
-holds a non-finite contribution is sent NONFINITE, and the tensor is NaN on every rank.
+holds a non-finite contribution is NaN, sent NONFINITE across hosts, and the tensor is NaN
+on every rank.
 Errors: an encoder error or a stop mark travels as error frames through all three
 stages, so every rank of every host raises and none waits.
 
@@ -168,7 +170,7 @@ class Hierarchical(Collective):
             return job
         try:
             flat = {e.name: self._gradient(e, grads) for e in mine}
-            job.parts = self.layout.frames(mine, flat, step, self.averaging.joined, job.stamp)
+            job.parts = self.layout.frames(mine, flat, self.averaging.joined, job.stamp)
         except Exception as exc:                    # noqa: BLE001 - re-raised on all ranks
             job.failure = exc
             job.parts = [Outgoing.failed(exc).data] * L
@@ -211,7 +213,7 @@ class Hierarchical(Collective):
             if not present[0]:
                 continue
             acc = self.averaging.accumulator(e, dest.get(e.name))
-            finite = self.layout.assemble(e.name, job.averaged, index, job.step, acc)
+            finite = self.layout.assemble(e.name, job.averaged, index, acc)
             if finite and n_active != self.size:
                 acc.mul_(self.size / n_active)      # the mean over the ranks not joined
             key = e.key(job.step, self.rank, self.size, self.seed)
@@ -245,7 +247,10 @@ class Hierarchical(Collective):
         what = f"bucket {job.flat.k} of step {step} (the host's pieces)"
         names = [e.name for e in job.mine]
         mine = self.layout.owned(names, me)
-        frames = self.host.alltoall(job.parts)
+        # this rank's own frame stays here (an empty part to itself: no copy through MPI)
+        frames = self.host.alltoall([p if r != me else _NOTHING
+                                     for r, p in enumerate(job.parts)])
+        frames[me] = job.parts[me]
         stats.host_bytes += sum(len(p) for r, p in enumerate(job.parts) if r != me)
         failure = job.failure
         means: Dict[str, Optional[torch.Tensor]] = {}
@@ -261,7 +266,7 @@ class Hierarchical(Collective):
                 check_stamps(incoming.stamps, incoming.joined, job.stamp, me, what)
                 host_joined = sum(incoming.joined)
                 t0 = time.perf_counter()
-                means = self.layout.means(mine, incoming, step)
+                means = self.layout.means(mine, incoming)
                 stats.reduce_s += time.perf_counter() - t0
             except Exception as exc:                # noqa: BLE001 - re-raised on all ranks
                 failure = exc
@@ -295,7 +300,7 @@ class Hierarchical(Collective):
         if err is not None:
             out = Outgoing.failed(err, job.failure_text if err is job.failure else None)
         else:
-            out = self.layout.averaged(mine, averages, step, job.stamp)
+            out = self.layout.averaged(mine, averages, job.stamp)
         try:
             job.averaged = self.host.exchange(
                 out, what=f"the averaged pieces of bucket {job.flat.k} of step {step}",
@@ -304,6 +309,9 @@ class Hierarchical(Collective):
             self.failure_seen = True
             raise
         stats.host_bytes += (L - 1) * len(out)
+
+
+_NOTHING = np.empty(0, dtype=np.uint8)
 
 
 class _Given(Averaging):

@@ -1,7 +1,14 @@
 """The hierarchical exchange's pieces (:mod:`hvdcomp.exchange.hier`): where each tensor is
-cut among the ranks of a host, and the float32 (``none``) messages of those pieces inside
-the host: stage 1's frames and the host means, stage 3's averaged pieces and their
-assembly into each tensor's accumulator.
+cut among the ranks of a host, and the messages of those pieces inside the host: stage 1's
+frames and the host means, stage 3's averaged pieces and their assembly into each tensor's
+accumulator.
+
+Inside the host a piece travels as its raw float32 bytes (a frame's message without the
+wire format's header and checksum; the frame still carries the presence bits, the JOINED
+flag, the stamp and error frames): these bytes cross shared memory, not a network, and the
+header and the checksum cost more CPU time than the copy itself (about 10x for a 50 MB
+float32 message).  A piece of the wrong size is a WireFormatError; a value that is not
+finite travels as it is, and the owner's mean (or the assembled average) is then NaN.
 """
 from __future__ import annotations
 
@@ -11,7 +18,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..compressors import TensorKey, get
 from ..compressors.state import finite as all_finite
 from ..errors import WireFormatError
 from ..transport import Incoming, Outgoing, Stamp
@@ -33,8 +39,8 @@ def cuts(e: Entry, local_size: int) -> List[int]:
 class HostPiece:
     """Piece ``[lo, hi)`` (flat elements) of tensor ``name``, owned by local rank
     ``owner``; ``shape``: what the compressor encodes (``Compressor.shard_shape``);
-    ``tensor_id``: the stage-1 messages' id (``+1``: the cross-host messages', ``+2``: the
-    stage-3 message's)."""
+    ``tensor_id``: the first of the piece's three tensor ids; ``+1`` is the cross-host
+    messages' (``+0`` and ``+2`` are reserved: the in-host stages carry raw float32)."""
     name: str
     lo: int
     hi: int
@@ -50,12 +56,6 @@ class HostPiece:
     def label(self) -> str:
         """``name[lo:hi]``: the name the compressor keeps the piece's state under."""
         return f"{self.name}[{self.lo}:{self.hi}]"
-
-    def key(self, stage: int, step: int, rank: int, size: int, seed: int) -> TensorKey:
-        """The key of a float32 message of stage 1 (``rank`` a local rank, ``size`` L) or 3
-        (the owner's average: ``rank`` the owner, ``size`` 1)."""
-        return TensorKey(f"{self.label}/{stage}", self.tensor_id + (0 if stage == 1 else 2),
-                         step, rank, size, seed, shape=(self.numel,), dtype=torch.float32)
 
 
 class HostPieces:
@@ -97,7 +97,6 @@ class HostPieces:
                                                  e.compressor, False,
                                                  scatter=scatter)
             self.pieces[e.name] = row
-        self._none = get("none")
 
     def owned(self, names: Sequence[str], owner: int) -> List[HostPiece]:
         """The pieces of ``names`` that local rank ``owner`` owns, in the order of
@@ -113,24 +112,21 @@ class HostPieces:
         return out
 
     def frames(self, mine: Sequence[Entry], flat: Dict[str, Optional[torch.Tensor]],
-               step: int, joined: bool, stamp: Stamp) -> List[np.ndarray]:
+               joined: bool, stamp: Stamp) -> List[np.ndarray]:
         """Stage 1: one frame per local rank ``l``, piece ``l`` of each of ``mine`` (their
-        flat float32 gradients ``flat``, None: absent) as ``none`` messages."""
-        L = self.local_size
+        flat float32 gradients ``flat``, None: absent) as its raw float32 bytes."""
         names = [e.name for e in mine]
         return [frame(self.owned(names, l), lambda p: flat[p.name],
-                      lambda p, g: self._none.encode(
-                          g[p.lo:p.hi], p.key(1, step, self.local, L, self.seed)),
-                      joined, stamp).data
-                for l in range(L)]
+                      lambda p, g: _bytes(g[p.lo:p.hi]), joined, stamp).data
+                for l in range(self.local_size)]
 
-    def means(self, mine: List[HostPiece], incoming: Incoming, step: int
+    def means(self, mine: List[HostPiece], incoming: Incoming
               ) -> Dict[str, Optional[torch.Tensor]]:
         """{name: the host's mean of this rank's piece of it, shaped as the compressor
-        encodes it (NaN where a contribution was NONFINITE), or None where no rank of the
-        host had the gradient}: the contributions decoded in local-rank order into a
-        float32 sum, divided by L (a sum that overflowed although every contribution was
-        finite: each contribution divided by L first, in the same order)."""
+        encodes it (NaN where a contribution was not finite), or None where no rank of the
+        host had the gradient}: the contributions added in local-rank order into a float32
+        sum, divided by L (a sum that overflowed although every contribution was finite:
+        each contribution divided by L first, in the same order)."""
         L = self.local_size
         out: Dict[str, Optional[torch.Tensor]] = {}
         for i, p in enumerate(mine):
@@ -138,58 +134,60 @@ class HostPieces:
             if not any(present):
                 out[p.name] = None
                 continue
-            e = self.entries[p.name]
-            msgs = incoming.messages(i)
-            acc = torch.zeros(p.numel, dtype=torch.float32, device=e.param.device)
-            finite = True
-            for l in range(L):
-                if present[l]:
-                    m = msgs[l]
-                    if m is None:
-                        raise WireFormatError(f"local rank {l} sent an empty message for "
-                                              f"{p.label}")
-                    finite &= self._none.decode(m, p.key(1, step, l, L, self.seed), acc)
-            if not finite:
-                acc.fill_(float("nan"))
-            elif not all_finite(acc):
-                acc.zero_()
-                part = torch.empty_like(acc)
-                for l in range(L):
-                    if present[l]:
-                        part.zero_()
-                        self._none.decode(msgs[l], p.key(1, step, l, L, self.seed), part)
-                        acc.add_(part.div_(L))
-            else:
+            device = self.entries[p.name].param.device
+            parts = [_floats(incoming.raw(l, i), p, f"local rank {l}").to(device)
+                     for l in range(L) if present[l]]
+            acc = torch.zeros(p.numel, dtype=torch.float32, device=device)
+            for x in parts:
+                acc.add_(x)
+            if all_finite(acc):
                 acc.div_(L)
+            elif not all(all_finite(x) for x in parts):
+                acc.fill_(float("nan"))
+            else:
+                acc.zero_()
+                for x in parts:
+                    acc.add_(x / L)
             out[p.name] = acc.view(p.shape)
         return out
 
     def averaged(self, mine: Sequence[HostPiece], averages: Dict[str, torch.Tensor],
-                 step: int, stamp: Stamp) -> Outgoing:
+                 stamp: Stamp) -> Outgoing:
         """Stage 3: this rank's frame of its averaged pieces (``averages``: {stand-in
-        name: average}; absent where it has none)."""
+        name: average}; absent where it has none), raw float32 bytes."""
         msgs, present = [], []
         for p in mine:
             a = averages.get(self.virtual[p.name].name)
             present.append(a is not None)
-            msgs.append(None if a is None else
-                        self._none.encode(a.reshape(-1), p.key(3, step, self.local, 1,
-                                                                self.seed)))
+            msgs.append(None if a is None else _bytes(a.reshape(-1)))
         return Outgoing(msgs, present, stamp=stamp)
 
     def assemble(self, name: str, averaged: Incoming, index: Dict[Tuple[str, int], int],
-                 step: int, acc: torch.Tensor) -> bool:
+                 acc: torch.Tensor) -> bool:
         """Stage 3: add every owner's averaged piece of ``name`` from ``averaged`` into its
-        part of the flat float32 accumulator ``acc``; False if any was NONFINITE.  Raises
-        WireFormatError for a piece sent empty."""
+        part of the flat float32 accumulator ``acc``; False if any is not finite.  Raises
+        WireFormatError for a piece of the wrong size."""
         finite = True
         for l, p in enumerate(self.pieces[name]):
             if p is None:
                 continue
-            msg = averaged.message(l, index[(name, l)])
-            key = p.key(3, step, l, 1, self.seed)
-            if msg is None:
-                raise WireFormatError(f"local rank {l} sent an empty message for the "
-                                      f"averaged piece {p.label}")
-            finite &= self._none.decode(msg, key, acc[p.lo:p.hi])
+            part = acc[p.lo:p.hi]
+            part.add_(_floats(averaged.raw(l, index[(name, l)]), p,
+                              f"local rank {l}'s average").to(part.device))
+            finite = finite and all_finite(part)
         return finite
+
+
+def _bytes(x: torch.Tensor) -> np.ndarray:
+    """The raw bytes of the flat float32 tensor ``x`` (a view where it is on the CPU)."""
+    return x.detach().contiguous().cpu().numpy().view(np.uint8)
+
+
+def _floats(raw: np.ndarray, p: HostPiece, sender: str) -> torch.Tensor:
+    """The float32 values of piece ``p`` in the raw bytes ``raw`` (a view where it can be).
+    WireFormatError unless ``raw`` holds exactly ``p.numel`` of them."""
+    if raw.size != 4 * p.numel:
+        raise WireFormatError(f"{sender} sent {raw.size} bytes for {p.label}, expected "
+                              f"{4 * p.numel} (float32)")
+    x = raw.view(np.float32)
+    return torch.from_numpy(x if x.flags.writeable else x.copy())

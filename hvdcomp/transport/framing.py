@@ -40,7 +40,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..errors import OutOfStep, WireFormatError
-from ..wire import Message
+from ..wire import Message, layout_size, write_layout
 
 __all__ = ["Outgoing", "Incoming", "Stamp", "join_frames", "split_frames", "error_frame",
            "frame_error", "check_stamps", "FRAME_JOINED", "FRAME_SYNC", "STOP_MARK"]
@@ -86,23 +86,38 @@ class Stamp:
         return f"step {self.step} of exchange {self.ident} ({how})"
 
 
-def join_frames(messages: Sequence[bytes], present: Optional[Sequence[bool]] = None,
-                joined: bool = False, stamp: Stamp = Stamp()) -> np.ndarray:
-    """Pack serialized messages into one frame (uint8 array): magic, count, step, exchange
-    id, u64 lengths, flags, presence bitmap, messages.  ``present`` (default: all True) marks
-    the tensors the sender has a gradient for; an absent tensor's message must be empty
-    (ValueError).  ``stamp``: the sender's step, exchange id and SYNC flag."""
+def join_frames(messages: Sequence[Union[bytes, Message, None]],
+                present: Optional[Sequence[bool]] = None, joined: bool = False,
+                stamp: Stamp = Stamp()) -> np.ndarray:
+    """Pack messages into one frame (uint8 array): magic, count, step, exchange id, u64
+    lengths, flags, presence bitmap, messages.  Each message is a :class:`Message`
+    (serialized straight into the frame: one copy of its sections), its bytes, or None
+    (zero length).  ``present`` (default: all True) marks the tensors the sender has a
+    gradient for; an absent tensor's message must be empty (ValueError).  ``stamp``: the
+    sender's step, exchange id and SYNC flag."""
     n = len(messages)
     present = [True] * n if present is None else [bool(p) for p in present]
     if len(present) != n:
         raise ValueError(f"{len(present)} presence bits for {n} messages")
-    if any(len(m) and not p for m, p in zip(messages, present)):
+    parts = [m.layout() if isinstance(m, Message) else (b"" if m is None else m)
+             for m in messages]
+    sizes = [layout_size(*p) if isinstance(p, tuple) else len(p) for p in parts]
+    if any(z and not ok for z, ok in zip(sizes, present)):
         raise ValueError("a message for a tensor marked absent")
     bitmap = np.packbits(np.array(present, dtype=bool), bitorder="little").tobytes()
     flags = (FRAME_JOINED if joined else 0) | (FRAME_SYNC if stamp.sync else 0)
     head = (_FRAME.pack(_FRAME_MAGIC, n, stamp.step, stamp.ident)
-            + struct.pack(f"<{n}Q", *(len(m) for m in messages)) + bytes([flags]) + bitmap)
-    return np.frombuffer(b"".join([head, *messages]), dtype=np.uint8)
+            + struct.pack(f"<{n}Q", *sizes) + bytes([flags]) + bitmap)
+    out = np.empty(len(head) + sum(sizes), dtype=np.uint8)
+    out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+    off = len(head)
+    for p, z in zip(parts, sizes):
+        if isinstance(p, tuple):
+            write_layout(out, off, *p)
+        elif z:
+            out[off:off + z] = np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8)
+        off += z
+    return out
 
 
 def split_frames(frame: np.ndarray, expected: int
@@ -178,8 +193,7 @@ class Outgoing:
                  stamp: Stamp = Stamp()):
         self.count = len(messages)
         self.stamp, self.joined = stamp, joined
-        self.data = join_frames([b"" if m is None else m.to_bytes() for m in messages],
-                                present, joined, stamp)
+        self.data = join_frames(messages, present, joined, stamp)
         self.failure: Optional[BaseException] = None
 
     @classmethod
@@ -219,6 +233,11 @@ class Incoming:
         WireFormatError for a malformed message."""
         p = self._parts[r][i]
         return Message.from_bytes(p) if len(p) else None
+
+    def raw(self, r: int, i: int) -> np.ndarray:
+        """The bytes of message ``i`` of rank ``r``'s frame, unparsed (a uint8 view; empty
+        for a zero-length message): for frames whose messages are plain bytes."""
+        return self._parts[r][i]
 
     def messages(self, i: int) -> List[Optional[Message]]:
         """Message ``i`` of every rank, indexed by rank (None where that rank sent a zero-
