@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, List, Optional, TypeVar
 
+import numpy as np
 import torch
 
 from ..compressors import Compressor
@@ -24,19 +25,20 @@ T = TypeVar("T")
 
 def frame(items: Iterable[T], gradient: Callable[[T], Optional[torch.Tensor]],
           encode: Callable[[T, torch.Tensor], Optional[Message]], joined: bool,
-          stamp: Stamp) -> Outgoing:
+          stamp: Stamp, alloc: Optional[Callable[[int], np.ndarray]] = None) -> Outgoing:
     """This rank's frame for ``items`` (tensors or pieces), in their order: for each, the
     message ``encode(item, g)`` of its gradient ``g = gradient(item)``, or, where ``g`` is
     None (this rank has no gradient for it), no message and a presence bit of 0.
     ``joined``: this rank has joined (``hvd.join``); ``stamp``: its step, exchange id and
-    SYNC flag.  Exceptions of ``gradient`` and ``encode`` propagate (the collectives send
-    them as error frames)."""
+    SYNC flag; ``alloc``: where to write the frame (:func:`~hvdcomp.transport.join_frames`).
+    Exceptions of ``gradient`` and ``encode`` propagate (the collectives send them as error
+    frames)."""
     msgs, present = [], []
     for item in items:
         g = gradient(item)
         present.append(g is not None)
         msgs.append(None if g is None else encode(item, g))
-    return Outgoing(msgs, present, joined=joined, stamp=stamp)
+    return Outgoing(msgs, present, joined=joined, stamp=stamp, alloc=alloc)
 
 
 def observe(comp: Compressor, g: torch.Tensor, step: int) -> None:

@@ -78,6 +78,7 @@ class _HierJob:
     step: int = 0
     sync: bool = False
     parts: Optional[List[np.ndarray]] = None      # stage-1 frame per owner (None: nothing)
+    own: Dict[str, Optional[torch.Tensor]] = field(default_factory=dict)  # its gradients
     stamp: Stamp = Stamp()
     failure: Optional[BaseException] = None       # this rank's encoder error
     failure_text: Optional[str] = None
@@ -170,7 +171,9 @@ class Hierarchical(Collective):
             return job
         try:
             flat = {e.name: self._gradient(e, grads) for e in mine}
-            job.parts = self.layout.frames(mine, flat, self.averaging.joined, job.stamp)
+            job.parts = self.layout.frames(mine, flat, self.averaging.joined, job.stamp,
+                                           job.flat.k)
+            job.own = flat
         except Exception as exc:                    # noqa: BLE001 - re-raised on all ranks
             job.failure = exc
             job.parts = [Outgoing.failed(exc).data] * L
@@ -266,7 +269,7 @@ class Hierarchical(Collective):
                 check_stamps(incoming.stamps, incoming.joined, job.stamp, me, what)
                 host_joined = sum(incoming.joined)
                 t0 = time.perf_counter()
-                means = self.layout.means(mine, incoming)
+                means = self.layout.means(mine, incoming, job.own)
                 stats.reduce_s += time.perf_counter() - t0
             except Exception as exc:                # noqa: BLE001 - re-raised on all ranks
                 failure = exc
@@ -300,7 +303,7 @@ class Hierarchical(Collective):
         if err is not None:
             out = Outgoing.failed(err, job.failure_text if err is job.failure else None)
         else:
-            out = self.layout.averaged(mine, averages, job.stamp)
+            out = self.layout.averaged(mine, averages, job.stamp, job.flat.k)
         try:
             job.averaged = self.host.exchange(
                 out, what=f"the averaged pieces of bucket {job.flat.k} of step {step}",

@@ -97,6 +97,7 @@ class HostPieces:
                                                  e.compressor, False,
                                                  scatter=scatter)
             self.pieces[e.name] = row
+        self._buffers: Dict[tuple, np.ndarray] = {}
 
     def owned(self, names: Sequence[str], owner: int) -> List[HostPiece]:
         """The pieces of ``names`` that local rank ``owner`` owns, in the order of
@@ -112,22 +113,26 @@ class HostPieces:
         return out
 
     def frames(self, mine: Sequence[Entry], flat: Dict[str, Optional[torch.Tensor]],
-               joined: bool, stamp: Stamp) -> List[np.ndarray]:
+               joined: bool, stamp: Stamp, k: int = 0) -> List[np.ndarray]:
         """Stage 1: one frame per local rank ``l``, piece ``l`` of each of ``mine`` (their
-        flat float32 gradients ``flat``, None: absent) as its raw float32 bytes."""
+        flat float32 gradients ``flat``, None: absent) as its raw float32 bytes; this rank's
+        own frame holds no bytes (:meth:`means` reads its pieces from ``flat``).  ``k``: the
+        bucket, whose frames reuse their memory from step to step."""
         names = [e.name for e in mine]
         return [frame(self.owned(names, l), lambda p: flat[p.name],
-                      lambda p, g: _bytes(g[p.lo:p.hi]), joined, stamp).data
+                      (lambda p, g: _bytes(g[p.lo:p.hi])) if l != self.local else
+                      (lambda p, g: None), joined, stamp, self._alloc((1, k, l))).data
                 for l in range(self.local_size)]
 
-    def means(self, mine: List[HostPiece], incoming: Incoming
-              ) -> Dict[str, Optional[torch.Tensor]]:
+    def means(self, mine: List[HostPiece], incoming: Incoming,
+              own: Dict[str, Optional[torch.Tensor]]) -> Dict[str, Optional[torch.Tensor]]:
         """{name: the host's mean of this rank's piece of it, shaped as the compressor
         encodes it (NaN where a contribution was not finite), or None where no rank of the
-        host had the gradient}: the contributions added in local-rank order into a float32
-        sum, divided by L (a sum that overflowed although every contribution was finite:
-        each contribution divided by L first, in the same order)."""
-        L = self.local_size
+        host had the gradient}: the contributions (this rank's from ``own``, its flat
+        gradients) added in local-rank order into a float32 sum, divided by L (a sum that
+        overflowed although every contribution was finite: each contribution divided by L
+        first, in the same order)."""
+        L, me = self.local_size, self.local
         out: Dict[str, Optional[torch.Tensor]] = {}
         for i, p in enumerate(mine):
             present = incoming.present(i)
@@ -135,7 +140,8 @@ class HostPieces:
                 out[p.name] = None
                 continue
             device = self.entries[p.name].param.device
-            parts = [_floats(incoming.raw(l, i), p, f"local rank {l}").to(device)
+            parts = [own[p.name][p.lo:p.hi] if l == me else
+                     _floats(incoming.raw(l, i), p, f"local rank {l}").to(device)
                      for l in range(L) if present[l]]
             acc = torch.zeros(p.numel, dtype=torch.float32, device=device)
             for x in parts:
@@ -152,15 +158,15 @@ class HostPieces:
         return out
 
     def averaged(self, mine: Sequence[HostPiece], averages: Dict[str, torch.Tensor],
-                 stamp: Stamp) -> Outgoing:
+                 stamp: Stamp, k: int = 0) -> Outgoing:
         """Stage 3: this rank's frame of its averaged pieces (``averages``: {stand-in
-        name: average}; absent where it has none), raw float32 bytes."""
+        name: average}; absent where it has none), raw float32 bytes; ``k``: the bucket."""
         msgs, present = [], []
         for p in mine:
             a = averages.get(self.virtual[p.name].name)
             present.append(a is not None)
             msgs.append(None if a is None else _bytes(a.reshape(-1)))
-        return Outgoing(msgs, present, stamp=stamp)
+        return Outgoing(msgs, present, stamp=stamp, alloc=self._alloc((3, k)))
 
     def assemble(self, name: str, averaged: Incoming, index: Dict[Tuple[str, int], int],
                  acc: torch.Tensor) -> bool:
@@ -176,6 +182,19 @@ class HostPieces:
                               f"local rank {l}'s average").to(part.device))
             finite = finite and all_finite(part)
         return finite
+
+
+    def _alloc(self, key: tuple):
+        """Where a frame of ``key`` (stage, bucket[, owner]) is written: the memory of the
+        last step's frame of that key where it is large enough (a large array new at every
+        step costs more in page faults than the copy into it).  Safe because a bucket's
+        frames have been sent before that bucket is encoded again."""
+        def alloc(n: int) -> np.ndarray:
+            buf = self._buffers.get(key)
+            if buf is None or buf.size < n:
+                buf = self._buffers[key] = np.empty(n, dtype=np.uint8)
+            return buf[:n]
+        return alloc
 
 
 def _bytes(x: torch.Tensor) -> np.ndarray:

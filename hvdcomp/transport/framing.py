@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -88,13 +88,15 @@ class Stamp:
 
 def join_frames(messages: Sequence[Union[bytes, Message, None]],
                 present: Optional[Sequence[bool]] = None, joined: bool = False,
-                stamp: Stamp = Stamp()) -> np.ndarray:
+                stamp: Stamp = Stamp(),
+                alloc: Optional[Callable[[int], np.ndarray]] = None) -> np.ndarray:
     """Pack messages into one frame (uint8 array): magic, count, step, exchange id, u64
     lengths, flags, presence bitmap, messages.  Each message is a :class:`Message`
     (serialized straight into the frame: one copy of its sections), its bytes, or None
     (zero length).  ``present`` (default: all True) marks the tensors the sender has a
     gradient for; an absent tensor's message must be empty (ValueError).  ``stamp``: the
-    sender's step, exchange id and SYNC flag."""
+    sender's step, exchange id and SYNC flag.  ``alloc(nbytes)``: where to write the frame
+    (a writable uint8 array of that many bytes; default a new one)."""
     n = len(messages)
     present = [True] * n if present is None else [bool(p) for p in present]
     if len(present) != n:
@@ -108,7 +110,8 @@ def join_frames(messages: Sequence[Union[bytes, Message, None]],
     flags = (FRAME_JOINED if joined else 0) | (FRAME_SYNC if stamp.sync else 0)
     head = (_FRAME.pack(_FRAME_MAGIC, n, stamp.step, stamp.ident)
             + struct.pack(f"<{n}Q", *sizes) + bytes([flags]) + bitmap)
-    out = np.empty(len(head) + sum(sizes), dtype=np.uint8)
+    total = len(head) + sum(sizes)
+    out = np.empty(total, dtype=np.uint8) if alloc is None else alloc(total)
     out[:len(head)] = np.frombuffer(head, dtype=np.uint8)
     off = len(head)
     for p, z in zip(parts, sizes):
@@ -190,10 +193,10 @@ class Outgoing:
 
     def __init__(self, messages: Sequence[Optional[Message]],
                  present: Optional[Sequence[bool]] = None, joined: bool = False,
-                 stamp: Stamp = Stamp()):
+                 stamp: Stamp = Stamp(), alloc: Optional[Callable[[int], np.ndarray]] = None):
         self.count = len(messages)
         self.stamp, self.joined = stamp, joined
-        self.data = join_frames(messages, present, joined, stamp)
+        self.data = join_frames(messages, present, joined, stamp, alloc)
         self.failure: Optional[BaseException] = None
 
     @classmethod

@@ -255,9 +255,13 @@ class MPITransport(Transport):
         MPI = self._MPI
         scounts = np.array([len(p) for p in parts], dtype=np.int64)
         rcounts = np.asarray(recv, dtype=np.int64)
-        sdispl = np.concatenate([[0], np.cumsum(scounts)[:-1]]).astype(np.int64)
         rdispl = np.concatenate([[0], np.cumsum(rcounts)[:-1]]).astype(np.int64)
-        send = np.concatenate(parts) if int(scounts.sum()) else np.empty(0, np.uint8)
+        full = np.flatnonzero(scounts)
+        if len(full) == 1:          # one part (e.g. 2 ranks per host, the own part kept)
+            send, sdispl = parts[int(full[0])], np.zeros(len(parts), dtype=np.int64)
+        else:
+            sdispl = np.concatenate([[0], np.cumsum(scounts)[:-1]]).astype(np.int64)
+            send = np.concatenate(parts) if len(full) else np.empty(0, np.uint8)
         got = np.empty(int(rcounts.sum()), dtype=np.uint8)
         self.comm.Alltoallv([send, (scounts.astype(np.int32), sdispl.astype(np.int32)),
                              MPI.BYTE],
