@@ -268,3 +268,23 @@ def test_a_rank_out_of_step_raises_on_every_rank(sync):
     for r, (res, err) in enumerate(got):
         assert res is None and isinstance(err, hvdcomp.OutOfStep), (r, err)
         assert err.ranks == ([0, 1] if r == 2 else [2]), (r, err.ranks)
+
+
+def test_frame_of_messages_is_the_frame_of_their_bytes():
+    # join_frames serializes Message items straight into the frame: the same bytes as the
+    # frame of their to_bytes(), with None and b"" as zero-length messages; with alloc it
+    # writes into the memory it is given
+    msgs = [hvdcomp.get("none").encode(torch.arange(5.0) - k, hvdcomp.compressors.TensorKey(
+        f"t{k}", k, 3, 0, 2, 1)) for k in range(3)]
+    stamp = Stamp(7, 2, True)
+    mixed = [msgs[0], None, msgs[1], b"xyz", msgs[2]]
+    as_bytes = [msgs[0].to_bytes(), b"", msgs[1].to_bytes(), b"xyz", msgs[2].to_bytes()]
+    want = join_frames(as_bytes, joined=False, stamp=stamp)
+    assert join_frames(mixed, stamp=stamp).tobytes() == want.tobytes()
+    pool = np.zeros(len(want) + 8, dtype=np.uint8)
+    got = join_frames(mixed, stamp=stamp, alloc=lambda n: pool[:n])
+    assert got.tobytes() == want.tobytes() and np.shares_memory(got, pool)
+    parts, present, joined, st = split_frames(got, 5)
+    assert [p.tobytes() for p in parts] == as_bytes and st == stamp
+    with pytest.raises(ValueError, match="marked absent"):
+        join_frames(mixed, present=[True, True, False, True, True])

@@ -406,3 +406,18 @@ def test_flags_must_be_the_receivers(spec, flags):
                                  sections=() if flags & FLAG_NONFINITE else msg.sections)
     with pytest.raises(WireFormatError, match="flags"):
         _decode(comp, forged, _key())
+
+
+def test_write_at_an_offset_is_to_bytes():
+    # the one-copy serializer (what frames use) writes exactly to_bytes()'s bytes, where it
+    # is told, and touches nothing else: the golden message inside a buffer of 0xAB bytes
+    msg = sample_message()
+    want = build(codec=ALQ, dtype=F32, flags=0, bits=3, bucket_size=4, level_version=2,
+                 tensor_id=5, rank=1, seed=99, step=12, shape=(2, 3),
+                 sections=(bytes(range(8)), bytes([7, 8, 9])))
+    assert msg.nbytes() == len(want)
+    buf = np.full(len(want) + 10, 0xAB, dtype=np.uint8)
+    assert msg.write(buf, 3) == 3 + len(want)
+    assert buf[3:3 + len(want)].tobytes() == want
+    assert (buf[:3] == 0xAB).all() and (buf[3 + len(want):] == 0xAB).all()
+    assert_same_message(Message.from_bytes(buf[3:3 + len(want)]), msg)
