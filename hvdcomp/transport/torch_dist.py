@@ -84,17 +84,21 @@ class TorchDistTransport(Transport):
         return np.asarray(got, dtype=np.int64).reshape(self.size, self.size)
 
     def _alltoallv(self, parts, recv):
-        """The all-to-all as an allgather of every rank's parts laid end to end (each rank
-        keeps its own column): ``size`` times the bytes of a true all-to-all, which only
-        the hierarchical exchange's in-host stage uses (Gloo over loopback, shared memory)."""
-        counts = self._count_matrix([len(p) for p in parts])
-        flat = np.concatenate(parts) if any(len(p) for p in parts) else np.empty(0, np.uint8)
-        rows = self._allgatherv(flat, [int(c) for c in counts.sum(axis=1)])
-        out = []
-        for s, row in enumerate(rows):
-            lo = int(counts[s, :self.rank].sum())
-            out.append(row[lo:lo + int(counts[s, self.rank])])
-        return out
+        """One ``all_to_all_single`` with uneven splits (Gloo, NCCL and MPI carry them):
+        ``parts[r]`` to rank r, ``recv[s]`` bytes from rank s."""
+        sizes = [len(p) for p in parts]
+        full = [p for p in parts if len(p)]
+        flat = (full[0] if len(full) == 1 else np.concatenate(parts) if full
+                else np.empty(0, np.uint8))
+        if not flat.flags.writeable:
+            flat = flat.copy()
+        out = torch.empty(int(sum(recv)), dtype=torch.uint8, device=self.device)
+        dist.all_to_all_single(out, torch.from_numpy(flat).to(self.device),
+                               output_split_sizes=[int(c) for c in recv],
+                               input_split_sizes=sizes, group=self.group)
+        got = out.cpu().numpy()
+        offsets = np.concatenate([[0], np.cumsum(recv)]).astype(np.int64)
+        return [got[offsets[s]:offsets[s + 1]] for s in range(self.size)]
 
     split_refusal = None
 
