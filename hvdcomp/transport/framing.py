@@ -92,8 +92,8 @@ def join_frames(messages: Sequence[Union[bytes, Message, None]],
                 alloc: Optional[Callable[[int], np.ndarray]] = None) -> np.ndarray:
     """Pack messages into one frame (uint8 array): magic, count, step, exchange id, u64
     lengths, flags, presence bitmap, messages.  Each message is a :class:`Message`
-    (serialized straight into the frame: one copy of its sections), its bytes, or None
-    (zero length).  ``present`` (default: all True) marks the tensors the sender has a
+    (serialized straight into the frame: one copy of its sections), its bytes (or anything
+    with ``to_bytes()``), or None (zero length).  ``present`` (default: all True) marks the tensors the sender has a
     gradient for; an absent tensor's message must be empty (ValueError).  ``stamp``: the
     sender's step, exchange id and SYNC flag.  ``alloc(nbytes)``: where to write the frame
     (a writable uint8 array of that many bytes; default a new one)."""
@@ -101,8 +101,8 @@ def join_frames(messages: Sequence[Union[bytes, Message, None]],
     present = [True] * n if present is None else [bool(p) for p in present]
     if len(present) != n:
         raise ValueError(f"{len(present)} presence bits for {n} messages")
-    parts = [m.layout() if isinstance(m, Message) else (b"" if m is None else m)
-             for m in messages]
+    parts = [m.layout() if isinstance(m, Message) else b"" if m is None else
+             m.to_bytes() if hasattr(m, "to_bytes") else m for m in messages]
     sizes = [layout_size(*p) if isinstance(p, tuple) else len(p) for p in parts]
     if any(z and not ok for z, ok in zip(sizes, present)):
         raise ValueError("a message for a tensor marked absent")
