@@ -6,8 +6,8 @@ accumulator.
 Inside the host a piece travels as its raw float32 bytes (a frame's message without the
 wire format's header and checksum; the frame still carries the presence bits, the JOINED
 flag, the stamp and error frames): these bytes cross shared memory, not a network, and the
-header and the checksum cost more CPU time than the copy itself (about 10x for a 50 MB
-float32 message).  A piece of the wrong size is a WireFormatError; a value that is not
+checksum alone costs more CPU time than the copy (13 against 4 ms for 50 MB of float32,
+measured on one core).  A piece of the wrong size is a WireFormatError; a value that is not
 finite travels as it is, and the owner's mean (or the assembled average) is then NaN.
 """
 from __future__ import annotations
@@ -183,12 +183,11 @@ class HostPieces:
             finite = finite and all_finite(part)
         return finite
 
-
     def _alloc(self, key: tuple):
         """Where a frame of ``key`` (stage, bucket[, owner]) is written: the memory of the
-        last step's frame of that key where it is large enough (a large array new at every
-        step costs more in page faults than the copy into it).  Safe because a bucket's
-        frames have been sent before that bucket is encoded again."""
+        last step's frame of that key where it is large enough (no new allocation of tens
+        of MB per bucket and step).  Safe because a bucket's frames have been sent before
+        that bucket is encoded again."""
         def alloc(n: int) -> np.ndarray:
             buf = self._buffers.get(key)
             if buf is None or buf.size < n:
