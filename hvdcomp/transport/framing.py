@@ -95,8 +95,9 @@ def join_frames(messages: Sequence[Union[bytes, Message, None]],
     (serialized straight into the frame: one copy of its sections), its bytes (or anything
     with ``to_bytes()``), or None (zero length).  ``present`` (default: all True) marks the
     tensors the sender has a gradient for; an absent tensor's message must be empty
-    (ValueError).  ``stamp``: the sender's step, exchange id and SYNC flag.  ``alloc(nbytes)``: where to write the frame
-    (a writable uint8 array of that many bytes; default a new one)."""
+    (ValueError).  ``stamp``: the sender's step, exchange id and SYNC flag.
+    ``alloc(nbytes)``: where to write the frame (a writable uint8 array of that many bytes;
+    default a new one)."""
     n = len(messages)
     present = [True] * n if present is None else [bool(p) for p in present]
     if len(present) != n:
