@@ -233,10 +233,22 @@ def table():
         f.write("\n".join(out) + "\n")
 
 
+#: Where the hand-written part of scaling_hier.md ends: report() keeps what is above it.
+MARK = "<!-- above: written by hand; below: bench/scaling_hier.py --fit rewrites it -->"
+
+
 def report():
+    """Rewrite the model's part of RESULTS.md (the cells, the targets, the fit), below
+    MARK; what is above MARK (the current numbers and re-checks, written by hand) stays."""
     from scaling_model import render_hier
+    text = render_hier([summarize(r) for r in load()])
+    old = open(RESULTS + ".md").read() if os.path.exists(RESULTS + ".md") else ""
+    if MARK in old:
+        head, body = text.split("\n", 1)
+        text = (old[:old.index(MARK) + len(MARK)] + "\n\n## The cells of 2026-12-02 and the "
+                "model\n" + body)
     with open(RESULTS + ".md", "w") as f:
-        f.write(render_hier([summarize(r) for r in load()]))
+        f.write(text)
 
 
 def main():
