@@ -244,7 +244,7 @@ def report():
     text = render_hier([summarize(r) for r in load()])
     old = open(RESULTS + ".md").read() if os.path.exists(RESULTS + ".md") else ""
     if MARK in old:
-        head, body = text.split("\n", 1)
+        _, body = text.split("\n", 1)
         text = (old[:old.index(MARK) + len(MARK)] + "\n\n## The cells of 2026-12-02 and the "
                 "model\n" + body)
     with open(RESULTS + ".md", "w") as f:

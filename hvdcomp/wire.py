@@ -123,6 +123,17 @@ def code_dtype(code: int) -> torch.dtype:
         raise WireFormatError(f"unknown dtype code {code}") from None
 
 
+def raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of ``t`` (any shape and dtype), flat: a uint8 view where it is on the CPU
+    and contiguous."""
+    t = t.detach().contiguous().reshape(-1).cpu()
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.view(torch.int16)            # numpy has no bfloat16: move the raw 2-byte words
+    elif t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    return t.numpy().view(np.uint8)
+
+
 def layout_size(head: bytes, secs: Sequence[np.ndarray]) -> int:
     """The serialized length of a message of header ``head`` and ``secs``
     (:meth:`Message.layout`)."""
@@ -204,8 +215,9 @@ class Message:
 
     def to_bytes(self) -> bytes:
         """Serialize; the length is ``48 + 8*ndim + 8*nsections + sum(section lengths) + 4``."""
-        buf = np.empty(self.nbytes(), dtype=np.uint8)
-        self.write(buf)
+        head, secs = self.layout()
+        buf = np.empty(layout_size(head, secs), dtype=np.uint8)
+        write_layout(buf, 0, head, secs)
         return buf.tobytes()
 
     @staticmethod

@@ -10,20 +10,11 @@ import numpy as np
 import torch
 
 from ..errors import WireFormatError
-from ..wire import Message, code_dtype
+from ..wire import Message, code_dtype, raw_bytes
 from .base import Compressor, TensorKey, numel_of, register
 from .state import finite
 
 __all__ = ["NoneCompressor", "FP16", "BF16"]
-
-
-def _raw(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().contiguous().reshape(-1).cpu()
-    if t.dtype in (torch.float16, torch.bfloat16):
-        t = t.view(torch.int16)            # numpy has no bfloat16: move the raw 2-byte words
-    elif t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    return t.numpy().view(np.uint8)
 
 
 def _from_raw(sec: np.ndarray, dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -60,7 +51,7 @@ class NoneCompressor(Compressor):
         return 1
 
     def _encode(self, grad, key):
-        return self._new_message(grad, key, (_raw(grad),))
+        return self._new_message(grad, key, (raw_bytes(grad),))
 
     def _decode(self, msg, key, out):
         dt = code_dtype(msg.dtype)
@@ -115,7 +106,7 @@ class _Cast(Compressor):
         y = x.to(self.wire_dtype)
         if not finite(y):                   # the cast overflowed (grad is finite: encode)
             return self.range_fallback(grad, key)
-        return self._new_message(grad, key, (_raw(y),))
+        return self._new_message(grad, key, (raw_bytes(y),))
 
     def range_fallback(self, grad: torch.Tensor, key: TensorKey) -> Message:
         """The message for a finite ``grad`` whose cast is not finite: a ``none`` message of

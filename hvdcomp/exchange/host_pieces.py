@@ -21,6 +21,7 @@ import torch
 from ..compressors.state import finite as all_finite
 from ..errors import WireFormatError
 from ..transport import Incoming, Outgoing, Stamp
+from ..wire import raw_bytes
 from .frames import frame
 from .plan import Entry
 from .shards import boundaries, unit
@@ -120,7 +121,7 @@ class HostPieces:
         bucket, whose frames reuse their memory from step to step."""
         names = [e.name for e in mine]
         return [frame(self.owned(names, l), lambda p: flat[p.name],
-                      (lambda p, g: _bytes(g[p.lo:p.hi])) if l != self.local else
+                      (lambda p, g: raw_bytes(g[p.lo:p.hi])) if l != self.local else
                       (lambda p, g: None), joined, stamp, self._alloc((1, k, l))).data
                 for l in range(self.local_size)]
 
@@ -165,7 +166,7 @@ class HostPieces:
         for p in mine:
             a = averages.get(self.virtual[p.name].name)
             present.append(a is not None)
-            msgs.append(None if a is None else _bytes(a.reshape(-1)))
+            msgs.append(None if a is None else raw_bytes(a))
         return Outgoing(msgs, present, stamp=stamp, alloc=self._alloc((3, k)))
 
     def assemble(self, name: str, averaged: Incoming, index: Dict[Tuple[str, int], int],
@@ -194,11 +195,6 @@ class HostPieces:
                 buf = self._buffers[key] = np.empty(n, dtype=np.uint8)
             return buf[:n]
         return alloc
-
-
-def _bytes(x: torch.Tensor) -> np.ndarray:
-    """The raw bytes of the flat float32 tensor ``x`` (a view where it is on the CPU)."""
-    return x.detach().contiguous().cpu().numpy().view(np.uint8)
 
 
 def _floats(raw: np.ndarray, p: HostPiece, sender: str) -> torch.Tensor:

@@ -174,6 +174,16 @@ class Transport:
         raise NotImplementedError
 
 
+def packed(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """``parts`` (1-D uint8) end to end in one array, for an all-to-all's send buffer: the
+    one non-empty part itself where only one is (no copy; e.g. the hierarchical exchange's
+    stage 1 with 2 ranks per host, whose own part stays home)."""
+    full = [p for p in parts if len(p)]
+    if len(full) == 1:
+        return full[0]
+    return np.concatenate(parts) if full else np.empty(0, np.uint8)
+
+
 def raise_failed(frames: Sequence[np.ndarray], failure: Optional[BaseException],
                  what: str) -> None:
     """Raise when some frame is an error frame: this rank's own ``failure`` if it has one,

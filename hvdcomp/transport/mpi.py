@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .base import Transport
+from .base import Transport, packed
 
 __all__ = ["MPITransport", "cuda_aware", "check_thread_level", "horovod_on_mpi",
            "horovod_threads_disabled", "mpi4py", "mpi_world", "thread_level_problem"]
@@ -255,13 +255,9 @@ class MPITransport(Transport):
         MPI = self._MPI
         scounts = np.array([len(p) for p in parts], dtype=np.int64)
         rcounts = np.asarray(recv, dtype=np.int64)
+        sdispl = np.concatenate([[0], np.cumsum(scounts)[:-1]]).astype(np.int64)
         rdispl = np.concatenate([[0], np.cumsum(rcounts)[:-1]]).astype(np.int64)
-        full = np.flatnonzero(scounts)
-        if len(full) == 1:          # one part (e.g. 2 ranks per host, the own part kept)
-            send, sdispl = parts[int(full[0])], np.zeros(len(parts), dtype=np.int64)
-        else:
-            sdispl = np.concatenate([[0], np.cumsum(scounts)[:-1]]).astype(np.int64)
-            send = np.concatenate(parts) if len(full) else np.empty(0, np.uint8)
+        send = packed(parts)
         got = np.empty(int(rcounts.sum()), dtype=np.uint8)
         self.comm.Alltoallv([send, (scounts.astype(np.int32), sdispl.astype(np.int32)),
                              MPI.BYTE],

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import Allreduce, Transport
+from .base import Allreduce, Transport, packed
 
 __all__ = ["TorchDistTransport", "TorchDistAllreduce", "private_group", "group_device"]
 
@@ -87,9 +87,7 @@ class TorchDistTransport(Transport):
         """One ``all_to_all_single`` with uneven splits (Gloo, NCCL and MPI carry them):
         ``parts[r]`` to rank r, ``recv[s]`` bytes from rank s."""
         sizes = [len(p) for p in parts]
-        full = [p for p in parts if len(p)]
-        flat = (full[0] if len(full) == 1 else np.concatenate(parts) if full
-                else np.empty(0, np.uint8))
+        flat = packed(parts)
         if not flat.flags.writeable:
             flat = flat.copy()
         out = torch.empty(int(sum(recv)), dtype=torch.uint8, device=self.device)
