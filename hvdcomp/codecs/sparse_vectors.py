@@ -46,15 +46,36 @@ checks) is hvdcomp.ops.rice; this module gives its sections as host bytes.
 Values section (``encode_values`` / ``decode_values``)
 ------------------------------------------------------
 
-    m values, float32 (4 bytes) or float16 (2 bytes) little-endian, in index order.
-    float16 values are the float32 values rounded to nearest even after clamping to
-    +-65504 (the largest finite float16; senders with error feedback keep the difference).
+``bits`` 32 or 16: m values, float32 (4 bytes) or float16 (2 bytes) little-endian, in
+index order.  float16 values are the float32 values rounded to nearest even after clamping
+to +-65504 (the largest finite float16; senders with error feedback keep the difference).
+
+``bits`` 8 or 4 (quantized values, as the slow-link systems that combine sparsification
+with quantization send them, e.g. CocktailSGD: Wang et al., ICML 2023): the m
+values in blocks of ``VALUE_BLOCK`` = 256 (the last block shorter), each block with one
+scale ``s`` = its largest magnitude, and each value a signed integer ``q`` in [-Q, Q],
+``Q = 2**(bits - 1) - 1`` (127 or 7), rounded to NEAREST (ties to even; deterministic: the
+senders of these messages keep the rounding error as error feedback):
+
+    q = round((v / s) * Q)            float32, 0 where s = 0
+    decoded value = (q / Q) * s       float32, in this order (no overflow, no division by 0)
+
+    offset    size                field
+    0         4 ceil(m / 256)     the scales, float32 little-endian, finite, >= 0
+    4 nb      ceil(m bits / 8)    the codes u = q + Q in [0, 2Q], ``bits`` each, LSB-first
+                                  (value j in stream bits [j bits, (j + 1) bits)); unused
+                                  high bits of the last byte zero
+
+so a value costs ``bits + 32 / 256`` bits (8.125 or 4.125) where float32 costs 32: at density
+0.1 % a selected coordinate costs about 11.5 + 8.125 bits instead of 11.5 + 32.  The
+relative error of a value is at most ``s / (2 Q |v|)``.
 
 Validation (``WireFormatError``, nothing decoded): a section shorter than its fixed part,
 k > 62, m > numel, m = 0 with anything after the count or k != 0, fewer than m zero bits in
 the unary stream, a unary stream longer than its last terminator's byte or with nonzero
 padding, nonzero padding bits in the remainders, an index at or beyond numel, a value
-section of the wrong length, non-finite values.
+section of the wrong length, non-finite values; for quantized values also a scale that is
+negative or not finite, a code above 2Q, nonzero padding bits.
 
 Example::
 
@@ -73,9 +94,10 @@ from ..errors import WireFormatError
 from ..ops import rice
 
 __all__ = ["encode_indices", "decode_indices", "encode_values", "decode_values",
-           "VALUE_BITS", "FP16_MAX"]
+           "VALUE_BITS", "VALUE_BLOCK", "FP16_MAX", "values_bytes"]
 
-VALUE_BITS = (32, 16)
+VALUE_BITS = (32, 16, 8, 4)
+VALUE_BLOCK = 256
 FP16_MAX = 65504.0
 
 
@@ -104,34 +126,108 @@ def decode_indices(section, numel: int) -> np.ndarray:
 
 # --- values --------------------------------------------------------------------------------------
 
+def values_bytes(count: int, bits: int) -> int:
+    """Bytes of the values section of ``count`` values at ``bits`` (module docstring)."""
+    if bits >= 16:
+        return count * bits // 8
+    return 4 * -(-count // VALUE_BLOCK) + -(-count * bits // 8)
+
+
+def _block_scales(v: torch.Tensor) -> torch.Tensor:
+    """Per value, the largest magnitude of its block of VALUE_BLOCK (float32, v's device)."""
+    m = v.numel()
+    nb = -(-m // VALUE_BLOCK)
+    pad = torch.zeros(nb * VALUE_BLOCK, dtype=torch.float32, device=v.device)
+    pad[:m] = v.abs()
+    return pad.view(nb, VALUE_BLOCK).amax(dim=1)
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """(q / Q) * s per value, float32, from codes u = q + Q (any integer dtype)."""
+    Q = float(2 ** (bits - 1) - 1)
+    q = codes.to(torch.float32) - Q
+    s = scales.repeat_interleave(VALUE_BLOCK)[:codes.numel()]
+    return (q / Q) * s
+
+
+def _encode_quantized(v: torch.Tensor, bits: int) -> Tuple[np.ndarray, torch.Tensor]:
+    Q = 2 ** (bits - 1) - 1
+    m = v.numel()
+    if m == 0:
+        return np.zeros(0, dtype=np.uint8), v
+    scales = _block_scales(v)
+    s = scales.repeat_interleave(VALUE_BLOCK)[:m]
+    t = torch.where(s > 0, v / torch.where(s > 0, s, torch.ones_like(s)),
+                    torch.zeros_like(v))
+    u = (torch.round(t * float(Q)).clamp(-Q, Q) + Q).to(torch.uint8)
+    if bits == 4:
+        if m % 2:
+            u = torch.cat([u, u.new_zeros(1)])
+        packed = u[0::2] | (u[1::2] << 4)
+    else:
+        packed = u
+    sec = np.concatenate([scales.cpu().numpy().astype("<f4").view(np.uint8),
+                          packed.cpu().numpy()])
+    return sec, _dequantize(u[:m], scales, bits)
+
+
 def encode_values(values: torch.Tensor, bits: int) -> Tuple[np.ndarray, torch.Tensor]:
-    """Values section for float32 ``values`` (1-D, any device) at ``bits`` 32 or 16.
+    """Values section for float32 ``values`` (1-D, any device) at ``bits`` 32, 16, 8 or 4.
 
     Returns (uint8 bytes, float32 tensor of what the receiver will decode, on the values'
     device): the values themselves for 32 bits; for 16 bits the float16 rounding of the
-    values clamped to +-65504.
+    values clamped to +-65504; for 8 and 4 bits the values quantized per block of 256
+    (module docstring).  The values must be finite (the sparsifiers check before they
+    send).  Raises ValueError for another width.
     """
     v = values.detach().reshape(-1).to(torch.float32)
+    if bits in (8, 4):
+        return _encode_quantized(v, bits)
     if bits == 32:
         return v.cpu().numpy().astype("<f4").view(np.uint8), v
     if bits == 16:
         h = v.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
         return h.cpu().numpy().astype("<f2").view(np.uint8), h.to(torch.float32)
-    raise ValueError(f"value bits must be 32 or 16, got {bits}")
+    raise ValueError(f"value bits must be 32, 16, 8 or 4, got {bits}")
 
 
 def decode_values(section, count: int, bits: int) -> torch.Tensor:
-    """``count`` float32 values from a values section of ``bits`` 32 or 16 (a CPU tensor).
-    Raises WireFormatError for a wrong length or non-finite values."""
+    """``count`` float32 values from a values section of ``bits`` 32, 16, 8 or 4 (a CPU
+    tensor).  Raises WireFormatError for a wrong length, non-finite values, and for
+    quantized values a negative or non-finite scale, a code above 2Q or nonzero padding."""
     if bits not in VALUE_BITS:
-        raise WireFormatError(f"value width {bits} bits; valid: 32, 16")
+        raise WireFormatError(f"value width {bits} bits; valid: 32, 16, 8, 4")
     b = rice.section_bytes(section)
-    need = count * bits // 8
+    need = values_bytes(count, bits)
     if b.size != need:
         raise WireFormatError(f"values section has {b.size} bytes, {count} values of "
                               f"{bits} bits need {need}")
+    if bits in (8, 4):
+        return _decode_quantized(b, count, bits)
     dt = "<f4" if bits == 32 else "<f2"
     v = torch.from_numpy(np.frombuffer(b.tobytes(), dtype=dt).astype(np.float32))
     if count and not bool(torch.isfinite(v).all()):
         raise WireFormatError("values section holds NaN or Inf")
     return v
+
+
+def _decode_quantized(b: np.ndarray, count: int, bits: int) -> torch.Tensor:
+    if count == 0:
+        return torch.zeros(0, dtype=torch.float32)
+    nb = -(-count // VALUE_BLOCK)
+    scales = np.frombuffer(b[:4 * nb].tobytes(), dtype="<f4").astype(np.float32)
+    if not (np.isfinite(scales).all() and (scales >= 0).all()):
+        raise WireFormatError("values section: a block scale is negative, NaN or Inf")
+    raw = b[4 * nb:]
+    if bits == 4:
+        if count % 2 and raw[-1] >> 4:
+            raise WireFormatError("values section: nonzero padding bits after the last code")
+        u = np.empty(2 * raw.size, dtype=np.uint8)
+        u[0::2], u[1::2] = raw & 15, raw >> 4
+        u = u[:count]
+    else:
+        u = raw
+    if int(u.max()) > 2 * (2 ** (bits - 1) - 1):
+        raise WireFormatError(f"values section: a code above {2 * (2 ** (bits - 1) - 1)} "
+                              f"({bits}-bit values)")
+    return _dequantize(torch.from_numpy(u.astype(np.int16)), torch.from_numpy(scales), bits)

@@ -22,9 +22,12 @@ Common to the three (``n`` = numel, everything float32 unless stated):
   per parameter name (``TensorKey.name``), the part of ``p = g + e`` it did not send:
   ``e <- p - decoded`` (0 at sent coordinates with fp32 values; the float16 rounding error
   with fp16 values).  Nothing is lost, only delayed: ``sum_t decoded_t = sum_t g_t - e_T``.
-* Values are sent as float32 or float16 (``values="fp16"``: clamped to +-65504 then rounded;
-  the difference stays in the residual).  The average of the ranks' decoded sparse vectors
-  is formed in float32 (duplicate indices across ranks add up; ranks decode in rank order).
+* Values are sent as float32, float16 (``values="fp16"``: clamped to +-65504 then rounded)
+  or quantized to 8 or 4 bits (``values="int8"`` / ``"int4"``: per block of 256 values a
+  float32 scale, each value rounded to nearest on a uniform grid of 255 or 15 levels,
+  hvdcomp.codecs.sparse_vectors); the rounding error stays in the residual.  The average of
+  the ranks' decoded sparse vectors is formed in float32 (duplicate indices across ranks
+  add up; ranks decode in rank order).
 * NaN policy (docs/design.md): a gradient holding NaN/Inf, or a ``p`` (or DGC ``u``/``v``)
   that overflows float32, is sent as a payload-free NONFINITE message and the state of that
   name stays UNCHANGED.
@@ -43,13 +46,15 @@ order by the kernels, in torch's by the reference: the two agree to float64 roun
 the float32 factor T / ||g|| is the same except in the rare case of a float64 sum
 straddling a float32 rounding boundary.
 
-Wire (hvdcomp.wire.Message; header ``bits`` = value width 32 or 16, bucket size 0, level
-version 0; the index and value encodings are hvdcomp.codecs.sparse_vectors's):
+Wire (hvdcomp.wire.Message; header ``bits`` = value width 32, 16, 8 or 4, bucket size 0
+(256, the values per scale, for 8 and 4 bits), level version 0; the index and value
+encodings are hvdcomp.codecs.sparse_vectors's):
 
     topk, dgc:  section 0  indices: Golomb-Rice coded gaps (hvdcomp.codecs.sparse_vectors)
-                section 1  values: m float32/float16, little-endian, in index order
+                section 1  values: m float32/float16, little-endian, in index order (8 and
+                           4 bits: ceil(m / 256) float32 scales, then the packed codes)
                 payload  ~ m * (bits + log2(n / m) + 1.5) / 8 bytes, plus 5 (or 9) bytes
-    randk:      section 0  values only: k float32/float16 in the order of the indices
+    randk:      section 0  values only: k values in the order of the indices
                 (ascending), or EMPTY when all k values are zero.  No indices: every
                 receiver regenerates them from the sender's key
                 (hvdcomp.ops.sparsify.random_indices).
@@ -69,8 +74,8 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ..codecs.sparse_vectors import (decode_indices, decode_values, encode_indices,
-                                     encode_values)
+from ..codecs.sparse_vectors import (VALUE_BLOCK, decode_indices, decode_values,
+                                     encode_indices, encode_values)
 from ..errors import WireFormatError
 from ..ops import sparsify
 from ..wire import FLAG_NONFINITE, Message
@@ -81,7 +86,7 @@ from .state import load_tensors
 
 __all__ = ["TopK", "RandK", "DGC", "num_selected", "warmup_density"]
 
-_VALUE_BITS = {"fp32": 32, "fp16": 16}
+_VALUE_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
 
 
 def num_selected(density: float, n: int) -> int:
@@ -206,7 +211,9 @@ class _Sparse(Compressor):
         return _VALUE_BITS[self.values]
 
     def _header_fields(self) -> Dict[str, int]:
-        return {"bits": self.value_bits, "bucket_size": 0, "level_version": 0}
+        bits = self.value_bits
+        return {"bits": bits, "bucket_size": VALUE_BLOCK if bits < 16 else 0,
+                "level_version": 0}
 
     def shard_unit(self, shape) -> int:
         """Any cut will do (one element): each piece of the reduce-scatter selects
@@ -302,7 +309,9 @@ class TopK(_Residuals):
 
     Args:
       density: fraction of coordinates sent, in (0, 1] (default 0.001).
-      values: "fp32" (default) or "fp16" value width on the wire.
+      values: "fp32" (default), "fp16", "int8" or "int4" (8 or 4 bits a
+        value, the nearest of 255 / 15 levels between -s and s, s the largest
+        magnitude of its block of 256; the rounding error stays in e).
       error_feedback: keep the residual e per parameter name (default True); False sends
         the top-k of g and drops the rest.
     Raises ValueError for invalid settings.
@@ -354,14 +363,17 @@ class RandK(_Residuals):
 
     Args:
       density: fraction of coordinates sent, in (0, 1] (default 0.01).
-      values: "fp32" (default) or "fp16".
+      values: "fp32" (default), "fp16", "int8" or "int4" (8 or 4 bits a
+        value, the nearest of 255 / 15 levels between -s and s, s the largest
+        magnitude of its block of 256).
       error_feedback: keep the residual per parameter name (default True).
       unbiased: scale by n / k on decoding (default False).  With error feedback the
         residual then absorbs the scaling error too (it can be large: (n/k - 1) p).
     Raises ValueError for invalid settings.
 
-    encode: as topk; the Message has one section of ``k * bits / 8`` bytes, or 0 bytes when
-      all k values are zero (an all-zero gradient sends a header-only message).
+    encode: as topk; the Message has one section of ``k * bits / 8`` bytes (8 and 4 bits:
+      plus a float32 scale per 256 values), or 0 bytes when all k values are zero (an
+      all-zero gradient sends a header-only message).
     decode: WireFormatError if the section is neither k values nor empty.
     """
     example = "randk:density=0.05"
@@ -450,7 +462,9 @@ class DGC(MomentumCorrection, _Sparse):
 
     Args:
       density: final fraction of coordinates sent, in (0, 1] (default 0.001, the paper's).
-      values: "fp32" (default) or "fp16".
+      values: "fp32" (default), "fp16", "int8" or "int4" (8 or 4 bits a
+        value, the nearest of 255 / 15 levels between -s and s, s the largest
+        magnitude of its block of 256; the rounding error stays in v).
       sample_ratio: fraction of coordinates sampled for the threshold, in [0, 1] (paper:
         0.001-0.01; default 0.01); 0: exact top-k without sampling.
       exact_k: guarantee exactly min(k, nonzeros) coordinates (default True); False: one

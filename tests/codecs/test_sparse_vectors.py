@@ -402,7 +402,63 @@ def test_bad_value_sections_raise():
     with pytest.raises(WireFormatError, match="NaN"):
         decode_values(bytes.fromhex("007c"), 1, 16)        # fp16 +Inf
     with pytest.raises(WireFormatError):
-        decode_values(b"", 0, 8)
+        decode_values(b"", 0, 12)
+
+
+def test_golden_quantized_values():
+    # int8, Q = 127, one block: scale 2; (v / 2) * 127 = 31.75, -63.5, 127 -> 32, -64 (ties
+    # to even), 127; codes q + 127 = 159, 63, 254
+    sec, dec = encode_values(torch.tensor([0.5, -1.0, 2.0]), 8)
+    assert sec_bytes(sec) == struct.pack("<f", 2.0) + bytes([159, 63, 254])
+    want = [float(np.float32(32 / 127) * 2), float(np.float32(-64 / 127) * 2), 2.0]
+    assert dec.tolist() == want
+    assert decode_values(sec, 3, 8).tolist() == want
+    # int4, Q = 7: 1.75, -3.5, 7 -> 2, -4, 7; codes 9, 3, 14 packed low nibble first
+    sec, dec = encode_values(torch.tensor([0.5, -1.0, 2.0]), 4)
+    assert sec_bytes(sec) == struct.pack("<f", 2.0) + bytes([0x39, 0x0E])
+    want = [float(np.float32(2 / 7) * 2), float(np.float32(-4 / 7) * 2), 2.0]
+    assert dec.tolist() == want
+    assert decode_values(sec, 3, 4).tolist() == want
+    # nothing selected: an empty section
+    assert sec_bytes(encode_values(torch.zeros(0), 4)[0]) == b""
+    assert decode_values(b"", 0, 4).numel() == 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_values_blocks_and_error(bits):
+    # 600 values: blocks of 256, 256 and 88, each its own scale (its largest magnitude);
+    # every value within half a level (s / (2 Q)) of the original; a zero block decodes to 0
+    torch.manual_seed(0)
+    v = torch.randn(600) * torch.tensor([1.0] * 256 + [1e-3] * 256 + [0.0] * 88)
+    Q = 2 ** (bits - 1) - 1
+    sec, dec = encode_values(v, bits)
+    assert len(sec_bytes(sec)) == 4 * 3 + (600 * bits) // 8
+    scales = np.frombuffer(sec_bytes(sec)[:12], "<f4")
+    assert scales.tolist() == [float(v[i:i + 256].abs().max()) for i in (0, 256, 512)]
+    s = torch.tensor(scales).repeat_interleave(256)[:600]
+    assert bool(((dec - v).abs() <= s / (2 * Q) * (1 + 1e-6)).all())
+    assert torch.equal(dec[512:], torch.zeros(88))
+    assert torch.equal(decode_values(sec, 600, bits), dec)
+    # the reference: q = round((v / s) * Q), decoded (q / Q) * s, in float32
+    q = torch.where(s > 0, torch.round((v / torch.where(s > 0, s, 1.0)) * Q), 0.0)
+    assert torch.equal(dec, (q / Q) * s)
+
+
+def test_bad_quantized_value_sections_raise():
+    good = struct.pack("<f", 2.0) + bytes([159, 63, 254])
+    assert decode_values(good, 3, 8).numel() == 3
+    for bad, why in [(good[:-1], "bytes"),
+                     (struct.pack("<f", -2.0) + good[4:], "scale"),
+                     (struct.pack("<f", math.inf) + good[4:], "scale"),
+                     (struct.pack("<f", math.nan) + good[4:], "scale"),
+                     (good[:4] + bytes([159, 63, 255]), "code above 254")]:
+        with pytest.raises(WireFormatError, match=why):
+            decode_values(bad, 3, 8)
+    good4 = struct.pack("<f", 2.0) + bytes([0x39, 0x0E])
+    with pytest.raises(WireFormatError, match="padding"):
+        decode_values(good4[:-1] + bytes([0x1E]), 3, 4)
+    with pytest.raises(WireFormatError, match="code above 14"):
+        decode_values(good4[:-1] + bytes([0x0F]), 3, 4)
 
 
 def test_messages_with_inconsistent_sections_raise(make_key):

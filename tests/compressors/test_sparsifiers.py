@@ -71,10 +71,23 @@ def np_topk(x, k):
 
 
 def np_values(vals, fp16):
+    """What the receivers decode of the sent values; ``fp16``: False / True (fp32 / fp16)
+    or a ``values`` setting ("int8", "int4": blocks of 256, scale = the block's largest
+    magnitude, q = round-half-even((v / s) * Q), decoded (q / Q) * s, float32)."""
+    mode = {False: "fp32", True: "fp16"}.get(fp16, fp16)
     vals = np.asarray(vals, F32)
-    if not fp16:
+    if mode == "fp32":
         return vals.copy()
-    return np.clip(vals, -65504, 65504).astype(np.float16).astype(F32)
+    if mode == "fp16":
+        return np.clip(vals, -65504, 65504).astype(np.float16).astype(F32)
+    Q = F32({"int8": 127, "int4": 7}[mode])
+    out = np.zeros_like(vals)
+    for i in range(0, vals.size, 256):
+        v = vals[i:i + 256]
+        s = F32(np.abs(v).max())
+        q = np.round((v / s) * Q) if s > 0 else np.zeros_like(v)
+        out[i:i + 256] = (q / Q) * s
+    return out
 
 
 def np_dgc_step(g, u, v, *, m, k, clip=0.0, N=4, masking=True, accumulate=True,
@@ -187,13 +200,16 @@ def test_without_accumulation_drops_the_rest():
 
 @pytest.mark.parametrize("opts", [
     dict(), dict(masking=False), dict(accumulate=False), dict(correction=False),
-    dict(clip=0.05), dict(fp16=True), dict(clip=1.0, fp16=True, masking=False)])
+    dict(clip=0.05), dict(fp16=True), dict(clip=1.0, fp16=True, masking=False),
+    dict(fp16="int8"), dict(fp16="int4", masking=False)])
 def test_dgc_matches_numpy_over_steps(opts):
     n, m, density, N = 3000, 0.9, 0.01, 4
     spec = dict(density=density, sample_ratio=0.01, masking=opts.get("masking", True),
                 accumulate=opts.get("accumulate", True),
                 momentum_correction=opts.get("correction", True),
-                clip_norm=opts.get("clip", 0.0), values="fp16" if opts.get("fp16") else "fp32")
+                clip_norm=opts.get("clip", 0.0),
+                values={False: "fp32", True: "fp16"}.get(opts.get("fp16", False),
+                                                         opts.get("fp16")))
     c = DGC(**spec)
     c.set_momentum({"w": m})
     gen = torch.Generator().manual_seed(3)
@@ -341,7 +357,7 @@ def test_topk_ties_and_minimum_one():
     assert sent(c, c.encode(x, k), k) == ([1], [float(F32(-0.7))])
 
 
-@pytest.mark.parametrize("values", ["fp32", "fp16"])
+@pytest.mark.parametrize("values", ["fp32", "fp16", "int8", "int4"])
 def test_topk_error_feedback_matches_numpy(values):
     c = TopK(density=0.02, values=values)
     gen = torch.Generator().manual_seed(1)
@@ -355,7 +371,7 @@ def test_topk_error_feedback_matches_numpy(values):
         p = (g.numpy().reshape(-1) + e).astype(F32)
         idx = np_topk(p, 40)
         want = np.zeros(2000, F32)
-        want[idx] = np_values(p[idx], values == "fp16")
+        want[idx] = np_values(p[idx], values)
         assert np.array_equal(out, want), step
         e = p - want
         assert np.array_equal(c.residual("t").numpy().reshape(-1), e)
@@ -460,7 +476,8 @@ def test_randk_error_feedback_residual():
 SPECS = ["topk:density=0.01", "randk:density=0.01", "dgc:density=0.01,momentum=0.9",
          "topk:density=0.01,values=fp16", "randk:density=0.01,values=fp16,unbiased=true",
          "dgc:density=0.01,values=fp16,momentum=0.9,clip_norm=1,warmup_epochs=2,"
-         "steps_per_epoch=2"]
+         "steps_per_epoch=2", "topk:density=0.01,values=int4", "randk:density=0.05,values=int8",
+         "dgc:density=0.01,values=int8,momentum=0.9"]
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -141,7 +141,8 @@ def test_flat_or_refused(monkeypatch):
 
 @pytest.mark.parametrize("hosts", ["0,0,1,1", "0,0,0,1,1,1"])
 @pytest.mark.parametrize("spec", ["alq:bits=3,bucket_size=128", "dgc:density=0.05",
-                                  "topk:density=0.1", "psq:bits=4"])
+                                  "topk:density=0.1", "topk:density=0.1,values=int4",
+                                  "psq:bits=4"])
 def test_reduce_scatter_across_hosts(monkeypatch, hosts, spec):
     """collective="reduce_scatter": the host means of each local rank's pieces go through
     the reduce-scatter among the hosts; the averages equal tests/mpi/scatter_reference.py's

@@ -30,7 +30,8 @@ from hvdcomp.codecs.sparse_vectors import decode_indices
 MOM = 0.9
 EXCHANGE_SPECS = ["topk:density=0.01", "randk:density=0.02,values=fp16,unbiased=true",
                   "dgc:density=0.01,momentum=0.9,clip_norm=5",
-                  "dgc:density=0.005,values=fp16,warmup_epochs=2,steps_per_epoch=1"]
+                  "dgc:density=0.005,values=fp16,warmup_epochs=2,steps_per_epoch=1",
+                  "topk:density=0.02,values=int8"]
 OPTIMIZER_SPECS = ["dgc:density=0.05",
                    "dgc:density=0.02,values=fp16,clip_norm=2,warmup_epochs=2,steps_per_epoch=2",
                    "dgc:density=0.05,momentum_correction=false",
