@@ -3,7 +3,8 @@
     nice -n 10 .venv/bin/python bench/bits_variance.py [--draws 3] [--out PREFIX]
 
 Real gradients: FC-300-100 and the small CNN of bench/common.py trained on the main job's
-MNIST digits (one process, plain SGD), at steps 0, 100 and 400 of the run; the tensors with
+MNIST digits (one process, plain SGD), and the real task's Fashion-MNIST CNN
+(examples/fashion.py, 3.27 M parameters, batch 64), at steps 0, 100 and 400 of the run; the tensors with
 at least 1,024 elements and two or more dimensions (what the drop-in compresses). For every
 method and setting, one operating point per gradient:
 
@@ -19,9 +20,10 @@ method and setting, one operating point per gradient:
 Methods: hvdcomp's QSGD (2-8 bits), QSGDinf, NUQSGD, ALQ and AMQ (L2 and L-inf bucket norms;
 levels fitted to the gradient as the refit during training does) at 2-5 bits, all with bucket
 1024, packed and rANS-coded (``entropy=True``); TernGrad; EF-SignSGD's scaled sign; top-k and
-DGC at densities 0.1 %-40 % with fp32 and fp16 values (indices Golomb-Rice coded: the only
+DGC at densities 0.1 %-40 % with fp32, fp16, int8 and int4 values (``values=int8/int4``:
+a float32 scale per 256 values, rounded to nearest; indices Golomb-Rice coded: the only
 index coding hvdcomp has); top-k whose values are re-quantized by a second hvdcomp message (a
-composition made in this bench: hvdcomp's top-k has no quantized-value setting); PowerSGD
+composition made in this bench, with ALQ-inf or QSGDinf levels and rANS); PowerSGD
 (Vogels et al., NeurIPS 2019, Alg. 1) at ranks 1, 2, 4, 8, 16 from the plain PyTorch reference
 below, P and Q in fp32 (PyTorch's hook) or fp16; and CGX's quantizer (stochastic max-min,
 Markov et al. 2022; its README: "basic stochastic max-min uniform quantization") whose exact
@@ -60,7 +62,31 @@ TARGET_BITS = 2.0
 DENSITIES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.25, 0.3, 0.4)
 RANKS = (1, 2, 4, 8, 16)
 MODELS = (("FC-300-100", FC300100, 32), ("SmallCNN", SmallCNN, 32),
-          ("FC-300-100 batch 256", FC300100, 256))
+          ("FC-300-100 batch 256", FC300100, 256), ("Fashion-MNIST CNN", None, 64))
+
+
+def fashion_gradients(points, batch=64, lr=0.05, seed=0):
+    """As common.training_gradients, for the real task's model (examples/fashion.py's
+    FashionCNN, 3.27 M parameters) trained on Fashion-MNIST (bench/real_task.py's
+    settings: batch 64, lr 0.05, momentum 0.9)."""
+    import torch.nn.functional as F
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "examples"))
+    import fashion
+    torch.manual_seed(seed)
+    x, y, _, _ = fashion.load()
+    model = fashion.FashionCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for step in range(max(points) + 1):
+        idx = torch.randint(0, len(x), (batch,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(fashion.normalize(x[idx])), y[idx]).backward()
+        if step in points:
+            out[step] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+    return out
 
 
 # --- plain PyTorch references -----------------------------------------------------------------
@@ -322,7 +348,7 @@ def gradient_rows(model, step, grads, history, draws):
                                  nerr_ef=ef_error(lambda: hvdcomp.get(spec), history, grads)),
             True)
     for d in DENSITIES:
-        for values in ("fp32", "fp16"):
+        for values in ("fp32", "fp16", "int8", "int4"):
             spec = f"topk:density={d},values={values}"
             add("topk", spec, dict(measure(lambda: hvdcomp.get(spec), grads, 1, sq),
                                    nerr_ef=ef_error(lambda: hvdcomp.get(spec), history, grads)),
@@ -410,6 +436,8 @@ PLOT_SERIES = [   # (label, which rows, error kind)
     ("top-k fp32", _is("topk", has="fp32"), "nerr"),
     ("top-k fp16", _is("topk", has="fp16"), "nerr"),
     ("top-k fp16, EF steady state", _is("topk", has="fp16"), "nerr_ef"),
+    ("top-k int4", _is("topk", has="int4"), "nerr"),
+    ("top-k int4, EF steady state", _is("topk", has="int4"), "nerr_ef"),
     ("top-k + QSGDinf 8b values (bench)", _is("topk+quantized values", has="qsgdinf:bits=8"),
      "nerr"),
     ("top-k + ALQ-inf 5b rANS values (bench)",
@@ -425,7 +453,7 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     keys = [(v["model"], v["step"]) for v in verdict(rows)]
-    fig, axes = plt.subplots(3, 3, figsize=(18, 16), squeeze=False)
+    fig, axes = plt.subplots(4, 3, figsize=(18, 21), squeeze=False)
     cmap = plt.get_cmap("tab20")
     for ax, (model, step) in zip(axes.flat, keys):
         g = [r for r in rows if r["model"] == model and r["step"] == step]
@@ -543,7 +571,8 @@ def main():
     rows = []
     points = sorted({s - k for s in STEPS for k in range(WARM + 1) if s - k >= 0})
     for model, fn, batch in MODELS:
-        run = training_gradients(fn, points=points, batch=batch)
+        run = (fashion_gradients(points, batch) if fn is None else
+               training_gradients(fn, points=points, batch=batch))
         for step in STEPS:
             hist = [compressible(run[s]) for s in range(max(0, step - WARM), step)]
             rows += gradient_rows(model, step, compressible(run[step]), hist, args.draws)

@@ -93,6 +93,10 @@ ROWS = {
     # why the warm-up loses accuracy here: its dense stages with masking drop momentum
     "DGC 0.1% warm-up without masking": f"dgc:density=0.001,{DGC_WARMUP},masking=0",
     "top-k 0.1%": "topk:density=0.001",
+    # sparsification with quantized values (#22: top-k with quantized values)
+    "top-k 1%": "topk:density=0.01",
+    "top-k 1% int8": "topk:density=0.01,values=int8",
+    "top-k 1% int4": "topk:density=0.01,values=int4",
     "PSQ 4b": "psq:bits=4",
     "BHQ 4b": "bhq:bits=4",
     "DQSG 4b": "dqsg:bits=4",
