@@ -3,6 +3,7 @@ on emulated hosts of K ranks each, and the scaling model refitted with them.
 
     nice -n 5 .venv/bin/python bench/scaling_hier.py --hosts 2,4 --ranks-per-host 2 --rates 1gbit
     .venv/bin/python bench/scaling_hier.py --fit        # refit the model, rewrite the .md
+                                                        # (on --cells, default FIT_CELLS)
 
 Each cell (model, hosts, ranks per host, rate) runs `launch/cluster --ranks-per-host K HOSTS
 RATE -- launch/run -np HOSTS*K python bench/scaling_hier.py --worker ...`: each host a
@@ -237,16 +238,29 @@ def table():
 MARK = "<!-- above: written by hand; below: bench/scaling_hier.py --fit rewrites it -->"
 
 
-def report():
+#: The runs the model is fitted on (bench/results/<stem>.json): the cells measured on the
+#: current code (after the in-host stages carry raw float32, 2026-12-03).
+FIT_CELLS = ("scaling_hier_1203", "scaling_hier_recheck_1203")
+
+
+def report(cells=FIT_CELLS):
     """Rewrite the model's part of RESULTS.md (the cells, the targets, the fit), below
-    MARK; what is above MARK (the current numbers and re-checks, written by hand) stays."""
+    MARK; what is above MARK (the current numbers and re-checks, written by hand) stays.
+    The model is fitted on the rows of ``cells`` (stems in bench/results) and
+    bench/results/scaling.json."""
     from scaling_model import render_hier
-    text = render_hier([summarize(r) for r in load()])
+    page = RESULTS
+    rows = []
+    for stem in cells:
+        use_results(stem)
+        rows += [summarize(r) for r in load()]
+    use_results(os.path.basename(page))
+    text = render_hier(rows)
     old = open(RESULTS + ".md").read() if os.path.exists(RESULTS + ".md") else ""
     if MARK in old:
         _, body = text.split("\n", 1)
-        text = (old[:old.index(MARK) + len(MARK)] + "\n\n## The cells of 2026-12-02 and the "
-                "model\n" + body)
+        text = (old[:old.index(MARK) + len(MARK)] + "\n\n## The cells the model is fitted "
+                f"on ({', '.join(f'{c}.json' for c in cells)}) and the model\n" + body)
     with open(RESULTS + ".md", "w") as f:
         f.write(text)
 
@@ -269,12 +283,15 @@ def main():
     ap.add_argument("--results", default="scaling_hier",
                     help="keep the rows in bench/results/RESULTS.json (another name: a run "
                          "kept apart from the fitted cells, with its own table)")
+    ap.add_argument("--cells", default=",".join(FIT_CELLS),
+                    help="--fit: the runs (bench/results/<stem>.json, comma-separated) to "
+                         "fit the model on")
     args = ap.parse_args()
     use_results(args.results)
     if args.worker:
         worker(args)
     elif args.fit:
-        report()
+        report(tuple(args.cells.split(",")))
     else:
         driver(args)
 

@@ -246,7 +246,7 @@ def account(model: str, method: str, n: int, k: int = 1) -> Dict[str, float]:
 
 PARAMS = ("alpha", "beta_ar_1gbit", "beta_ar_10gbit", "gamma", "e_alq", "d_alq", "e_dgc",
           "d_dgc", "e0", "d0", "c16", "beta_host")
-RATE_BITS = {"1gbit": 1e9, "10gbit": 1e10}
+RATE_BITS = {"100mbit": 1e8, "1gbit": 1e9, "10gbit": 1e10}
 
 
 def _link(a: Dict[str, float], rate: str) -> float:
@@ -263,7 +263,7 @@ def _features(a: Dict[str, float], method: str, rate: str, kappa: float) -> np.n
     fam, _ = _method(method)
     x = np.zeros(len(PARAMS))
     x[0] = a["steps"]
-    x[1 if rate == "1gbit" else 2] = a["ar_bytes"]
+    x[2 if rate == "10gbit" else 1] = a["ar_bytes"]     # 100 Mbit/s: 1 Gbit/s's beta_ar
     x[3] = kappa * a["tcp"]
     if fam is not None:
         off = 4 if fam == "alq" else 6
@@ -872,7 +872,8 @@ def _variants(p: Dict[str, float]) -> List[Tuple[str, Dict[str, float]]]:
     q = dict(p, beta_host=1.0 / SHM_RATE)
     pc = piece_costs_one_call()
     return [("as fitted (beta_host: this machine's shared memory, contended; e0, d0: "
-             "per piece with the exchange's framing, fitted before the one-call encoding)", p),
+             "per piece, the exchange's framing and whatever else grows with the pieces "
+             "in 2 to 4 hosts' cells)", p),
             (f"in-host copies at {SHM_RATE / 1e9:g} GB/s per rank", q),
             (f"in-host at {SHM_RATE / 1e9:g} GB/s and e0 = {1e6 * pc['encode']:.1f} us, "
              f"d0 = {1e6 * pc['decode']:.1f} us per piece (the one-call codec alone, CPU "
