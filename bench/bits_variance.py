@@ -550,6 +550,68 @@ def report_md(res) -> str:
     return "\n".join(out) + "\n"
 
 
+#: The verdict's column groups: (heading, methods).  Top-k's values=int8 / int4 are
+#: hvdcomp settings; "topk+quantized values" and "powersgd" are this bench's compositions.
+GROUPS = (("hvdcomp quantizers", ("qsgd", "qsgdinf", "nuqsgd", "alq", "alq-inf", "amq",
+                                  "amq-inf", "terngrad")),
+          ("hvdcomp top-k (fp32/fp16/int8/int4 values) / DGC / EF-sign",
+           ("topk", "dgc", "signef")),
+          ("top-k + quantized values (bench)", ("topk+quantized values",)),
+          ("PowerSGD (bench)", ("powersgd",)))
+
+
+def _short(r) -> str:
+    """A row's setting in a few words: "qsgdinf 3b rANS", "top-k d=0.25 int4"."""
+    m, st = r["method"], r["setting"]
+    if m in ("topk", "dgc"):
+        kv = dict(x.split("=") for x in st.split(":", 1)[1].split(","))
+        return f"{'top-k' if m == 'topk' else 'DGC'} d={kv['density']} {kv['values']}"
+    if m == "signef":
+        return "EF-sign"
+    if m == "terngrad":
+        return "terngrad" + (" rANS" if "entropy=True" in st else "")
+    if m == "powersgd":
+        return st.replace(",", " ")
+    if m == "topk+quantized values":
+        d, q = st.split(" + ")
+        return (f"d={d.split('=')[1]} + {q.split(':')[0]} {q.split('bits=')[1].split(',')[0]}b"
+                + (" rANS" if "entropy=True" in q else ""))
+    bits = st.split("bits=")[1].split(",")[0]
+    return f"{m} {bits}b" + (" rANS" if "entropy=True" in st else "")
+
+
+def verdict_md(verdicts, steady: bool) -> str:
+    """The verdict table of target (c): per gradient and column group, the lowest error at
+    <= 2.0 bits (bits, setting), whether it is at most CGX 4 bits' error (else the ratio),
+    and the fewest bits at which the group reaches CGX's error ("> tested": nowhere in its
+    settings).  ``steady``: error feedback in its steady state (rows after step 0, the
+    unbiased quantizers left out: their error is the same)."""
+    kind, reading = ("nerr_ef", "cgx_ef") if steady else ("nerr", "cgx")
+    groups = GROUPS[1:] if steady else GROUPS
+    out = ["| gradient | CGX 4b error | " + " | ".join(g for g, _ in groups) + " |",
+           "|---|---|" + "---|" * len(groups)]
+    for v in verdicts:
+        if steady and v["step"] == 0:
+            continue
+        ref = v["ref_cgx4"]["nerr"]
+        cells = []
+        for _, names in groups:
+            ms = [v["methods"][m] for m in names if m in v["methods"]]
+            best = [m["best_under_2bits"].get(kind) for m in ms]
+            best = min((b for b in best if b), key=lambda b: err(b, kind), default=None)
+            few = [m["fewest_bits"].get(reading) for m in ms]
+            few = min((f for f in few if f), key=lambda f: f["bits"], default=None)
+            if best is None:
+                cells.append("-")
+                continue
+            e = err(best, kind)
+            ok = "**yes**" if e <= ref else f"no ({e / ref:.2f}x)"
+            need = f"needs {few['bits']:.2f}" if few else "> tested"
+            cells.append(f"{e:.3g} @ {best['bits']:.2f} ({_short(best)}): {ok}; {need}")
+        out.append(f"| {v['model']} {v['step']} | {ref:.3g} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
 def _brief(v):
     """A verdict entry for the JSON: its rows by method, setting, bits and errors."""
     def row(r):
@@ -565,7 +627,16 @@ def main():
     ap.add_argument("--draws", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "bits_variance"))
+    ap.add_argument("--verdict", action="store_true",
+                    help="print the verdict tables of <out>.json (bits_variance.md quotes "
+                         "them), measure nothing")
     args = ap.parse_args()
+    if args.verdict:
+        with open(args.out + ".json") as f:
+            ver = json.load(f)["verdict"]
+        print("**First step:**\n\n" + verdict_md(ver, False) + "\n**Error feedback in its "
+              "steady state**:\n\n" + verdict_md(ver, True))
+        return
     torch.set_num_threads(1)
     t0 = time.time()
     rows = []
