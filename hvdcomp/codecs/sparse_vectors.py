@@ -61,7 +61,7 @@ senders of these messages keep the rounding error as error feedback):
     decoded value = (q / Q) * s       float32, in this order (no overflow, no division by 0)
 
     offset    size                field
-    0         4 ceil(m / 256)     the scales, float32 little-endian, finite, >= 0
+    0         4 ceil(m / 256)     the scales, float32 little-endian, finite, >= 0 (not -0)
     4 nb      ceil(m bits / 8)    the codes u = q + Q in [0, 2Q], ``bits`` each, LSB-first
                                   (value j in stream bits [j bits, (j + 1) bits)); unused
                                   high bits of the last byte zero
@@ -75,7 +75,8 @@ k > 62, m > numel, m = 0 with anything after the count or k != 0, fewer than m z
 the unary stream, a unary stream longer than its last terminator's byte or with nonzero
 padding, nonzero padding bits in the remainders, an index at or beyond numel, a value
 section of the wrong length, non-finite values; for quantized values also a scale that is
-negative or not finite, a code above 2Q, nonzero padding bits.
+negative (-0 included) or not finite, a code above 2Q, a nonzero code in a block of scale 0,
+nonzero padding bits.
 
 Example::
 
@@ -143,11 +144,14 @@ def _block_scales(v: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
-    """(q / Q) * s per value, float32, from codes u = q + Q (any integer dtype)."""
-    Q = float(2 ** (bits - 1) - 1)
-    q = codes.to(torch.float32) - Q
-    s = scales.repeat_interleave(VALUE_BLOCK)[:codes.numel()]
-    return (q / Q) * s
+    """(q / Q) * s per value, float32, on the codes' device, from codes u = q + Q (any
+    integer dtype).  q / Q comes from a table divided on the host: CUDA divides a tensor by
+    a number as a multiplication by its reciprocal, which differs in the last bit for some
+    q, and a GPU sender must keep in its residual exactly what the receivers decode."""
+    Q = 2 ** (bits - 1) - 1
+    levels = (torch.arange(2 * Q + 1, dtype=torch.float32) - Q) / Q        # on the host
+    s = scales.to(codes.device).repeat_interleave(VALUE_BLOCK)[:codes.numel()]
+    return levels.to(codes.device)[codes.long()] * s
 
 
 def _encode_quantized(v: torch.Tensor, bits: int) -> Tuple[np.ndarray, torch.Tensor]:
@@ -216,7 +220,7 @@ def _decode_quantized(b: np.ndarray, count: int, bits: int) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.float32)
     nb = -(-count // VALUE_BLOCK)
     scales = np.frombuffer(b[:4 * nb].tobytes(), dtype="<f4").astype(np.float32)
-    if not (np.isfinite(scales).all() and (scales >= 0).all()):
+    if not (np.isfinite(scales).all() and (scales >= 0).all()) or np.signbit(scales).any():
         raise WireFormatError("values section: a block scale is negative, NaN or Inf")
     raw = b[4 * nb:]
     if bits == 4:
@@ -227,7 +231,10 @@ def _decode_quantized(b: np.ndarray, count: int, bits: int) -> torch.Tensor:
         u = u[:count]
     else:
         u = raw
-    if int(u.max()) > 2 * (2 ** (bits - 1) - 1):
-        raise WireFormatError(f"values section: a code above {2 * (2 ** (bits - 1) - 1)} "
-                              f"({bits}-bit values)")
+    Q = 2 ** (bits - 1) - 1
+    if int(u.max()) > 2 * Q:
+        raise WireFormatError(f"values section: a code above {2 * Q} ({bits}-bit values)")
+    zero = np.repeat(scales == 0, VALUE_BLOCK)[:count]
+    if (u[zero] != Q).any():
+        raise WireFormatError("values section: a block of scale 0 with a nonzero value")
     return _dequantize(torch.from_numpy(u.astype(np.int16)), torch.from_numpy(scales), bits)

@@ -20,8 +20,9 @@ Common to the three (``n`` = numel, everything float32 unless stated):
   all-zero tensor, or one with fewer than k nonzeros, sends fewer (possibly 0) coordinates.
 * Error feedback (Stich et al., Algorithm 1; DGC's local accumulation): the sender keeps,
   per parameter name (``TensorKey.name``), the part of ``p = g + e`` it did not send:
-  ``e <- p - decoded`` (0 at sent coordinates with fp32 values; the float16 rounding error
-  with fp16 values).  Nothing is lost, only delayed: ``sum_t decoded_t = sum_t g_t - e_T``.
+  ``e <- p - decoded`` (0 at sent coordinates with fp32 values; the rounding error with
+  fp16, int8 and int4 values).  Nothing is lost, only delayed:
+  ``sum_t decoded_t = sum_t g_t - e_T``.
 * Values are sent as float32, float16 (``values="fp16"``: clamped to +-65504 then rounded)
   or quantized to 8 or 4 bits (``values="int8"`` / ``"int4"``: per block of 256 values a
   float32 scale, each value rounded to nearest on a uniform grid of 255 or 15 levels,
@@ -54,11 +55,13 @@ encodings are hvdcomp.codecs.sparse_vectors's):
                 section 1  values: m float32/float16, little-endian, in index order (8 and
                            4 bits: ceil(m / 256) float32 scales, then the packed codes)
                 payload  ~ m * (bits + log2(n / m) + 1.5) / 8 bytes, plus 5 (or 9) bytes
+                (8 and 4 bits: plus 4 bytes per 256 values)
     randk:      section 0  values only: k values in the order of the indices
                 (ascending), or EMPTY when all k values are zero.  No indices: every
                 receiver regenerates them from the sender's key
                 (hvdcomp.ops.sparsify.random_indices).
-                payload = k * bits / 8 bytes (or 0)
+                payload = k * bits / 8 bytes (8 and 4 bits: rounded up, plus 4 bytes
+                per 256 values), or 0
     NONFINITE:  no sections.
 
 Whole-message cost: 52 + 8 * (ndim + nsections) header bytes (84 for a matrix with two
@@ -311,7 +314,8 @@ class TopK(_Residuals):
       density: fraction of coordinates sent, in (0, 1] (default 0.001).
       values: "fp32" (default), "fp16", "int8" or "int4" (8 or 4 bits a
         value, the nearest of 255 / 15 levels between -s and s, s the largest
-        magnitude of its block of 256; the rounding error stays in e).
+        magnitude of its block of 256; with error feedback the rounding error
+        stays in e).
       error_feedback: keep the residual e per parameter name (default True); False sends
         the top-k of g and drops the rest.
     Raises ValueError for invalid settings.
@@ -464,7 +468,8 @@ class DGC(MomentumCorrection, _Sparse):
       density: final fraction of coordinates sent, in (0, 1] (default 0.001, the paper's).
       values: "fp32" (default), "fp16", "int8" or "int4" (8 or 4 bits a
         value, the nearest of 255 / 15 levels between -s and s, s the largest
-        magnitude of its block of 256; the rounding error stays in v).
+        magnitude of its block of 256; with accumulation the rounding error
+        stays in v).
       sample_ratio: fraction of coordinates sampled for the threshold, in [0, 1] (paper:
         0.001-0.01; default 0.01); 0: exact top-k without sampling.
       exact_k: guarantee exactly min(k, nonzeros) coordinates (default True); False: one

@@ -444,6 +444,21 @@ def test_quantized_values_blocks_and_error(bits):
     assert torch.equal(dec, (q / Q) * s)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_levels_are_true_divisions(bits):
+    # every level q / Q is the correctly rounded float32 quotient (NumPy's), not a
+    # multiplication by 1 / Q (which CUDA uses for a tensor divided by a number, and which
+    # differs in the last bit for some q: a GPU sender's residual would then differ from
+    # what the receivers decode)
+    Q = 2 ** (bits - 1) - 1
+    v = torch.tensor([float(q) for q in range(-Q, Q + 1)])
+    sec, dec = encode_values(v, bits)                    # scale Q: codes q + Q, values q / Q * Q
+    want = np.array([np.float32(q) / np.float32(Q) for q in range(-Q, Q + 1)],
+                    np.float32) * np.float32(Q)
+    assert np.array_equal(dec.numpy(), want)
+    assert np.array_equal(decode_values(sec, v.numel(), bits).numpy(), want)
+
+
 def test_bad_quantized_value_sections_raise():
     good = struct.pack("<f", 2.0) + bytes([159, 63, 254])
     assert decode_values(good, 3, 8).numel() == 3
@@ -454,6 +469,12 @@ def test_bad_quantized_value_sections_raise():
                      (good[:4] + bytes([159, 63, 255]), "code above 254")]:
         with pytest.raises(WireFormatError, match=why):
             decode_values(bad, 3, 8)
+    # a -0 scale, and a block of scale 0 with a nonzero code: never sent by the encoder
+    with pytest.raises(WireFormatError, match="scale"):
+        decode_values(struct.pack("<f", -0.0) + bytes([127, 127, 127]), 3, 8)
+    with pytest.raises(WireFormatError, match="scale 0"):
+        decode_values(struct.pack("<f", 0.0) + bytes([127, 128, 127]), 3, 8)
+    assert decode_values(struct.pack("<f", 0.0) + bytes([127] * 3), 3, 8).tolist() == [0.0] * 3
     good4 = struct.pack("<f", 2.0) + bytes([0x39, 0x0E])
     with pytest.raises(WireFormatError, match="padding"):
         decode_values(good4[:-1] + bytes([0x1E]), 3, 4)
