@@ -365,7 +365,12 @@ def test_sparsify_threshold_walk_equals_select(host):
 @pytest.mark.parametrize("spec", ["dgc:density=0.001", "dgc:density=0.01,values=fp16",
                                   "dgc:density=0.02,exact_k=False,clip_norm=0.01",
                                   "dgc:density=0.01,accumulate=False",
-                                  "topk:density=0.01", "randk:density=0.05,unbiased=True"])
+                                  "topk:density=0.01", "randk:density=0.05,unbiased=True",
+                                  # quantized values: the GPU sender's residual must hold
+                                  # exactly what the (host) receivers decode
+                                  "topk:density=0.01,values=int4",
+                                  "dgc:density=0.01,values=int8",
+                                  "randk:density=0.05,values=int8"])
 def test_gpu_equals_reference(cuda_backend, spec):
     grads = _grads((300, 257), 3)
     mom = 0.9 if spec.startswith("dgc") else None
