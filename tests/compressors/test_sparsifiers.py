@@ -655,6 +655,25 @@ def test_non_contiguous_and_empty():
     out = roundtrip(c, c.encode(x, k), k)
     assert torch.equal(out[torch.from_numpy(np_topk(x.reshape(-1).numpy(), 30))],
                        x.reshape(-1)[torch.from_numpy(np_topk(x.reshape(-1).numpy(), 30))])
-    for c in (TopK(), RandK(), DGC()):
+    for c in (TopK(), RandK(), DGC(), TopK(values="int4"), RandK(values="int8"),
+              DGC(values="int4")):
         msg = c.encode(torch.zeros(0, 5), key("e"))
         assert roundtrip(c, msg, key("e")).numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("values", ["int8", "int4"])
+def test_quantized_values_of_other_dtypes_and_layouts(dtype, values):
+    # a half-precision / double, non-contiguous gradient: its float32 values, selected and
+    # quantized as the NumPy reference does; a 1-element tensor sends its one value exactly
+    x = torch.randn(30, 20, generator=torch.Generator().manual_seed(2)).t().to(dtype)
+    c = TopK(density=0.1, values=values)
+    k = key()
+    out = roundtrip(c, c.encode(x, k), k).numpy()
+    xf = x.float().reshape(-1).numpy()
+    idx = np_topk(xf, 60)
+    want = np.zeros(600, F32)
+    want[idx] = np_values(xf[idx], values)
+    assert np.array_equal(out, want)
+    one = torch.tensor([-3.25], dtype=dtype)
+    assert roundtrip(c, c.encode(one, key("one")), key("one")).tolist() == [-3.25]
