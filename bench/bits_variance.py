@@ -66,27 +66,15 @@ MODELS = (("FC-300-100", FC300100, 32), ("SmallCNN", SmallCNN, 32),
 
 
 def fashion_gradients(points, batch=64, lr=0.05, seed=0):
-    """As common.training_gradients, for the real task's model (examples/fashion.py's
-    FashionCNN, 3.27 M parameters) trained on Fashion-MNIST (bench/real_task.py's
-    settings: batch 64, lr 0.05, momentum 0.9)."""
-    import torch.nn.functional as F
+    """common.training_gradients for the real task's model (examples/fashion.py's
+    FashionCNN, 3.27 M parameters) on Fashion-MNIST (bench/real_task.py's settings: batch
+    64, lr 0.05, momentum 0.9)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), "examples"))
     import fashion
-    torch.manual_seed(seed)
     x, y, _, _ = fashion.load()
-    model = fashion.FashionCNN()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for step in range(max(points) + 1):
-        idx = torch.randint(0, len(x), (batch,), generator=g)
-        opt.zero_grad()
-        F.cross_entropy(model(fashion.normalize(x[idx])), y[idx]).backward()
-        if step in points:
-            out[step] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-    return out
+    return training_gradients(fashion.FashionCNN, points=points, batch=batch, lr=lr,
+                              seed=seed, data=(x, y, fashion.normalize))
 
 
 # --- plain PyTorch references -----------------------------------------------------------------

@@ -23,12 +23,17 @@ class SmallCNN(nn.Sequential):
                          nn.Flatten(), nn.Linear(512, 10))
 
 
-def training_gradients(model_fn, points=(0, 100, 400), batch=32, lr=0.05, seed=0):
-    """Train ``model_fn()`` with plain SGD on the MNIST digits (one process) and return
-    {step: {name: gradient}} at the given steps: real gradients at several points of a
-    real training run."""
+def training_gradients(model_fn, points=(0, 100, 400), batch=32, lr=0.05, seed=0, data=None):
+    """Train ``model_fn()`` with SGD (momentum 0.9) on the MNIST digits (one process) and
+    return {step: {name: gradient}} at the given steps: real gradients at several points of
+    a real training run.  ``data``: another training set, ``(x, y, prepare)`` with
+    ``prepare(x[idx])`` the model's input (e.g. Fashion-MNIST's images and its normalize)."""
     torch.manual_seed(seed)
-    x, y, _, _ = load_digits(seed)
+    if data is None:
+        x, y, _, _ = load_digits(seed)
+        prepare = None
+    else:
+        x, y, prepare = data
     model = model_fn()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     g = torch.Generator().manual_seed(seed)
@@ -36,7 +41,8 @@ def training_gradients(model_fn, points=(0, 100, 400), batch=32, lr=0.05, seed=0
     for step in range(max(points) + 1):
         idx = torch.randint(0, len(x), (batch,), generator=g)
         opt.zero_grad()
-        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        inp = x[idx] if prepare is None else prepare(x[idx])
+        F.cross_entropy(model(inp), y[idx]).backward()
         if step in points:
             out[step] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
