@@ -239,8 +239,8 @@ MARK = "<!-- above: written by hand; below: bench/scaling_hier.py --fit rewrites
 
 
 #: The runs the model is fitted on (bench/results/<stem>.json): the cells measured on the
-#: current code (after the in-host stages carry raw float32, 2026-12-03).
-FIT_CELLS = ("scaling_hier_1203", "scaling_hier_recheck_1203")
+#: current code (after the in-host stages carry raw float32, 2026-12-03; 2 and 4 ranks per host).
+FIT_CELLS = ("scaling_hier_1203", "scaling_hier_recheck_1203", "scaling_hier_4rph")
 
 
 def report(cells=FIT_CELLS):
