@@ -1,11 +1,11 @@
-"""Sparse vectors on the wire: Golomb-Rice coded index gaps and fp32/fp16 values.
+"""Sparse vectors on the wire: Golomb-Rice coded index gaps and fp32 / fp16 / 8- or 4-bit values.
 
 The sparsifying compressors (hvdcomp.compressors.sparsifiers: ``topk``, ``randk``,
 ``dgc``) send ``m`` selected coordinates of a tensor of ``numel`` elements.  DGC's paper
 (Lin et al., ICLR 2018, arXiv 1712.01887) sends 32-bit values plus 16-bit run lengths of
 zeros, i.e. 48 bits per selected coordinate.  Here the indices cost about
-``log2(numel / m) + 1.5`` bits each (about 11.5 bits at density 0.1 %) and the values 32 or
-16 bits.
+``log2(numel / m) + 1.5`` bits each (about 11.5 bits at density 0.1 %) and the values 32,
+16, 8.125 or 4.125 bits.
 
 Index section (``encode_indices`` / ``decode_indices``; all integers little-endian)
 ---------------------------------------------------------------------------------------
