@@ -92,7 +92,7 @@ import numpy as np
 import torch
 
 from ..errors import WireFormatError
-from ..ops import rice
+from ..ops import bitpack, rice
 
 __all__ = ["encode_indices", "decode_indices", "encode_values", "decode_values",
            "VALUE_BITS", "VALUE_BLOCK", "FP16_MAX", "values_bytes"]
@@ -131,11 +131,11 @@ def values_bytes(count: int, bits: int) -> int:
     """Bytes of the values section of ``count`` values at ``bits`` (module docstring)."""
     if bits >= 16:
         return count * bits // 8
-    return 4 * -(-count // VALUE_BLOCK) + -(-count * bits // 8)
+    return 4 * -(-count // VALUE_BLOCK) + bitpack.packed_size(count, bits)
 
 
 def _block_scales(v: torch.Tensor) -> torch.Tensor:
-    """Per value, the largest magnitude of its block of VALUE_BLOCK (float32, v's device)."""
+    """Per block of VALUE_BLOCK values, its largest magnitude (float32, v's device)."""
     m = v.numel()
     nb = -(-m // VALUE_BLOCK)
     pad = torch.zeros(nb * VALUE_BLOCK, dtype=torch.float32, device=v.device)
@@ -143,15 +143,15 @@ def _block_scales(v: torch.Tensor) -> torch.Tensor:
     return pad.view(nb, VALUE_BLOCK).amax(dim=1)
 
 
-def _dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+def _dequantize(codes: torch.Tensor, s: torch.Tensor, bits: int) -> torch.Tensor:
     """(q / Q) * s per value, float32, on the codes' device, from codes u = q + Q (any
-    integer dtype).  q / Q comes from a table divided on the host: CUDA divides a tensor by
-    a number as a multiplication by its reciprocal, which differs in the last bit for some
-    q, and a GPU sender must keep in its residual exactly what the receivers decode."""
+    integer dtype) and ``s`` each value's block scale.  q / Q comes from a table divided
+    on the host: CUDA divides a tensor by a number as a multiplication by its reciprocal,
+    which differs in the last bit for some q, and a GPU sender must keep in its residual
+    exactly what the receivers decode."""
     Q = 2 ** (bits - 1) - 1
     levels = (torch.arange(2 * Q + 1, dtype=torch.float32) - Q) / Q        # on the host
-    s = scales.to(codes.device).repeat_interleave(VALUE_BLOCK)[:codes.numel()]
-    return levels.to(codes.device)[codes.long()] * s
+    return levels.to(codes.device)[codes.long()] * s.to(codes.device)
 
 
 def _encode_quantized(v: torch.Tensor, bits: int) -> Tuple[np.ndarray, torch.Tensor]:
@@ -161,18 +161,12 @@ def _encode_quantized(v: torch.Tensor, bits: int) -> Tuple[np.ndarray, torch.Ten
         return np.zeros(0, dtype=np.uint8), v
     scales = _block_scales(v)
     s = scales.repeat_interleave(VALUE_BLOCK)[:m]
-    t = torch.where(s > 0, v / torch.where(s > 0, s, torch.ones_like(s)),
-                    torch.zeros_like(v))
+    # a block of scale 0 holds zeros only: divided by 1 they stay (+-) 0, code Q
+    t = v / torch.where(s > 0, s, torch.ones_like(s))
     u = (torch.round(t * float(Q)).clamp(-Q, Q) + Q).to(torch.uint8)
-    if bits == 4:
-        if m % 2:
-            u = torch.cat([u, u.new_zeros(1)])
-        packed = u[0::2] | (u[1::2] << 4)
-    else:
-        packed = u
     sec = np.concatenate([scales.cpu().numpy().astype("<f4").view(np.uint8),
-                          packed.cpu().numpy()])
-    return sec, _dequantize(u[:m], scales, bits)
+                          bitpack.pack_bits(u, bits).cpu().numpy()])
+    return sec, _dequantize(u, s, bits)
 
 
 def encode_values(values: torch.Tensor, bits: int) -> Tuple[np.ndarray, torch.Tensor]:
@@ -222,19 +216,11 @@ def _decode_quantized(b: np.ndarray, count: int, bits: int) -> torch.Tensor:
     scales = np.frombuffer(b[:4 * nb].tobytes(), dtype="<f4").astype(np.float32)
     if not (np.isfinite(scales).all() and (scales >= 0).all()) or np.signbit(scales).any():
         raise WireFormatError("values section: a block scale is negative, NaN or Inf")
-    raw = b[4 * nb:]
-    if bits == 4:
-        if count % 2 and raw[-1] >> 4:
-            raise WireFormatError("values section: nonzero padding bits after the last code")
-        u = np.empty(2 * raw.size, dtype=np.uint8)
-        u[0::2], u[1::2] = raw & 15, raw >> 4
-        u = u[:count]
-    else:
-        u = raw
+    u = rice.unpack_uint(b[4 * nb:], count, bits)           # checks the padding bits
     Q = 2 ** (bits - 1) - 1
     if int(u.max()) > 2 * Q:
         raise WireFormatError(f"values section: a code above {2 * Q} ({bits}-bit values)")
-    zero = np.repeat(scales == 0, VALUE_BLOCK)[:count]
-    if (u[zero] != Q).any():
+    s = np.repeat(scales, VALUE_BLOCK)[:count]
+    if (u[s == 0] != Q).any():
         raise WireFormatError("values section: a block of scale 0 with a nonzero value")
-    return _dequantize(torch.from_numpy(u.astype(np.int16)), torch.from_numpy(scales), bits)
+    return _dequantize(torch.from_numpy(u), torch.from_numpy(s), bits)
