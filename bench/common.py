@@ -29,11 +29,7 @@ def training_gradients(model_fn, points=(0, 100, 400), batch=32, lr=0.05, seed=0
     a real training run.  ``data``: another training set, ``(x, y, prepare)`` with
     ``prepare(x[idx])`` the model's input (e.g. Fashion-MNIST's images and its normalize)."""
     torch.manual_seed(seed)
-    if data is None:
-        x, y, _, _ = load_digits(seed)
-        prepare = None
-    else:
-        x, y, prepare = data
+    x, y, prepare = data or (*load_digits(seed)[:2], lambda b: b)
     model = model_fn()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     g = torch.Generator().manual_seed(seed)
@@ -41,8 +37,7 @@ def training_gradients(model_fn, points=(0, 100, 400), batch=32, lr=0.05, seed=0
     for step in range(max(points) + 1):
         idx = torch.randint(0, len(x), (batch,), generator=g)
         opt.zero_grad()
-        inp = x[idx] if prepare is None else prepare(x[idx])
-        F.cross_entropy(model(inp), y[idx]).backward()
+        F.cross_entropy(model(prepare(x[idx])), y[idx]).backward()
         if step in points:
             out[step] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()

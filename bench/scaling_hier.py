@@ -137,9 +137,11 @@ def use_results(stem: str) -> None:
     RESULTS = os.path.join(ROOT, "bench", "results", stem)
 
 
-def load() -> list:
-    if os.path.exists(RESULTS + ".json"):
-        with open(RESULTS + ".json") as f:
+def load(stem: str = "") -> list:
+    """The rows of this run (RESULTS.json), or of bench/results/<stem>.json."""
+    path = (os.path.join(ROOT, "bench", "results", stem) if stem else RESULTS) + ".json"
+    if os.path.exists(path):
+        with open(path) as f:
             return json.load(f)
     return []
 
@@ -249,13 +251,7 @@ def report(cells=FIT_CELLS):
     The model is fitted on the rows of ``cells`` (stems in bench/results) and
     bench/results/scaling.json."""
     from scaling_model import render_hier
-    page = RESULTS
-    rows = []
-    for stem in cells:
-        use_results(stem)
-        rows += [summarize(r) for r in load()]
-    use_results(os.path.basename(page))
-    text = render_hier(rows)
+    text = render_hier([summarize(r) for stem in cells for r in load(stem)])
     old = open(RESULTS + ".md").read() if os.path.exists(RESULTS + ".md") else ""
     if MARK in old:
         _, body = text.split("\n", 1)

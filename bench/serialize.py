@@ -25,19 +25,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import hvdcomp  # noqa: E402
+from hvdcomp.auto import _best_of as best  # noqa: E402  (best of reps, wall clock)
 from hvdcomp.compressors import TensorKey  # noqa: E402
 from hvdcomp.transport import Outgoing, join_frames  # noqa: E402
 
 CNN = [(32, 1, 5, 5), (32,), (64, 32, 5, 5), (64,), (1024, 3136), (1024,), (10, 1024), (10,)]
-
-
-def best(fn, reps):
-    out = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
 
 
 def old_to_bytes(m):
