@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from ..compressors import Compressor
 from ..log import warn_limited
-from .core import Exchange
+from .core import Exchange, rebuild_flat
 
 __all__ = ["Checkpoints", "FORMAT"]
 
@@ -108,6 +108,7 @@ class Checkpoints:
                                             if s in ex.layer.by_spec})
             ex.layer.load_state_dict(layer)
             ex.layer.adopt(ex.plan)
+            rebuild_flat(ex)
         for c, st in zip(ex.second_stages(), stage_states):
             c.load_state_dict(st)
         self.step = int(state["step"])

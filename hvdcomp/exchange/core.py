@@ -84,7 +84,7 @@ class Exchange(LoopProtocols):
                  check_replicas: bool = True,
                  collective: Optional[str] = None, agreed: bool = False,
                  hierarchy: str = "flat"):
-        self.transport = transport
+        self.transport, self.allreduce = transport, allreduce
         self.rank, self.size = transport.rank, transport.size
         self.seed = int(seed) & 0xFFFFFFFF
         if collective is None:
@@ -101,8 +101,9 @@ class Exchange(LoopProtocols):
                          collective=collective)
         self.collective_setting = collective
         #: a per-layer Auto's planner (:mod:`.layer_plan`), else None; its exchange is flat
-        self.layer, hierarchy = planner(self.plan, hierarchy, transport, allreduce,
-                                        seed=self.seed)
+        self.layer, hierarchy = planner(
+            self.plan, hierarchy, transport, allreduce, seed=self.seed,
+            scatter=collective == "auto" and self.fused and transport.size > 1)
         decides = hierarchy == "auto" and getattr(self.auto, "model", None) is not None
         self.hierarchy = plan_hierarchy(hierarchy, transport, self.compression, collective,
                                         log=not decides)    # Auto's decision: settle logs it
@@ -151,13 +152,8 @@ class Exchange(LoopProtocols):
             self.collective = Hierarchical(transport, allreduce, host, cross, self.averaging,
                                            self.seed, self.entries, len(self.entries),
                                            self.ident, buckets=across)
-        elif any(e.scatter for e in self.entries.values()):
-            self.collective = ReduceScatter(transport, allreduce, self.averaging, self.seed,
-                                            self.buckets, self.entries, len(self.entries),
-                                            self.ident)
         else:
-            self.collective = Allgather(transport, allreduce, self.averaging, self.seed,
-                                        self.ident)
+            self.collective = flat_collective(self)
         self.pipeline = Pipeline(self.buckets, self.entries, self.collective)
         if transport.interprocess:
             shutdown.register(self.pipeline, self.rank)
@@ -243,9 +239,11 @@ class Exchange(LoopProtocols):
 
     def settle_plan(self) -> None:
         """A per-layer Auto's plan, while pending: decided from the first step's gradients
-        and adopted (:meth:`~.layer_plan.LayerPlanner.settle`; collective, between steps)."""
-        if self.layer is not None:
+        and adopted (:meth:`~.layer_plan.LayerPlanner.settle`; collective, between steps),
+        then the collective matched to it (:func:`rebuild_flat`)."""
+        if self.layer is not None and self.layer.pending:
             self.layer.settle(self.plan, self.transport)
+            rebuild_flat(self)
 
     def check_replicas_once(self) -> None:
         """The first time only, if built with ``check_replicas``: compare the parameters'
@@ -289,6 +287,29 @@ class Exchange(LoopProtocols):
         transport = getattr(self.collective, "transport", None)
         if transport is not None:
             transport.close()           # stop listening for farewells
+
+
+def flat_collective(ex: "Exchange"):
+    """A ReduceScatter for the entries of ``ex`` marked ``scatter`` (its layout: theirs, in
+    the fusion buckets), an Allgather when none is."""
+    if any(e.scatter for e in ex.entries.values()):
+        return ReduceScatter(ex.transport, ex.allreduce, ex.averaging, ex.seed, ex.buckets,
+                             ex.entries, len(ex.entries), ex.ident)
+    return Allgather(ex.transport, ex.allreduce, ex.averaging, ex.seed, ex.ident)
+
+
+def rebuild_flat(ex: "Exchange") -> None:
+    """After a per-layer plan was adopted (decided, or loaded from a checkpoint): if the
+    tensors of ``ex`` marked for the reduce-scatter are not those its flat collective
+    serves, build it anew for them (between steps: the pipeline's threads are stopped first
+    and start again with the next call; a hierarchical exchange keeps its collective)."""
+    want = sorted(n for n, e in ex.entries.items() if e.scatter)
+    have = sorted({p.name for p in ex.collective.pieces()}
+                  if isinstance(ex.collective, ReduceScatter) else ())
+    if want == have or isinstance(ex.collective, Hierarchical):
+        return
+    ex.pipeline.stop()
+    ex.collective = ex.pipeline.collective = flat_collective(ex)
 
 
 def report_cuda(named_params: Sequence[Tuple[str, torch.Tensor]], rank: int) -> Optional[bool]:

@@ -10,14 +10,19 @@ chooses, for every tensor that the exchange would compress, one of these candida
   its family at each of ``bits`` (default 2..5), over the allgather;
 * top-k (:class:`hvdcomp.TopK`, error feedback) at each of ``densities``, over the allgather;
 * PowerSGD (:class:`hvdcomp.PowerSGD`) at each of ``ranks``, summed in rounds by the
-  allreduce carrier (:mod:`.rounds`).
+  allreduce carrier (:mod:`.rounds`);
+* where the exchange may take the reduce-scatter (``collective="auto"``, 2 or more ranks,
+  the exchange's own fusion buckets: the drop-in optimizer, not the DDP hook), each
+  quantizer candidate (:func:`scatterable`) over the reduce-scatter as well.
 
 All of these travel together in one exchange: the allgather collective carries each
 tensor's messages with its own compressor, the sums of the casts and the rounds of PowerSGD
-in the same fusion bucket (:class:`~.collective.Allgather`).  The reduce-scatter is left
-out: its shard layout is fixed when the exchange is built (:class:`~.scatter.ReduceScatter`),
-before the errors can be measured; so is the hierarchical exchange (``hierarchy="auto"`` is
-flat with a per-layer Auto, ``"host"`` a ConfigError).
+in the same fusion bucket (:class:`~.collective.Allgather`); a plan that sends some tensors
+over the reduce-scatter makes the exchange build a :class:`~.scatter.ReduceScatter` for
+them once the plan is adopted (:func:`hvdcomp.exchange.core.rebuild_flat`: its shard layout
+depends on which tensors it carries), whose allgather part carries the others.  The
+hierarchical exchange is left out (``hierarchy="auto"`` is flat with a per-layer Auto,
+``"host"`` a ConfigError).
 
 The choice minimizes the predicted step time subject to the budget (:func:`solve`):
 
@@ -26,7 +31,8 @@ The choice minimizes the predicted step time subject to the budget (:func:`solve
 ``t_i(c)``: the predicted seconds of tensor i with candidate c on this job's measured link
 and codec costs (:class:`hvdcomp.auto.CostModel`, fused: without the collectives'
 latencies; PowerSGD: its local rounds' measured seconds per element plus its
-``4 r (n + m)`` bytes through the allreduce).  ``e_i(c)``: the squared error of what
+``4 r (n + m)`` bytes through the allreduce; over the reduce-scatter: CostModel's
+prediction with the candidate's first- and second-stage costs).  ``e_i(c)``: the squared error of what
 training sees, the ranks' average, on tensor i's real gradients of the first step,
 **measured** (:func:`measure_errors`):
 
@@ -54,9 +60,14 @@ stay about one rank's.  Two corrections make the families comparable:
   (:func:`effective_error`), not its one-step error, which its error feedback makes look
   small (top-k at 0.1 %: ``rho`` about 0.9, charged 10 times its error).
 
+A candidate over the reduce-scatter is charged its error over the allgather plus its
+second stage's (:func:`second_stage_errors`: the owners re-encode the averaged shards
+with the family at ``bits + 2``, an unbiased error that adds).
+
 ``B = budget x`` the total error of the user's compressor at its settings, charged the
-same way (``budget=1.0``: no more error than the user's choice, which is therefore always
-feasible).
+same way (over the reduce-scatter when the plan may take it: the collective with the
+larger error, so that ``budget=1.0`` lets the user's choice over either collective, and
+no plan has more error than the user's choice would).
 
 What it costs, once: every candidate's encode and decode of every planned tensor on each
 rank, and an allgather of ``tensors x (1 + candidates x (S + 1))`` float32 values per rank
@@ -109,16 +120,20 @@ from ..log import logger
 from .buckets import agree
 from .loop import refit
 from .rounds import simulate
+from .shards import refusal, second_stage as stage_two
 
 __all__ = ["Choice", "LayerPlanner", "MIN_DELTA", "SAMPLE", "candidates", "effective_error",
            "fitted_levels", "measure_errors", "measure_key", "planner", "residual", "sample_index",
-           "solve"]
+           "scatterable", "second_stage_errors", "solve"]
 
 #: Relative slack of the budget test (sums of the same errors in another order may differ
 #: in the last bits).
 SLACK = 1e-9
 #: The search skips a branch that cannot beat the best plan by more than this factor.
 NEAR = 1 - 1e-12
+#: Prefix of a candidate's second-stage costs among the planner's ``codecs`` (the
+#: reduce-scatter's re-encoding of the averages: :func:`~.shards.second_stage`)
+STAGE2 = "stage2:"
 
 
 def candidates(compressor: Compressor, fallbacks: Sequence[str] = ("none", "fp16"),
@@ -225,7 +240,8 @@ def fitted_levels(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.T
 
 def measure_errors(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.Tensor]],
                    shapes: Dict[str, Tuple[int, ...]], transport, sample: int = SAMPLE,
-                   seed: int = 0, with_ratios: bool = False):
+                   seed: int = 0, with_ratios: bool = False,
+                   tables: Optional[Dict[int, Optional[np.ndarray]]] = None):
     """{name: [error of each candidate]}: for each tensor of ``shapes`` ({name: shape},
     the same on every rank) and candidate c, an unbiased estimate of the squared error of
     the ranks' average, ``||(1/N) sum_r (C(g_r) - g_r)||^2`` over the N ranks whose
@@ -241,11 +257,13 @@ def measure_errors(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.
     ``(errors, ratios)``, ``ratios`` {name: [the mean over those ranks of
     ``||d_r||^2 / ||g_r||^2`` over the whole tensor (0 for a zero gradient), per
     candidate]} (the same allgather: a biased compressor's contraction,
-    :func:`effective_error`).  ValueError (on every rank, after the collective) for a
+    :func:`effective_error`).  ``tables``: :func:`fitted_levels`'s result when the caller
+    has it (else fitted here).  ValueError (on every rank, after the collective) for a
     gradient of another numel than its shape's, or a ``sample`` below 1."""
     if int(sample) < 1:
         raise ValueError(f"sample must be >= 1, got {sample!r}")
-    tables = fitted_levels(cands, grads, transport)
+    if tables is None:
+        tables = fitted_levels(cands, grads, transport)
     names = sorted(shapes)
     K = len(cands)
     sizes = [int(np.prod(shapes[n])) for n in names]
@@ -292,6 +310,88 @@ def measure_errors(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.
         out[n] = [float(scale * np.dot(m, m)) for m in mean]
         ratios[n] = [float(x) / count for x in total[lo + 1 + K * w:lo + 1 + K * (w + 1)]]
     return (out, ratios) if with_ratios else out
+
+
+def scatterable(comp: Compressor) -> bool:
+    """Whether a per-layer plan may send ``comp`` over the reduce-scatter
+    (:mod:`.scatter`): per-rank wire messages that can be cut into shards
+    (:func:`~.shards.refusal`), re-encoded by a second stage that keeps no state of its own
+    and whose variance has a closed form (the quantizers' ``Finer``: the error
+    :func:`second_stage_errors` charges).  Casts (summed by the carrier) and PowerSGD
+    (summed in rounds) never are."""
+    if comp.spec() in ("none", "fp16") or comp.summable or isinstance(comp, SummedRounds):
+        return False
+    if refusal(comp) is not None:
+        return False
+    two = stage_two(comp)
+    return not two.keeps_state and hasattr(two, "variance")
+
+
+def second_stage_errors(cands: Sequence[Compressor], which: Sequence[int],
+                        grads: Dict[str, Optional[torch.Tensor]],
+                        shapes: Dict[str, Tuple[int, ...]], transport, sample: int = SAMPLE,
+                        seed: int = 0, tables: Optional[Dict[int, Optional[np.ndarray]]] = None
+                        ) -> Dict[str, Dict[int, float]]:
+    """{name: {k: e2}} for each tensor of ``shapes`` and each candidate index k of
+    ``which`` (:func:`scatterable` ones): an estimate of the squared error the
+    reduce-scatter's second stage adds to the ranks' average,
+
+        e2 = E || Q2(a) - a ||^2 ,   a = (1/N) sum_r g_r ,
+
+    Q2 being the owner's re-encoding of the averaged shard (``Compressor.second_stage``:
+    the family at ``bits + 2``, unbiased and independent of the first stage, so the two
+    errors add).  No rank holds ``a``: each rank computes its second stage's exact relative
+    variance ``Var Q2(g_r) / ||g_r||^2`` (the quantizer's ``variance``, Eq. 2 of the
+    paper of ALQ/AMQ; levels fitted as in :func:`measure_errors`: ``tables`` from
+    :func:`fitted_levels`, else one fitted to ``g_r``) and keeps the coordinates of
+    :func:`sample_index` of ``g_r``; one allgather gives every rank the same mean relative
+    variance and the same ``(numel / S) ||(1/N) sum_r g_r[subset]||^2``, whose product is
+    the estimate (the average's relative variance taken as the ranks' mean: exact for one
+    rank).  NaN for a tensor no rank had a finite gradient for.  Collective."""
+    names = sorted(shapes)
+    which = list(which)
+    K = len(which)
+    sizes = [int(np.prod(shapes[n])) for n in names]
+    widths = [min(s, int(sample)) for s in sizes]
+    offsets = np.cumsum([0] + [1 + w + K for w in widths])
+    vals = np.zeros(int(offsets[-1]), dtype=np.float32)
+    tables = tables or {}
+    for i, n in enumerate(names):
+        g = grads.get(n)
+        if (not K or g is None or g.numel() != sizes[i]
+                or not bool(torch.isfinite(g).all())):
+            continue                   # (a wrong numel: measure_errors has raised already)
+        lo, w = int(offsets[i]), widths[i]
+        vals[lo] = 1.0
+        g32 = g.detach().to(torch.float32).reshape(-1).cpu()
+        idx = sample_index(n, sizes[i], int(sample), seed)
+        vals[lo + 1:lo + 1 + w] = (g32 if idx is None else g32[torch.from_numpy(idx)]).numpy()
+        norm2 = float(g32.double().pow(2).sum())
+        for j, k in enumerate(which):
+            fresh = get(cands[k].spec())
+            if isinstance(fresh, AdaptiveLevels):
+                levels = tables.get(k)
+                if levels is None:
+                    fresh.observe(g32)
+                    levels = fresh.update(fresh.pending_stats(), 1)
+                fresh.adopt(levels)
+            var = float(stage_two(fresh).variance(g32))
+            vals[lo + 1 + w + j] = var / norm2 if norm2 else 0.0
+    got = transport.allgather(vals.view(np.uint8))
+    total = np.zeros(vals.shape, dtype=np.float64)
+    for data in got:                   # rank order: the same sum everywhere
+        total += np.frombuffer(data.tobytes(), dtype=np.float32)
+    out: Dict[str, Dict[int, float]] = {}
+    for i, n in enumerate(names):
+        lo, w = int(offsets[i]), widths[i]
+        count = total[lo]
+        if count <= 0:
+            out[n] = {k: math.nan for k in which}
+            continue
+        mean = total[lo + 1:lo + 1 + w] / count
+        norm2 = (sizes[i] / w if w else 0.0) * float(np.dot(mean, mean))
+        out[n] = {k: float(total[lo + 1 + w + j] / count * norm2) for j, k in enumerate(which)}
+    return out
 
 
 #: The least contraction :func:`effective_error` credits a biased compressor with (its
@@ -457,7 +557,7 @@ def _rate(a: Tuple[float, float], b: Tuple[float, float]) -> float:
 @dataclass
 class Choice:
     """One tensor's entry of the plan: ``spec`` of its compressor, ``path`` ("allreduce",
-    "allgather" or "rounds"), predicted ``bytes`` sent per rank and ``seconds``, measured
+    "allgather", "reduce_scatter" or "rounds"), predicted ``bytes`` sent per rank and ``seconds``, measured
     squared ``error`` of the ranks' average (:func:`measure_errors`'s estimate)."""
     spec: str
     path: str
@@ -474,14 +574,17 @@ class LayerPlanner:
     ``link`` / ``codecs`` given instead of measured); shapes: {name: shape} of the tensors
     it plans; transport / allreduce / device: as :meth:`hvdcomp.Auto.make_plan`; seed: the
     exchange's shared seed (the errors' sampled coordinates and Philox streams:
-    :func:`measure_errors`).  Construction measures the link and every candidate's codec
-    costs (collective: every rank together, the slowest rank's values).  ``pending`` until
+    :func:`measure_errors`); scatter: the exchange may send the :func:`scatterable`
+    candidates over the reduce-scatter too (its own fusion buckets, 2 or more ranks: the
+    plan then holds both options of each).  Construction measures the link (with
+    ``scatter``, its all-to-all too) and every candidate's codec costs (and second stage's)
+    (collective: every rank together, the slowest rank's values).  ``pending`` until
     :meth:`decide`; ``choices``: {name: :class:`Choice`}; ``budget``: the absolute budget
     (sum of squared errors of the ranks' average) once decided.
     """
 
     def __init__(self, auto: Auto, shapes: Dict[str, Tuple[int, ...]], transport,
-                 allreduce=None, device=None, seed: int = 0):
+                 allreduce=None, device=None, seed: int = 0, scatter: bool = False):
         self.auto, self.shapes = auto, dict(shapes)
         self.seed = int(seed)
         self.size = transport.size
@@ -490,6 +593,14 @@ class LayerPlanner:
         self.by_spec = {c.spec(): c for c in self.cands}
         self.carrier = allreduce is not None
         self.dtypes = tuple(allreduce.dtypes) if allreduce is not None else ()
+        #: specs of the candidates the plan may send over the reduce-scatter
+        self.scattered = ({c.spec() for c in self.cands if scatterable(c)}
+                          if scatter and self.size > 1 else set())
+        #: (candidate index, path) of every option a tensor may take
+        self.options: List[Tuple[int, str]] = (
+            [(k, self.path(c)) for k, c in enumerate(self.cands)]
+            + [(k, "reduce_scatter") for k, c in enumerate(self.cands)
+               if c.spec() in self.scattered])
         self.pending = True
         self.first: Dict[str, Optional[torch.Tensor]] = {}    # this rank's first gradients
         self.choices: Dict[str, Choice] = {}
@@ -498,7 +609,8 @@ class LayerPlanner:
         self.proven = True
         numel = auto.calibrate_numel
         link = auto.link or measure_link(transport, allreduce, device=device, large=min(
-            max(4 * sum(int(np.prod(s)) for s in shapes.values()), 1 << 20), 8 << 20))
+            max(4 * sum(int(np.prod(s)) for s in shapes.values()), 1 << 20), 8 << 20),
+            alltoall=bool(self.scattered))
         self.codecs: Dict[str, CodecCost] = dict(auto.codecs or {})
         for c in self.cands:
             if c.spec() in self.codecs or c.spec() in ("none", "fp16"):
@@ -507,6 +619,10 @@ class LayerPlanner:
                 self.codecs[c.spec()] = _measure_rounds(c, transport, numel)
             else:
                 self.codecs[c.spec()] = measure_codec(c, transport, numel, device=device)
+        for spec in sorted(self.scattered):
+            if STAGE2 + spec not in self.codecs:
+                self.codecs[STAGE2 + spec] = measure_codec(
+                    self.by_spec[spec], transport, numel, device=device, second_stage=stage_two)
         if "fp16" not in self.codecs:
             some = next((v for k, v in self.codecs.items() if v.fp16_per_elem > 0), None)
             self.codecs["fp16"] = some or CodecCost(0, 0, 0, 0, 0, 2, 0.0)
@@ -521,15 +637,22 @@ class LayerPlanner:
         wire = getattr(comp, "wire_dtype", None) or torch.float32
         return "allreduce" if comp.summable and wire in self.dtypes else "allgather"
 
-    def predict(self, comp: Compressor, shape) -> Tuple[float, float]:
+    def predict(self, comp: Compressor, shape, path: Optional[str] = None
+                ) -> Tuple[float, float]:
         """(seconds, bytes sent per rank) of one exchange of a tensor of ``shape`` with
-        ``comp`` in a fusion bucket (module docstring)."""
+        ``comp`` in a fusion bucket (module docstring); ``path`` "reduce_scatter": over the
+        reduce-scatter (:class:`hvdcomp.auto.CostModel`'s prediction with this candidate's
+        costs and its second stage's), else its own :meth:`path`."""
         n = int(np.prod(shape))
         m = self.model
         L, N = m.link, self.size
         if comp.spec() in ("none", "fp16"):
             return m.seconds(n, fused=True)[comp.spec()], (4 if comp.spec() == "none" else 2) * n
         C = self.codecs[comp.spec()]
+        if path == "reduce_scatter":
+            C2 = self.codecs[STAGE2 + comp.spec()]
+            t = CostModel(L, C, N, self.carrier, C2).seconds(n, fused=True)[path]
+            return t, N * C.message(n / N) + C2.message(n / N)
         if isinstance(comp, SummedRounds):
             nbytes = comp.message_bytes(tuple(shape))
             per_byte = L.ar_per_byte if self.carrier else L.ag_per_byte
@@ -546,14 +669,27 @@ class LayerPlanner:
         A tensor no rank had a finite gradient for keeps the user's compressor (outside the
         budget).  ConfigError when the budget cannot be met (every rank alike);
         :class:`~hvdcomp.errors.Mismatch` if the ranks' plans differ (a digest check)."""
+        tables = fitted_levels(self.cands, grads, transport)
         raw, ratios = measure_errors(self.cands, grads, self.shapes, transport,
-                                     sample=self.auto.sample, seed=self.seed, with_ratios=True)
-        errs = {n: [effective_error(c, e, q) for c, e, q in zip(self.cands, raw[n], ratios[n])]
-                for n in raw}
-        user = self.cands.index(self.auto.compressor)
+                                     sample=self.auto.sample, seed=self.seed, with_ratios=True,
+                                     tables=tables)
+        which = [k for k, c in enumerate(self.cands) if c.spec() in self.scattered]
+        second = (second_stage_errors(self.cands, which, grads, self.shapes, transport,
+                                      sample=self.auto.sample, seed=self.seed, tables=tables)
+                  if which else {})
         names = sorted(self.shapes)
+        errs = {}
+        for n in names:
+            one = [effective_error(c, e, q) for c, e, q in zip(self.cands, raw[n], ratios[n])]
+            errs[n] = [one[k] + (second[n][k] if path == "reduce_scatter" else 0.0)
+                       for k, path in self.options]
+        # the user's compressor over the collective the setting lets it take with the most
+        # error: the reduce-scatter when allowed (both of its options then fit the budget)
+        user = max(j for j, (k, _) in enumerate(self.options)
+                   if self.cands[k] is self.auto.compressor)
         known = [n for n in names if not any(math.isnan(e) for e in errs[n])]
-        pred = {n: [self.predict(c, self.shapes[n]) for c in self.cands] for n in names}
+        pred = {n: [self.predict(self.cands[k], self.shapes[n], path)
+                    for k, path in self.options] for n in names}
         self.reference = sum(errs[n][user] for n in known)
         self.budget = float(self.auto.budget) * self.reference
         pick, self.proven = solve([[p[0] for p in pred[n]] for n in known],
@@ -562,10 +698,12 @@ class LayerPlanner:
         self.choices = {}
         for n in names:
             j = chosen.get(n, user)
-            c = self.cands[j]
-            self.choices[n] = Choice(c.spec(), self.path(c), float(pred[n][j][1]),
-                                     float(pred[n][j][0]), float(errs[n][j]))
-            self.auto.plan[n] = c.name
+            k, path = self.options[j]
+            c = self.cands[k]
+            e = float(errs[n][j])
+            self.choices[n] = Choice(c.spec(), path, float(pred[n][j][1]),
+                                     float(pred[n][j][0]), math.nan if math.isnan(e) else e)
+            self.auto.plan[n] = ("rs+" if path == "reduce_scatter" else "") + c.name
         self.pending = False
         # every rank computed it from the same numbers; the digest guards that promise
         agree(transport, json.dumps({n: asdict(c) for n, c in self.choices.items()},
@@ -592,9 +730,11 @@ class LayerPlanner:
             self.adopt(plan)
 
     def adopt(self, plan) -> None:
-        """Send every planned tensor of ``plan`` (:class:`~.plan.Plan`) with its choice."""
-        for name in self.choices:
-            plan.assign(name, self.compressor(name))
+        """Send every planned tensor of ``plan`` (:class:`~.plan.Plan`) with its choice (the
+        exchange then matches its collective to the tensors marked for the reduce-scatter:
+        :func:`hvdcomp.exchange.core.rebuild_flat`)."""
+        for name, c in self.choices.items():
+            plan.assign(name, self.compressor(name), scatter=c.path == "reduce_scatter")
 
     def compressor(self, name: str) -> Compressor:
         """The compressor instance ``name`` travels with (one instance per candidate)."""
@@ -639,6 +779,13 @@ class LayerPlanner:
         if bad:
             raise ValueError(f"per-layer plan uses candidates {bad} that this Auto does not "
                              f"offer ({sorted(self.by_spec)})")
+        rs = sorted(n for n, c in plan.items()
+                    if c["path"] == "reduce_scatter" and c["spec"] not in self.scattered)
+        if rs:
+            raise ValueError(f"per-layer plan sends {rs} over the reduce-scatter, which this "
+                             f"exchange does not offer them (it needs 2 or more ranks, "
+                             f"collective='auto' and the exchange's own fusion buckets: the "
+                             f"drop-in optimizer, not the DDP hook)")
         for s, st in state["states"].items():
             self.by_spec[s].load_state_dict(st)
         self.budget, self.reference = state["budget"], state["reference"]
@@ -667,11 +814,12 @@ def _measure_rounds(comp: Compressor, transport, numel: int) -> CodecCost:
     return CodecCost(0.0, t / (rows * cols), 0.0, 0.0, 0.0, 0.0)
 
 
-def planner(plan, hierarchy: str, transport, allreduce=None, seed: int = 0
-            ) -> Tuple[Optional[LayerPlanner], str]:
+def planner(plan, hierarchy: str, transport, allreduce=None, seed: int = 0,
+            scatter: bool = False) -> Tuple[Optional[LayerPlanner], str]:
     """``(LayerPlanner or None, hierarchy)`` of an exchange's :class:`~.plan.Plan` (a
     planner where a per-layer Auto plans some tensors: built now, measuring the costs on
-    every rank together; ``seed``: the exchange's) and the hierarchy it runs with: "flat"
+    every rank together; ``seed``: the exchange's; ``scatter``: the exchange may use the
+    reduce-scatter, :class:`LayerPlanner`) and the hierarchy it runs with: "flat"
     with a planner (module docstring; ConfigError for "host"), else ``hierarchy``
     unchanged."""
     if not plan.layer_shapes:
@@ -681,4 +829,4 @@ def planner(plan, hierarchy: str, transport, allreduce=None, seed: int = 0
                           "'flat' or 'auto' (flat with it)")
     dev = plan.entries[next(iter(plan.layer_shapes))].param.device
     return (LayerPlanner(plan.auto, plan.layer_shapes, transport, allreduce, device=dev,
-                         seed=seed), "flat")
+                         seed=seed, scatter=scatter), "flat")

@@ -177,14 +177,17 @@ class Plan:
             self.entries[name] = Entry(name, p, order[name], comp, summed,
                                        scatter and not summed and not rounds, rounds)
 
-    def assign(self, name: str, comp: Compressor) -> None:
+    def assign(self, name: str, comp: Compressor, scatter: bool = False) -> None:
         """From now on ``name`` travels with ``comp`` over the allgather, the allreduce
-        carrier or in rounds (a per-layer plan's choice: between steps, every rank alike)."""
+        carrier or in rounds, or with ``scatter`` over the reduce-scatter (a per-layer
+        plan's choice: between steps, every rank alike; the exchange then matches its
+        collective: :func:`hvdcomp.exchange.core.rebuild_flat`)."""
         e = self.entries[name]
         comp = keep_range(comp, e.param)
-        e.rounds, e.scatter = isinstance(comp, SummedRounds), False
+        e.rounds = isinstance(comp, SummedRounds)
         e.allreduce = (not e.rounds and self.allreduce is not None and comp.summable
                        and wire_dtype(comp) in self.allreduce.dtypes)
+        e.scatter = bool(scatter) and not e.rounds and not e.allreduce
         e.compressor = comp
 
     def compressor_names(self) -> Dict[str, str]:

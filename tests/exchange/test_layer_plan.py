@@ -21,13 +21,17 @@ from hvdcomp.errors import ConfigError  # noqa: E402
 from hvdcomp.exchange import Exchange  # noqa: E402
 from hvdcomp.exchange.driver import Driver, Settings  # noqa: E402
 from hvdcomp.auto import CodecCost  # noqa: E402
-from hvdcomp.exchange.layer_plan import (candidates, effective_error,  # noqa: E402
-                                         measure_errors, measure_key,
-                                         sample_index, solve)
+from hvdcomp.exchange.layer_plan import (STAGE2, candidates,  # noqa: E402
+                                         effective_error, measure_errors, measure_key,
+                                         sample_index, scatterable, second_stage_errors,
+                                         solve)
+from hvdcomp.exchange.collective import Allgather  # noqa: E402
+from hvdcomp.exchange.scatter import ReduceScatter  # noqa: E402
 from world import run_ranks  # noqa: E402
 
 # a slow link (10 MB/s), so that compressing pays and the choice is not trivial
-SLOW = LinkCost(ar_latency=1e-4, ar_per_byte=1e-7, ag_latency=1e-4, ag_per_byte=1e-7)
+SLOW = LinkCost(ar_latency=1e-4, ar_per_byte=1e-7, ag_latency=1e-4, ag_per_byte=1e-7,
+                aa_latency=1e-4, aa_per_byte=1e-7)
 
 
 def _codecs(spec, **kw):
@@ -42,6 +46,9 @@ def _codecs(spec, **kw):
         x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
         nbytes = len(c.encode(x, key).to_bytes())
         out[c.spec()] = CodecCost(0, 1e-9, 0, 1e-9, 0, nbytes / 2**16, 1e-10)
+        if scatterable(c):                         # its second stage, for the reduce-scatter
+            nbytes = len(c.second_stage().encode(x, key).to_bytes())
+            out[STAGE2 + c.spec()] = CodecCost(0, 1e-9, 0, 1e-9, 0, nbytes / 2**16, 1e-10)
     return out
 
 
@@ -543,3 +550,150 @@ def test_checkpoint_refused_where_the_plan_cannot_be_kept():
                                                      "none", "fp16"}
         assert used and len(errors) == 2, (plan, errors)     # (top-k, PowerSGD: see above)
         assert "per-layer Auto" in errors[0] and "does not offer" in errors[1]
+
+
+# --- the reduce-scatter in a per-layer plan -------------------------------------------------
+
+def _qsgd_variance(g, bits, bucket):
+    """E||Q(g) - g||^2 of QSGD at ``bits`` (uniform magnitudes {0, 1/s, .., 1}, s = 2^(bits-1)
+    - 1, of each bucket's L2 norm; stochastic rounding between the two nearest levels: a
+    coordinate at r between levels a < b has variance norm^2 (r - a)(b - r)), by hand."""
+    x = g.reshape(-1).double()
+    s = 2 ** (bits - 1) - 1
+    total = 0.0
+    for lo in range(0, x.numel(), bucket):
+        v = x[lo:lo + bucket]
+        norm = float(v.norm())
+        if norm == 0:
+            continue
+        r = (v.abs() / norm) * s
+        a = r.floor()
+        total += float(((r - a) * (a + 1 - r)).sum()) * (norm / s) ** 2
+    return total
+
+
+def test_second_stage_error_estimate_against_a_hand_computed_variance():
+    """The reduce-scatter's second stage (QSGD 3 bits: QSGD at 5 bits) adds the variance of
+    quantizing the ranks' average: estimated as the ranks' mean relative variance x ||mean
+    g||^2, exact for one rank."""
+    shapes = {"a": (40, 50), "b": (7, 300)}
+    gen = torch.Generator().manual_seed(4)
+    grads = [{n: torch.randn(s, generator=gen) * (1 + r) for n, s in shapes.items()}
+             for r in range(2)]
+    cands = [hvdcomp.get("qsgd:bits=3,bucket_size=256"), hvdcomp.get("fp16")]
+    assert scatterable(cands[0]) and not scatterable(cands[1])
+    assert not scatterable(hvdcomp.get("powersgd:rank=1"))
+    assert not scatterable(hvdcomp.get("topk:density=0.01"))   # a second stage with state
+
+    for world in (1, 2):
+        got = run_ranks(world, lambda rank, tp: second_stage_errors(
+            cands, [0], grads[rank], shapes, tp, sample=1 << 20))
+        assert got[0] == got[-1]                                # one estimate everywhere
+        for n in shapes:
+            ratio = sum(_qsgd_variance(grads[r][n], 5, 256) / float(grads[r][n].double().pow(2)
+                        .sum()) for r in range(world)) / world
+            mean = sum(grads[r][n].double() for r in range(world)) / world
+            assert got[0][n][0] == pytest.approx(ratio * float(mean.pow(2).sum()), rel=1e-5)
+    # a tensor no rank had a finite gradient for: NaN
+    bad = {"a": torch.full((40, 50), math.nan), "b": grads[0]["b"]}
+    (got,) = run_ranks(1, lambda rank, tp: second_stage_errors(cands, [0], bad, shapes, tp))
+    assert math.isnan(got["a"][0]) and not math.isnan(got["b"][0])
+
+
+# an all-to-all 100x cheaper than the allgather: the reduce-scatter pays
+CHEAP_ALLTOALL = LinkCost(ar_latency=1e-4, ar_per_byte=1e-7, ag_latency=1e-4, ag_per_byte=1e-6,
+                          aa_latency=1e-4, aa_per_byte=1e-8)
+
+
+def _qsgd_only(**kw):
+    return hvdcomp.Auto("qsgd:bits=3", fallbacks=(), bits=(), densities=(), ranks=(),
+                        per_layer=True, link=CHEAP_ALLTOALL, sample=1 << 20,
+                        codecs=_codecs("qsgd:bits=3", bits=(), densities=(), ranks=()), **kw)
+
+
+def test_plan_takes_the_reduce_scatter_and_averages_as_a_fixed_one():
+    """Where the all-to-all is cheap the plan sends the compressed tensors over the
+    reduce-scatter: the exchange rebuilds its collective after the first step, and from
+    then on its averages equal, bit for bit, those of an exchange built with that
+    compressor over the reduce-scatter; its error is charged the second stage's.  With
+    collective="allgather", the same Auto keeps the allgather."""
+    def body(rank, tp):
+        named = list(_model().named_parameters())
+        ex = Exchange(named, _qsgd_only(), tp, min_compress_numel=16)
+        assert isinstance(ex.collective, Allgather)
+        out = [_step(ex, named, rank, s) for s in range(3)]
+        kind = type(ex.collective)
+        fixed = Exchange(named, hvdcomp.get("qsgd:bits=3"), tp, min_compress_numel=16,
+                         collective="reduce_scatter", ident=1)
+        ref = [_step(fixed, named, rank, s) for s in range(3)]
+        ag = Exchange(named, _qsgd_only(), tp, min_compress_numel=16, collective="allgather",
+                      ident=2)
+        [_step(ag, named, rank, s) for s in range(2)]
+        for e in (ex, fixed, ag):
+            e.close()
+        return ex.layer, ex.plan.paths(), kind, out, ref, ag.layer, type(ag.collective)
+
+    got = run_ranks(2, body)
+    for layer, paths, kind, out, ref, ag_layer, ag_kind in got:
+        weights = sorted(layer.choices)
+        assert weights == ["0.weight", "2.weight", "4.weight"]
+        assert all(layer.choices[n].path == "reduce_scatter" for n in weights), layer.choices
+        assert all(paths[n] == "reduce_scatter" for n in weights) and kind is ReduceScatter
+        for s in (1, 2):
+            assert out[s].keys() == ref[s].keys()
+            assert all(torch.equal(out[s][n], ref[s][n]) for n in out[s]), s
+        # the budget: the user's compressor over the reduce-scatter, first stage + second
+        first = second = 0.0
+        g = [_grads(list(_model().named_parameters()), r, 0) for r in range(2)]
+        for n in weights:
+            first += _error_of_average("qsgd:bits=3", [g[0][n], g[1][n]], n)
+            mean = (g[0][n].double() + g[1][n].double()) / 2
+            second += sum(_qsgd_variance(g[r][n], 5, 8192) / float(g[r][n].double().pow(2)
+                          .sum()) for r in range(2)) / 2 * float(mean.pow(2).sum())
+        # (every coordinate sampled: exact, but for the float32 residuals)
+        assert second > 0.02 * first
+        assert layer.reference == pytest.approx(first + second, rel=1e-5)
+        assert sum(c.error for c in layer.choices.values()) <= layer.budget * (1 + 1e-9)
+        assert all(c.path == "allgather" for c in ag_layer.choices.values())
+        assert ag_kind is Allgather
+    assert got[0][0].state_dict()["plan"] == got[1][0].state_dict()["plan"]
+
+
+def test_checkpoint_with_the_reduce_scatter_and_where_it_cannot_be_kept():
+    """A plan with the reduce-scatter, loaded into a fresh exchange, rebuilds its collective
+    and gives the same next step; one that cannot take it (collective="allgather")
+    refuses the checkpoint, naming the tensors."""
+    def body(rank, tp):
+        def driver(ident, **kw):
+            return Driver(list(_model().named_parameters()), Settings(
+                compression=_qsgd_only(), min_compress_numel=16, seed=5, **kw), tp,
+                ident=ident)
+
+        d = driver(0)
+        named = [(e.name, e.param) for e in d.exchange.entries.values()]
+        for s in range(2):
+            _step(d.exchange, named, rank, s)
+            d.step += 1
+        sd = d.state_dict()
+        e = driver(1)
+        e.load_state_dict(sd)
+        kind = type(e.exchange.collective)
+        named_e = [(x.name, x.param) for x in e.exchange.entries.values()]
+        for (n, p), (_, q) in zip(named, named_e):
+            q.data.copy_(p.data)
+        a = _step(d.exchange, named, rank, 2)
+        b = _step(e.exchange, named_e, rank, 2)
+        f = driver(2, collective="allgather")
+        try:
+            f.load_state_dict(sd)
+            refused = None
+        except ValueError as exc:
+            refused = str(exc)
+        for x in (d, e, f):
+            x.exchange.close()
+        return sd["layer_plan"]["plan"], kind, all(torch.equal(a[n], b[n]) for n in a), refused
+
+    for plan, kind, same, refused in run_ranks(2, body):
+        assert {c["path"] for c in plan.values()} == {"reduce_scatter"}
+        assert kind is ReduceScatter and same
+        assert refused is not None and "reduce-scatter" in refused and "0.weight" in refused
