@@ -393,6 +393,12 @@ def exchange_worker(args):
                         encode_s=statistics.median(s.encode_s for s in stats),
                         comm_s=statistics.median(s.comm_s for s in stats),
                         decode_s=statistics.median(s.decode_s for s in stats)))
+        if ex.layer is not None:        # a per-layer plan: elements per choice and path
+            plan = {}
+            for n, c in ex.layer.choices.items():
+                k = f"{c.spec.split(',')[0]} via {c.path}"
+                plan[k] = plan.get(k, 0) + ex.entries[n].param.numel()
+            out[-1]["plan"] = plan
         if rank == 0:
             print(json.dumps(out[-1]), flush=True)
         ex.close()

@@ -65,9 +65,9 @@ second stage's (:func:`second_stage_errors`: the owners re-encode the averaged s
 with the family at ``bits + 2``, an unbiased error that adds).
 
 ``B = budget x`` the total error of the user's compressor at its settings, charged the
-same way (over the reduce-scatter when the plan may take it: the collective with the
-larger error, so that ``budget=1.0`` lets the user's choice over either collective, and
-no plan has more error than the user's choice would).
+same way, over the allgather (``budget=1.0``: no more error than the user's choice, which
+is therefore always feasible; the user's compressor over the reduce-scatter adds its second
+stage's error and needs a ``budget`` above 1, or other tensors to take less error).
 
 What it costs, once: every candidate's encode and decode of every planned tensor on each
 rank, and an allgather of ``tensors x (1 + candidates x (S + 1))`` float32 values per rank
@@ -683,10 +683,10 @@ class LayerPlanner:
             one = [effective_error(c, e, q) for c, e, q in zip(self.cands, raw[n], ratios[n])]
             errs[n] = [one[k] + (second[n][k] if path == "reduce_scatter" else 0.0)
                        for k, path in self.options]
-        # the user's compressor over the collective the setting lets it take with the most
-        # error: the reduce-scatter when allowed (both of its options then fit the budget)
-        user = max(j for j, (k, _) in enumerate(self.options)
-                   if self.cands[k] is self.auto.compressor)
+        # the reference: the user's compressor over its own path (the allgather), the error
+        # of the compressor at its settings; over the reduce-scatter it adds its second stage
+        user = next(j for j, (k, _) in enumerate(self.options)
+                    if self.cands[k] is self.auto.compressor)
         known = [n for n in names if not any(math.isnan(e) for e in errs[n])]
         pred = {n: [self.predict(self.cands[k], self.shapes[n], path)
                     for k, path in self.options] for n in names}
