@@ -32,9 +32,9 @@ The choice minimizes the predicted step time subject to the budget (:func:`solve
 and codec costs (:class:`hvdcomp.auto.CostModel`, fused: without the collectives'
 latencies; PowerSGD: its local rounds' measured seconds per element plus its
 ``4 r (n + m)`` bytes through the allreduce; over the reduce-scatter: CostModel's
-prediction with the candidate's first- and second-stage costs).  ``e_i(c)``: the squared error of what
-training sees, the ranks' average, on tensor i's real gradients of the first step,
-**measured** (:func:`measure_errors`):
+prediction with the candidate's first- and second-stage costs).  ``e_i(c)``: the squared
+error of what training sees, the ranks' average, on tensor i's real gradients of the first
+step, **measured** (:func:`measure_errors`):
 
     e_i(c) = || (1/N) sum_r (C(g_r) - g_r) ||^2        (N ranks with a finite gradient)
 
@@ -341,13 +341,14 @@ def second_stage_errors(cands: Sequence[Compressor], which: Sequence[int],
     Q2 being the owner's re-encoding of the averaged shard (``Compressor.second_stage``:
     the family at ``bits + 2``, unbiased and independent of the first stage, so the two
     errors add).  No rank holds ``a``: each rank computes its second stage's exact relative
-    variance ``Var Q2(g_r) / ||g_r||^2`` (the quantizer's ``variance``, Eq. 2 of the
-    paper of ALQ/AMQ; levels fitted as in :func:`measure_errors`: ``tables`` from
-    :func:`fitted_levels`, else one fitted to ``g_r``) and keeps the coordinates of
-    :func:`sample_index` of ``g_r``; one allgather gives every rank the same mean relative
-    variance and the same ``(numel / S) ||(1/N) sum_r g_r[subset]||^2``, whose product is
-    the estimate (the average's relative variance taken as the ranks' mean: exact for one
-    rank).  NaN for a tensor no rank had a finite gradient for.  Collective."""
+    variance ``Var Q2(g_r) / ||g_r||^2`` (the quantizer's ``variance``: Faghri et al.,
+    "Adaptive gradient quantization for data-parallel SGD", NeurIPS 2020, Eq. 2; levels
+    fitted as in :func:`measure_errors`: ``tables`` from :func:`fitted_levels`, else one
+    fitted to ``g_r``) and keeps the coordinates of :func:`sample_index` of ``g_r``; one
+    allgather gives every rank the same mean relative variance and the same ``(numel / S)
+    ||(1/N) sum_r g_r[subset]||^2``, whose product is the estimate (the average's relative
+    variance taken as the ranks' mean: exact for one rank).  NaN for a tensor no rank had
+    a finite gradient for.  Collective."""
     names = sorted(shapes)
     which = list(which)
     K = len(which)
