@@ -528,7 +528,7 @@ def render(res: dict, p: Dict[str, float]) -> str:
           "fitted); beta_ar: what Horovod's allreduce costs per byte beyond the link "
           "(its whole cost per byte: "
           + " and ".join(f"{8 / (p[f'beta_ar_{r}'] + 8 / bits) / 1e9:.2f}"
-                         for r, bits in RATE_BITS.items()) +
+                         for r, bits in RATE_BITS.items() if f"beta_ar_{r}" in p) +
           " Gbit/s effective, before "
           "gamma); gamma: CPU seconds per byte sent through TCP (times the contention); "
           "e, d: seconds per encoded / decoded element; e0, d0: per encoded / decoded message; "
