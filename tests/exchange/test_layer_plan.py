@@ -401,6 +401,25 @@ def test_two_ranks_one_plan_identical_averages_mixed_kinds():
     assert "powersgd" in kinds and paths0["0.weight"] == "rounds", plan0
 
 
+def _saved_after_two_steps(driver, rank):
+    """``driver(0)`` after steps 0 and 1 (the plan decided after step 0): the driver, its
+    [(name, parameter)] and its state_dict."""
+    d = driver(0)
+    named = [(e.name, e.param) for e in d.exchange.entries.values()]
+    for s in range(2):
+        _step(d.exchange, named, rank, s)
+        d.step += 1
+    return d, named, d.state_dict()
+
+
+def _parameters_of(driver, named):
+    """``driver``'s [(name, parameter)], their values set to those of ``named``."""
+    out = [(x.name, x.param) for x in driver.exchange.entries.values()]
+    for (_, p), (_, q) in zip(named, out):
+        q.data.copy_(p.data)
+    return out
+
+
 def test_checkpoint_keeps_the_plan():
     def body(rank, tp):
         def driver(ident):
@@ -409,18 +428,11 @@ def test_checkpoint_keeps_the_plan():
             return Driver(list(_model().named_parameters()), Settings(
                 compression=auto, min_compress_numel=16, seed=5), tp, ident=ident)
 
-        d = driver(0)
-        named = [(e.name, e.param) for e in d.exchange.entries.values()]
-        for s in range(2):
-            _step(d.exchange, named, rank, s)
-            d.step += 1
-        sd = d.state_dict()
+        d, named, sd = _saved_after_two_steps(driver, rank)
         e = driver(1)
         assert e.exchange.layer.pending
         e.load_state_dict(sd)
-        named_e = [(x.name, x.param) for x in e.exchange.entries.values()]
-        for (n, p), (_, q) in zip(named, named_e):
-            q.data.copy_(p.data)
+        named_e = _parameters_of(e, named)
         a = _step(d.exchange, named, rank, 2)
         b = _step(e.exchange, named_e, rank, 2)
         d.exchange.close()
@@ -676,18 +688,11 @@ def test_checkpoint_with_the_reduce_scatter_and_where_it_cannot_be_kept():
                 compression=_qsgd_only(), min_compress_numel=16, seed=5, **kw), tp,
                 ident=ident)
 
-        d = driver(0)
-        named = [(e.name, e.param) for e in d.exchange.entries.values()]
-        for s in range(2):
-            _step(d.exchange, named, rank, s)
-            d.step += 1
-        sd = d.state_dict()
+        d, named, sd = _saved_after_two_steps(driver, rank)
         e = driver(1)
         e.load_state_dict(sd)
         kind = type(e.exchange.collective)
-        named_e = [(x.name, x.param) for x in e.exchange.entries.values()]
-        for (n, p), (_, q) in zip(named, named_e):
-            q.data.copy_(p.data)
+        named_e = _parameters_of(e, named)
         a = _step(d.exchange, named, rank, 2)
         b = _step(e.exchange, named_e, rank, 2)
         f = driver(2, collective="allgather")
