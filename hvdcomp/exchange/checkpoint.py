@@ -119,13 +119,19 @@ class Checkpoints:
     def load_shared(self, state: Dict[str, Any]) -> None:
         """From ``state`` (another rank's :meth:`state_dict`, e.g. rank 0's broadcast after an
         elastic reset), the step and the state every rank shares (``Compressor.shared_state``:
-        fitted levels, PowerSGD's Q); this rank's per-rank state (residuals, DGC's momentum,
-        the second stage's) stays as it is.  :meth:`check_state` first (ValueError)."""
+        fitted levels, PowerSGD's Q; a per-layer Auto's plan and budget); this rank's
+        per-rank state (residuals, DGC's momentum, the second stage's, the per-layer
+        candidates') stays as it is.  :meth:`check_state` first (ValueError)."""
         self.check_state(state)
         own = self.state_dict()
         comp = dict(own["compressor_state"])
         comp.update(_shared(self.compression, state["compressor_state"])[0])
-        self.load_state_dict(dict(own, step=state["step"], compressor_state=comp))
+        shared = dict(own, step=state["step"], compressor_state=comp)
+        theirs = state.get("layer_plan")
+        if theirs is not None and own.get("layer_plan") is not None:
+            shared["layer_plan"] = dict(own["layer_plan"], **{
+                k: theirs[k] for k in ("plan", "budget", "reference")})
+        self.load_state_dict(shared)
 
     def check_state(self, state) -> None:
         """ValueError unless ``state`` is a :meth:`state_dict` this exchange can load (also

@@ -289,10 +289,18 @@ class Exchange(LoopProtocols):
             transport.close()           # stop listening for farewells
 
 
+def scatter_key(ex: "Exchange") -> tuple:
+    """(name, compressor instance id) of each entry of ``ex`` marked ``scatter``: what a
+    reduce-scatter's layout and second stages are built for."""
+    return tuple(sorted((n, id(e.compressor)) for n, e in ex.entries.items() if e.scatter))
+
+
 def flat_collective(ex: "Exchange"):
     """A ReduceScatter for the entries of ``ex`` marked ``scatter`` (its layout: theirs, in
-    the fusion buckets), an Allgather when none is."""
-    if any(e.scatter for e in ex.entries.values()):
+    the fusion buckets), an Allgather when none is; ``ex.scattered`` records what it was
+    built for (:func:`scatter_key`)."""
+    ex.scattered = scatter_key(ex)
+    if ex.scattered:
         return ReduceScatter(ex.transport, ex.allreduce, ex.averaging, ex.seed, ex.buckets,
                              ex.entries, len(ex.entries), ex.ident)
     return Allgather(ex.transport, ex.allreduce, ex.averaging, ex.seed, ex.ident)
@@ -303,12 +311,12 @@ def rebuild_flat(ex: "Exchange") -> None:
     tensors of ``ex`` marked for the reduce-scatter are not those its flat collective
     serves, build it anew for them (between steps: the pipeline's threads are stopped first
     and start again with the next call; a hierarchical exchange keeps its collective)."""
-    want = sorted(n for n, e in ex.entries.items() if e.scatter)
-    have = sorted({p.name for p in ex.collective.pieces()}
-                  if isinstance(ex.collective, ReduceScatter) else ())
-    if want == have or isinstance(ex.collective, Hierarchical):
+    if scatter_key(ex) == getattr(ex, "scattered", ()) or isinstance(ex.collective,
+                                                                     Hierarchical):
         return
     ex.pipeline.stop()
+    # (the old one is not closed: Allgather.close clears the averaging buffers, which hold
+    # the averages the caller has just been given)
     ex.collective = ex.pipeline.collective = flat_collective(ex)
 
 

@@ -61,8 +61,9 @@ stay about one rank's.  Two corrections make the families comparable:
   small (top-k at 0.1 %: ``rho`` about 0.9, charged 10 times its error).
 
 A candidate over the reduce-scatter is charged its error over the allgather plus its
-second stage's (:func:`second_stage_errors`: the owners re-encode the averaged shards
-with the family at ``bits + 2``, an unbiased error that adds).
+second stage's (:func:`second_stage_errors`: the owners re-encode the average of the
+ranks' decoded messages with the family at ``bits + 2``, an unbiased error that adds;
+measured on a few buckets per tensor, one more allgather).
 
 ``B = budget x`` the total error of the user's compressor at its settings, charged the
 same way, over the allgather (``budget=1.0``: no more error than the user's choice, which
@@ -105,7 +106,7 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -116,7 +117,7 @@ from ..auto import (SAMPLE, Auto, CodecCost, CostModel, _slowest, measure_codec,
 from ..compressors import Compressor, TensorKey, get
 from ..compressors.protocols import AdaptiveLevels, SummedRounds
 from ..errors import ConfigError
-from ..log import logger
+from ..log import logger, warn_limited
 from .buckets import agree
 from .loop import refit
 from .rounds import simulate
@@ -124,7 +125,7 @@ from .shards import refusal, second_stage as stage_two
 
 __all__ = ["Choice", "LayerPlanner", "MIN_DELTA", "SAMPLE", "candidates", "effective_error",
            "fitted_levels", "measure_errors", "measure_key", "planner", "residual", "sample_index",
-           "scatterable", "second_stage_errors", "solve"]
+           "scatterable", "second_stage_errors", "solve", "stage2_buckets"]
 
 #: Relative slack of the budget test (sums of the same errors in another order may differ
 #: in the last bits).
@@ -327,6 +328,28 @@ def scatterable(comp: Compressor) -> bool:
     return not two.keeps_state and hasattr(two, "variance")
 
 
+#: Buckets of the second stage's variance estimate per tensor and candidate (at least; more
+#: for small buckets: :func:`stage2_buckets`)
+STAGE2_BUCKETS = 2
+
+
+def stage2_buckets(name: str, numel: int, bucket: int, sample: int, seed: int = 0
+                   ) -> np.ndarray:
+    """The buckets (of ``bucket`` elements; the last may be short) of tensor ``name`` whose
+    second-stage variance :func:`second_stage_errors` evaluates: all of them when there are
+    at most ``max(STAGE2_BUCKETS, ceil(16 sample / bucket))``, else that many drawn without
+    replacement, the same on every rank (NumPy's Philox keyed like :func:`sample_index`);
+    int64, increasing."""
+    nb = -(-int(numel) // int(bucket))
+    m = max(STAGE2_BUCKETS, -(-16 * int(sample) // int(bucket)))
+    if nb <= m:
+        return np.arange(nb, dtype=np.int64)
+    tag = int.from_bytes(hashlib.blake2b(f"stage2:{name}".encode(), digest_size=8).digest(),
+                         "little")
+    gen = np.random.Generator(np.random.Philox(key=[int(seed) & 0xFFFFFFFFFFFFFFFF, tag]))
+    return np.sort(gen.choice(nb, size=m, replace=False)).astype(np.int64)
+
+
 def second_stage_errors(cands: Sequence[Compressor], which: Sequence[int],
                         grads: Dict[str, Optional[torch.Tensor]],
                         shapes: Dict[str, Tuple[int, ...]], transport, sample: int = SAMPLE,
@@ -336,62 +359,74 @@ def second_stage_errors(cands: Sequence[Compressor], which: Sequence[int],
     ``which`` (:func:`scatterable` ones): an estimate of the squared error the
     reduce-scatter's second stage adds to the ranks' average,
 
-        e2 = E || Q2(a) - a ||^2 ,   a = (1/N) sum_r g_r ,
+        e2 = E || Q2(b) - b ||^2 ,   b = (1/N) sum_r C(g_r) ,
 
-    Q2 being the owner's re-encoding of the averaged shard (``Compressor.second_stage``:
-    the family at ``bits + 2``, unbiased and independent of the first stage, so the two
-    errors add).  No rank holds ``a``: each rank computes its second stage's exact relative
-    variance ``Var Q2(g_r) / ||g_r||^2`` (the quantizer's ``variance``: Faghri et al.,
-    "Adaptive gradient quantization for data-parallel SGD", NeurIPS 2020, Eq. 2; levels
-    fitted as in :func:`measure_errors`: ``tables`` from :func:`fitted_levels`, else one
-    fitted to ``g_r``) and keeps the coordinates of :func:`sample_index` of ``g_r``; one
-    allgather gives every rank the same mean relative variance and the same ``(numel / S)
-    ||(1/N) sum_r g_r[subset]||^2``, whose product is the estimate (the average's relative
-    variance taken as the ranks' mean: exact for one rank).  NaN for a tensor no rank had
+    Q2 being the owner's re-encoding (``Compressor.second_stage``: the family at ``bits +
+    2``, unbiased, so its error adds to the first stage's) of the average ``b`` of the
+    ranks' decoded first-stage messages, which carries their quantization noise as well as
+    the gradient.  Q2's variance is a sum over its buckets, each bucket's exact given the
+    bucket (the quantizer's ``variance``: Faghri et al., "Adaptive gradient quantization for
+    data-parallel SGD", NeurIPS 2020, Eq. 2): every rank decodes its own message (as
+    :func:`measure_errors` does: :func:`residual`, :func:`measure_key`, levels from
+    ``tables``), keeps the buckets of :func:`stage2_buckets` (the first stage's bucket
+    size), and one allgather, summed in rank order, gives every rank the same ``b`` there;
+    the estimate is their variance times (buckets / buckets kept): unbiased over the draw of
+    buckets, exact when every bucket is kept (the reduce-scatter's owners bucket their
+    shards from the shard's start, which this does not model).  NaN for a tensor no rank had
     a finite gradient for.  Collective."""
     names = sorted(shapes)
     which = list(which)
-    K = len(which)
-    sizes = [int(np.prod(shapes[n])) for n in names]
-    widths = [min(s, int(sample)) for s in sizes]
-    offsets = np.cumsum([0] + [1 + w + K for w in widths])
-    vals = np.zeros(int(offsets[-1]), dtype=np.float32)
     tables = tables or {}
+    sizes = [int(np.prod(shapes[n])) for n in names]
+    spans: List[List[np.ndarray]] = []            # per tensor, per candidate: element indices
+    for n, size in zip(names, sizes):
+        per = []
+        for k in which:
+            b = int(cands[k].bucket_size)
+            idx = stage2_buckets(n, size, b, sample, seed)
+            per.append(np.concatenate([np.arange(i * b, min((i + 1) * b, size))
+                                       for i in idx]).astype(np.int64)
+                       if size else np.zeros(0, dtype=np.int64))
+        spans.append(per)
+    widths = [1 + sum(len(x) for x in per) for per in spans]
+    offsets = np.cumsum([0] + widths)
+    vals = np.zeros(int(offsets[-1]), dtype=np.float32)
     for i, n in enumerate(names):
         g = grads.get(n)
-        if (not K or g is None or g.numel() != sizes[i]
+        if (not which or g is None or g.numel() != sizes[i]
                 or not bool(torch.isfinite(g).all())):
             continue                   # (a wrong numel: measure_errors has raised already)
-        lo, w = int(offsets[i]), widths[i]
+        lo = int(offsets[i])
         vals[lo] = 1.0
-        g32 = g.detach().to(torch.float32).reshape(-1).cpu()
-        idx = sample_index(n, sizes[i], int(sample), seed)
-        vals[lo + 1:lo + 1 + w] = (g32 if idx is None else g32[torch.from_numpy(idx)]).numpy()
-        norm2 = float(g32.double().pow(2).sum())
-        for j, k in enumerate(which):
-            fresh = get(cands[k].spec())
-            if isinstance(fresh, AdaptiveLevels):
-                levels = tables.get(k)
-                if levels is None:
-                    fresh.observe(g32)
-                    levels = fresh.update(fresh.pending_stats(), 1)
-                fresh.adopt(levels)
-            var = float(stage_two(fresh).variance(g32))
-            vals[lo + 1 + w + j] = var / norm2 if norm2 else 0.0
+        g32 = g.detach().to(torch.float32).reshape(-1)
+        key = measure_key(n, transport.rank, seed)
+        at = lo + 1
+        for k, idx in zip(which, spans[i]):
+            dec = (g32 + residual(cands[k], g, key, tables.get(k)).to(g32.device)).cpu()
+            vals[at:at + len(idx)] = dec[torch.from_numpy(idx)].numpy()
+            at += len(idx)
     got = transport.allgather(vals.view(np.uint8))
     total = np.zeros(vals.shape, dtype=np.float64)
     for data in got:                   # rank order: the same sum everywhere
         total += np.frombuffer(data.tobytes(), dtype=np.float32)
     out: Dict[str, Dict[int, float]] = {}
     for i, n in enumerate(names):
-        lo, w = int(offsets[i]), widths[i]
+        lo = int(offsets[i])
         count = total[lo]
         if count <= 0:
             out[n] = {k: math.nan for k in which}
             continue
-        mean = total[lo + 1:lo + 1 + w] / count
-        norm2 = (sizes[i] / w if w else 0.0) * float(np.dot(mean, mean))
-        out[n] = {k: float(total[lo + 1 + w + j] / count * norm2) for j, k in enumerate(which)}
+        out[n], at = {}, lo + 1
+        for k, idx in zip(which, spans[i]):
+            avg = torch.from_numpy(total[at:at + len(idx)] / count)
+            at += len(idx)
+            fresh = get(cands[k].spec())
+            if isinstance(fresh, AdaptiveLevels) and tables.get(k) is not None:
+                fresh.adopt(tables[k])
+            b = int(cands[k].bucket_size)
+            kept = -(-len(idx) // b) if len(idx) else 1
+            nb = -(-sizes[i] // b)
+            out[n][k] = float(stage_two(fresh).variance(avg)) * nb / kept
     return out
 
 
@@ -770,7 +805,10 @@ class LayerPlanner:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Adopt a :meth:`state_dict`'s plan and states.  ValueError when its tensors or
-        candidates are not this planner's."""
+        candidates are not this planner's.  A tensor the plan sends over the reduce-scatter
+        where this exchange offers none (one rank, collective="allgather", the DDP hook)
+        travels over the allgather with the same compressor instead (no more error: the
+        second stage's is gone), with a warning."""
         plan = state["plan"]
         if plan and set(plan) != set(self.shapes):
             raise ValueError(f"per-layer plan of tensors {sorted(plan)}, this exchange plans "
@@ -780,17 +818,21 @@ class LayerPlanner:
         if bad:
             raise ValueError(f"per-layer plan uses candidates {bad} that this Auto does not "
                              f"offer ({sorted(self.by_spec)})")
-        rs = sorted(n for n, c in plan.items()
-                    if c["path"] == "reduce_scatter" and c["spec"] not in self.scattered)
-        if rs:
-            raise ValueError(f"per-layer plan sends {rs} over the reduce-scatter, which this "
-                             f"exchange does not offer them (it needs 2 or more ranks, "
-                             f"collective='auto' and the exchange's own fusion buckets: the "
-                             f"drop-in optimizer, not the DDP hook)")
         for s, st in state["states"].items():
             self.by_spec[s].load_state_dict(st)
         self.budget, self.reference = state["budget"], state["reference"]
         self.choices = {n: Choice(**c) for n, c in plan.items()}
+        moved = sorted(n for n, c in self.choices.items()
+                       if c.path == "reduce_scatter" and c.spec not in self.scattered)
+        for n in moved:
+            c = self.choices[n]
+            self.choices[n] = replace(c, path=self.path(self.by_spec[c.spec]))
+        if moved:
+            warn_limited(f"hvdcomp: the per-layer plan loaded sends {moved} over the "
+                         f"reduce-scatter, which this exchange does not offer (it needs 2 or "
+                         f"more ranks, collective='auto' and the exchange's own fusion "
+                         f"buckets: the drop-in optimizer, not the DDP hook); they travel over "
+                         f"the allgather with the same compressors")
         self.pending = not plan
 
 
