@@ -211,9 +211,17 @@ def sample_index(name: str, numel: int, sample: int, seed: int = 0) -> Optional[
     ``name`` (Python's ``hash`` differs between processes): the same on every rank."""
     if numel <= sample:
         return None
-    tag = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+    return _drawn(name, numel, sample, seed)
+
+
+def _drawn(label: str, population: int, size: int, seed: int) -> np.ndarray:
+    """``size`` distinct integers of ``range(population)`` drawn uniformly without
+    replacement (int64, increasing) by NumPy's Philox generator keyed by ``seed`` and 64
+    bits of BLAKE2b of ``label`` (Python's ``hash`` differs between processes): the same on
+    every rank."""
+    tag = int.from_bytes(hashlib.blake2b(label.encode(), digest_size=8).digest(), "little")
     gen = np.random.Generator(np.random.Philox(key=[int(seed) & 0xFFFFFFFFFFFFFFFF, tag]))
-    return np.sort(gen.choice(numel, size=int(sample), replace=False)).astype(np.int64)
+    return np.sort(gen.choice(int(population), size=int(size), replace=False)).astype(np.int64)
 
 
 def fitted_levels(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.Tensor]],
@@ -344,10 +352,7 @@ def stage2_buckets(name: str, numel: int, bucket: int, sample: int, seed: int = 
     m = max(STAGE2_BUCKETS, -(-16 * int(sample) // int(bucket)))
     if nb <= m:
         return np.arange(nb, dtype=np.int64)
-    tag = int.from_bytes(hashlib.blake2b(f"stage2:{name}".encode(), digest_size=8).digest(),
-                         "little")
-    gen = np.random.Generator(np.random.Philox(key=[int(seed) & 0xFFFFFFFFFFFFFFFF, tag]))
-    return np.sort(gen.choice(nb, size=m, replace=False)).astype(np.int64)
+    return _drawn(f"stage2:{name}", nb, m, seed)
 
 
 def second_stage_errors(cands: Sequence[Compressor], which: Sequence[int],
@@ -378,17 +383,18 @@ def second_stage_errors(cands: Sequence[Compressor], which: Sequence[int],
     which = list(which)
     tables = tables or {}
     sizes = [int(np.prod(shapes[n])) for n in names]
-    spans: List[List[np.ndarray]] = []            # per tensor, per candidate: element indices
+    # per tensor, per candidate: (element indices of the kept buckets, buckets / kept)
+    spans: List[List[Tuple[np.ndarray, float]]] = []
     for n, size in zip(names, sizes):
         per = []
         for k in which:
             b = int(cands[k].bucket_size)
-            idx = stage2_buckets(n, size, b, sample, seed)
-            per.append(np.concatenate([np.arange(i * b, min((i + 1) * b, size))
-                                       for i in idx]).astype(np.int64)
-                       if size else np.zeros(0, dtype=np.int64))
+            kept = stage2_buckets(n, size, b, sample, seed)
+            idx = (np.concatenate([np.arange(i * b, min((i + 1) * b, size)) for i in kept])
+                   .astype(np.int64) if size else np.zeros(0, dtype=np.int64))
+            per.append((idx, -(-size // b) / max(len(kept), 1)))
         spans.append(per)
-    widths = [1 + sum(len(x) for x in per) for per in spans]
+    widths = [1 + sum(len(idx) for idx, _ in per) for per in spans]
     offsets = np.cumsum([0] + widths)
     vals = np.zeros(int(offsets[-1]), dtype=np.float32)
     for i, n in enumerate(names):
@@ -401,7 +407,7 @@ def second_stage_errors(cands: Sequence[Compressor], which: Sequence[int],
         g32 = g.detach().to(torch.float32).reshape(-1)
         key = measure_key(n, transport.rank, seed)
         at = lo + 1
-        for k, idx in zip(which, spans[i]):
+        for k, (idx, _) in zip(which, spans[i]):
             dec = (g32 + residual(cands[k], g, key, tables.get(k)).to(g32.device)).cpu()
             vals[at:at + len(idx)] = dec[torch.from_numpy(idx)].numpy()
             at += len(idx)
@@ -417,16 +423,13 @@ def second_stage_errors(cands: Sequence[Compressor], which: Sequence[int],
             out[n] = {k: math.nan for k in which}
             continue
         out[n], at = {}, lo + 1
-        for k, idx in zip(which, spans[i]):
+        for k, (idx, scale) in zip(which, spans[i]):
             avg = torch.from_numpy(total[at:at + len(idx)] / count)
             at += len(idx)
             fresh = get(cands[k].spec())
             if isinstance(fresh, AdaptiveLevels) and tables.get(k) is not None:
                 fresh.adopt(tables[k])
-            b = int(cands[k].bucket_size)
-            kept = -(-len(idx) // b) if len(idx) else 1
-            nb = -(-sizes[i] // b)
-            out[n][k] = float(stage_two(fresh).variance(avg)) * nb / kept
+            out[n][k] = float(stage_two(fresh).variance(avg)) * scale
     return out
 
 
@@ -593,8 +596,9 @@ def _rate(a: Tuple[float, float], b: Tuple[float, float]) -> float:
 @dataclass
 class Choice:
     """One tensor's entry of the plan: ``spec`` of its compressor, ``path`` ("allreduce",
-    "allgather", "reduce_scatter" or "rounds"), predicted ``bytes`` sent per rank and ``seconds``, measured
-    squared ``error`` of the ranks' average (:func:`measure_errors`'s estimate)."""
+    "allgather", "reduce_scatter" or "rounds"), predicted ``bytes`` sent per rank and
+    ``seconds``, measured squared ``error`` of the ranks' average (:func:`measure_errors`'s
+    estimate)."""
     spec: str
     path: str
     bytes: float
