@@ -59,7 +59,8 @@ class Exchange(LoopProtocols):
     drop-in optimizer passes its creation number); check_replicas: compare a digest of the
     parameters' values across ranks at the first step (:func:`~.buckets.check_replicas`);
     agreed: the ranks have already agreed on every setting (a door's
-    :class:`~.driver.Settings` handshake), so only the plan and the carriers are compared.
+    :class:`~.driver.Settings` handshake), so only the plan and the carriers are compared;
+    False: the settings are compared first, before anything is planned or measured.
     hierarchy: "flat" (default: every rank a host of its own), "host" or "auto": with
       several ranks per host, the tensors that use the compression are summed in float32
       inside each host and compressed only across hosts (:mod:`.hier`,
@@ -90,10 +91,16 @@ class Exchange(LoopProtocols):
         if collective is None:
             collective = "auto" if isinstance(compression, Auto) else "allgather"
         if not agreed:
-            # before anything else: ranks that disagree would measure different things (Auto)
-            agree_settings(transport, {"collective": collective, "hierarchy": hierarchy},
-                           "the collective (allgather, reduce_scatter or auto) and the "
-                           "hierarchy (auto, flat or host)")
+            # before anything else: ranks that disagree would measure different things (Auto,
+            # the per-layer planner: whether the reduce-scatter is offered depends on
+            # fusion_bytes, which tensors are planned on min_compress_numel and compress_1d)
+            agree_settings(transport, dict(
+                seed=self.seed, average=bool(average), predivide=float(predivide),
+                sparse_as_dense=bool(sparse_as_dense), compression=compression.spec(),
+                fusion_bytes=None if fusion_bytes is None else int(fusion_bytes),
+                min_compress_numel=int(min_compress_numel), compress_1d=bool(compress_1d),
+                collective=collective, hierarchy=hierarchy,
+                check_replicas=bool(check_replicas)), "the exchange settings")
         self.fused = fusion_bytes is not None      # else the caller forms buckets (call())
         self.buckets = fuse(named_params, fusion_bytes) if self.fused else []
         self.plan = Plan(named_params, compression, transport, allreduce,
@@ -134,13 +141,8 @@ class Exchange(LoopProtocols):
                     "allreduce prefix": allreduce.prefix if allreduce is not None else None,
                     "hierarchy": (None if self.hierarchy is None
                                   else list(self.hierarchy[2].hosts))}
-        settings = carriers if agreed else dict(
-            carriers, seed=self.seed, average=bool(average), predivide=float(predivide),
-            sparse_as_dense=bool(sparse_as_dense), compression=self.compression.spec(),
-            fusion_bytes=None if fusion_bytes is None else int(fusion_bytes),
-            min_compress_numel=int(min_compress_numel), compress_1d=bool(compress_1d),
-            collective=collective, check_replicas=bool(check_replicas))
-        handshake(transport, settings, self.buckets, self.entries)
+        # the settings were agreed before planning (above, or by the door's handshake)
+        handshake(transport, carriers, self.buckets, self.entries)
         # (MPI's CUDA support matters to the MPI-based carriers only)
         self.cuda_aware = (report_cuda(named_params, self.rank)
                            if transport.name in ("mpi", "horovod") else None)

@@ -737,3 +737,26 @@ def test_checkpoint_with_the_reduce_scatter_and_where_it_cannot_be_kept(caplog):
         assert f_kind is Allgather and {f_paths[n] for n in plan} == {"allgather"}
         assert set(plan) <= set(f_out)
     assert any("reduce-scatter" in r.message and "0.weight" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("setting", ["fusion_bytes", "min_compress_numel", "seed"])
+def test_ranks_that_disagree_before_the_planner_are_refused_not_hung(setting):
+    """A direct Exchange (no door's handshake before it) whose ranks disagree on a setting
+    the per-layer planner's measurements depend on (whether the reduce-scatter is offered:
+    fusion_bytes; which tensors are planned: min_compress_numel; the sampled buckets: seed)
+    raises Mismatch naming that setting on every rank before any measurement, instead of
+    leaving the ranks in different collectives."""
+    values = {"fusion_bytes": (25 * 2**20, None), "min_compress_numel": (16, 4096),
+              "seed": (0, 1)}[setting]
+
+    def body(rank, tp):
+        named = list(_model().named_parameters())
+        kw = {"min_compress_numel": 16, setting: values[rank]}
+        # the link measured at construction (no link= given): with fusion_bytes that
+        # differ, one rank would time the all-to-all that the other never joins
+        auto = hvdcomp.Auto("qsgd:bits=3", fallbacks=(), bits=(), densities=(), ranks=(),
+                            per_layer=True, budget=1.5, sample=1 << 20)
+        return Exchange(named, auto, tp, **kw)
+
+    got = run_ranks(2, body)
+    assert all(isinstance(e, hvdcomp.errors.Mismatch) and setting in str(e) for e in got), got
