@@ -65,6 +65,18 @@ def orthogonalize(a: torch.Tensor, method: str = "auto") -> torch.Tensor:
     return a
 
 
+def skinny_product(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (k x r, float32) = ``x`` (k x l) @ ``y`` (l x r), for the few columns r of
+    PowerSGD's P and Q; returns ``out``.  For r >= 2 computed as (y^T x^T)^T: the BLAS
+    behind PyTorch's CPU build runs a product with a k x r output 5-8x slower than the same
+    product with an r x k output (M Q of a 1024 x 3136 gradient at rank 4: 2.3 ms against
+    0.46 ms on one core; bench/results/powersgd_products.md); the sums are the same up to
+    float32 rounding.  r = 1 (a matrix-vector product, as fast either way) stays x @ y."""
+    if y.shape[1] == 1:
+        return torch.mm(x, y, out=out)
+    return out.copy_(torch.mm(y.t().contiguous(), x.t()).t())
+
+
 # This rank's products with M (M Q, M^T P: its own contributions, summed across ranks) run
 # in float32 straight into the round buffers, as PyTorch's powerSGD_hook computes them.
 # What every rank computes from the shared sums (the orthogonalization of P, the average
@@ -218,15 +230,15 @@ class PowerSGD(SummedRounds, Compressor):
                           self.orthogonalization).to(torch.float32)
         self._pending[key.name] = _Pending(n, m, r, M)
         if M is not None:
-            torch.mm(M.view(n, m), q, out=out.view(n, r))
+            skinny_product(M.view(n, m), q, out.view(n, r))
 
     def next_round(self, i, summed, key, out):
         pend = self._pending[key.name]
         pend.P = orthogonalize(summed.reshape(pend.n, pend.r).to(ORTH, copy=True),
                                self.orthogonalization)
         if pend.M is not None:
-            torch.mm(pend.M.view(pend.n, pend.m).t(), pend.P.to(torch.float32),
-                     out=out.view(pend.m, pend.r))
+            skinny_product(pend.M.view(pend.n, pend.m).t(), pend.P.to(torch.float32),
+                           out.view(pend.m, pend.r))
 
     def last_round(self, summed, key, acc):
         pend = self._pending.get(key.name)

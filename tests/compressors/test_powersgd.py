@@ -15,7 +15,7 @@ import hvdcomp
 from hvdcomp.errors import ConfigError, Mismatch
 from hvdcomp.exchange import Exchange
 from hvdcomp.exchange.rounds import simulate
-from hvdcomp.compressors.powersgd import orthogonalize
+from hvdcomp.compressors.powersgd import orthogonalize, skinny_product
 from hvdcomp.transport import Allreduce
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -81,6 +81,22 @@ def test_what_is_compressed_and_the_bytes():
     assert hvdcomp.get("powersgd:rank=1,min_compression_rate=0").matrix((3, 2)) == (3, 2, 1)
     assert c.round_sizes((64, 32), 0) == (256, 128)
     assert hvdcomp.get("powersgd:start_iter=3").round_sizes((64, 32), 2) == (2048,)
+
+
+@pytest.mark.parametrize("r", [1, 2, 4, 7])
+def test_skinny_product_is_the_matrix_product(r):
+    """out = x @ y for a k x l x (contiguous, or the transposed view M^T of round 1) and an
+    l x r y, against the float64 product (float32 rounding); r = 1 is torch.mm itself."""
+    gen = torch.Generator().manual_seed(r)
+    m = torch.randn(37, 53, generator=gen)
+    for x in (m, m.t()):
+        y = torch.randn(x.shape[1], r, generator=gen)
+        out = torch.full((x.shape[0], r), float("nan"))
+        assert skinny_product(x, y, out) is out
+        want = x.double() @ y.double()
+        assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5), r
+        if r == 1:
+            assert torch.equal(out, torch.mm(x, y))
 
 
 def test_orthogonalize_both_methods():
