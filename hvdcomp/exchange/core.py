@@ -97,10 +97,10 @@ class Exchange(LoopProtocols):
             agree_settings(transport, dict(
                 seed=self.seed, average=bool(average), predivide=float(predivide),
                 sparse_as_dense=bool(sparse_as_dense), compression=compression.spec(),
-                fusion_bytes=None if fusion_bytes is None else int(fusion_bytes),
+                fusion_bytes=fusion_bytes and int(fusion_bytes), hierarchy=hierarchy,
                 min_compress_numel=int(min_compress_numel), compress_1d=bool(compress_1d),
-                collective=collective, hierarchy=hierarchy,
-                check_replicas=bool(check_replicas)), "the exchange settings")
+                collective=collective, check_replicas=bool(check_replicas)),
+                "the exchange settings")
         self.fused = fusion_bytes is not None      # else the caller forms buckets (call())
         self.buckets = fuse(named_params, fusion_bytes) if self.fused else []
         self.plan = Plan(named_params, compression, transport, allreduce,
@@ -109,7 +109,7 @@ class Exchange(LoopProtocols):
         self.collective_setting = collective
         #: a per-layer Auto's planner (:mod:`.layer_plan`), else None; its exchange is flat
         self.layer, hierarchy = planner(
-            self.plan, hierarchy, transport, allreduce, seed=self.seed,
+            self.plan, hierarchy, transport, allreduce, seed=self.seed, buckets=self.buckets,
             scatter=collective == "auto" and self.fused and transport.size > 1)
         decides = hierarchy == "auto" and getattr(self.auto, "model", None) is not None
         self.hierarchy = plan_hierarchy(hierarchy, transport, self.compression, collective,

@@ -26,11 +26,13 @@ hierarchical exchange is left out (``hierarchy="auto"`` is flat with a per-layer
 
 The choice minimizes the predicted step time subject to the budget (:func:`solve`):
 
-    minimize  sum_i t_i(c_i)   subject to   sum_i e_i(c_i) <= B
+    minimize  sum_i t_i(c_i) + sum_(b, k) L_k   subject to   sum_i e_i(c_i) <= B
 
 ``t_i(c)``: the predicted seconds of tensor i with candidate c on this job's measured link
 and codec costs (:class:`hvdcomp.auto.CostModel`, fused: without the collectives'
-latencies; PowerSGD: its local rounds' measured seconds per element plus its
+latencies, which the second sum adds: ``L_k`` the measured latency of collective k, once
+for every fusion bucket b where some tensor's choice runs it, :func:`collectives` and
+:func:`solve_paths`; PowerSGD: its local rounds' measured seconds per element plus its
 ``4 r (n + m)`` bytes through the allreduce; over the reduce-scatter: CostModel's
 prediction with the candidate's first- and second-stage costs).  ``e_i(c)``: the squared
 error of what training sees, the ranks' average, on tensor i's real gradients of the first
@@ -103,6 +105,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import math
 import time
@@ -548,6 +551,67 @@ def solve(times: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], b
     return state["sol"], proven
 
 
+def collectives(options: Sequence[Tuple[int, str]], cands: Sequence[Compressor], link,
+                carrier: bool) -> Tuple[List[Tuple[str, ...]], Dict[str, float]]:
+    """The collectives each option ``(candidate index, path)`` runs, as :func:`solve_paths`
+    takes them, and their fixed seconds on the measured ``link``
+    (:class:`hvdcomp.auto.LinkCost`): the allgather (``ag_latency``), the reduce-scatter's
+    all-to-all and allgather (``aa_latency`` + ``ag_latency``), fp16's allreduce
+    (``ar_latency``) and PowerSGD's two rounds (2 ``ar_latency``; without a ``carrier``
+    every sum is an allgather: ``ag_latency``).  fp32 (``none``) is charged nothing: the
+    tensors the plan leaves out (biases, small ones) run its collective anyway."""
+    ar = link.ar_latency if carrier else link.ag_latency
+    latency = {"allgather": link.ag_latency, "all-to-all": link.aa_latency,
+               "allreduce fp16": ar, "rounds": 2 * ar}
+    keys: List[Tuple[str, ...]] = []
+    for k, path in options:
+        spec = cands[k].spec()
+        keys.append(() if spec == "none" else
+                    ("all-to-all", "allgather") if path == "reduce_scatter" else
+                    ("rounds",) if path == "rounds" else
+                    ("allreduce fp16",) if path == "allreduce" else ("allgather",))
+    return keys, latency
+
+
+def solve_paths(times: Sequence[Sequence[float]], errors: Sequence[Sequence[float]],
+                budget: float, keys: Sequence[Tuple[str, ...]], latency: Dict[str, float],
+                buckets: Sequence[int] = (), max_nodes: int = 200_000
+                ) -> Tuple[List[int], bool]:
+    """:func:`solve` where a plan also pays each collective it uses once per fusion bucket:
+    option j of every tensor runs the collectives ``keys[j]`` (names; empty: only ones the
+    step runs anyway, charged nothing), ``latency[name]`` the fixed seconds of one,
+    ``buckets[i]`` tensor i's fusion bucket (default: all in one).  Solves once for each
+    set of collectives the options may be restricted to (at most 2^4 - 1 sets) and returns
+    the plan of least ``sum times + sum over the (bucket, collective) pairs it uses of
+    latency``; ``proven`` as :func:`solve`'s, for that set.  ConfigError as :func:`solve`
+    when no plan meets the budget (the least-error plan over every collective exceeds it)."""
+    T = len(times)
+    buckets = list(buckets) or [0] * T
+    kinds = sorted({k for ks in keys for k in ks})
+    best: Optional[Tuple[float, List[int], bool]] = None
+    for size in range(len(kinds), -1, -1):
+        for subset in itertools.combinations(kinds, size):
+            allowed = [j for j, ks in enumerate(keys) if set(ks) <= set(subset)]
+            if not allowed:
+                continue
+            try:
+                pick, proven = solve([[t[j] for j in allowed] for t in times],
+                                     [[e[j] for j in allowed] for e in errors], budget,
+                                     max_nodes)
+            except ConfigError:
+                if size == len(kinds):
+                    raise                 # every collective allowed: no plan at all
+                continue
+            pick = [allowed[j] for j in pick]
+            used = {(buckets[i], k) for i, j in enumerate(pick) for k in keys[j]}
+            total = (sum(times[i][j] for i, j in enumerate(pick))
+                     + sum(latency[k] for _, k in used))
+            if best is None or total < best[0]:
+                best = (total, pick, proven)
+    assert best is not None
+    return best[1], best[2]
+
+
 class _LPBound:
     """The linear relaxation's least time of the tensors ``k..`` within an error allowance
     (Sinha and Zoltners, "The multiple-choice knapsack problem", Oper. Res. 27(3), 1979):
@@ -616,7 +680,9 @@ class LayerPlanner:
     exchange's shared seed (the errors' sampled coordinates and Philox streams:
     :func:`measure_errors`); scatter: the exchange may send the :func:`scatterable`
     candidates over the reduce-scatter too (its own fusion buckets, 2 or more ranks: the
-    plan then holds both options of each).  Construction measures the link (with
+    plan then holds both options of each); buckets: the exchange's fusion buckets (names;
+    each collective a plan uses is charged its latency once per bucket: :func:`solve_paths`;
+    default one bucket).  Construction measures the link (with
     ``scatter``, its all-to-all too) and every candidate's codec costs (and second stage's)
     (collective: every rank together, the slowest rank's values).  ``pending`` until
     :meth:`decide`; ``choices``: {name: :class:`Choice`}; ``budget``: the absolute budget
@@ -624,8 +690,10 @@ class LayerPlanner:
     """
 
     def __init__(self, auto: Auto, shapes: Dict[str, Tuple[int, ...]], transport,
-                 allreduce=None, device=None, seed: int = 0, scatter: bool = False):
+                 allreduce=None, device=None, seed: int = 0, scatter: bool = False,
+                 buckets: Sequence[Sequence[str]] = ()):
         self.auto, self.shapes = auto, dict(shapes)
+        self.bucket_of = {n: b for b, names in enumerate(buckets) for n in names}
         self.seed = int(seed)
         self.size = transport.size
         self.cands = candidates(auto.compressor, auto.fallbacks, auto.bits, auto.densities,
@@ -732,8 +800,11 @@ class LayerPlanner:
                     for k, path in self.options] for n in names}
         self.reference = sum(errs[n][user] for n in known)
         self.budget = float(self.auto.budget) * self.reference
-        pick, self.proven = solve([[p[0] for p in pred[n]] for n in known],
-                                  [errs[n] for n in known], self.budget, self.auto.max_nodes)
+        keys, latency = collectives(self.options, self.cands, self.model.link, self.carrier)
+        pick, self.proven = solve_paths([[p[0] for p in pred[n]] for n in known],
+                                        [errs[n] for n in known], self.budget, keys, latency,
+                                        [self.bucket_of.get(n, 0) for n in known],
+                                        self.auto.max_nodes)
         chosen = dict(zip(known, pick))
         self.choices = {}
         for n in names:
@@ -862,11 +933,13 @@ def _measure_rounds(comp: Compressor, transport, numel: int) -> CodecCost:
 
 
 def planner(plan, hierarchy: str, transport, allreduce=None, seed: int = 0,
-            scatter: bool = False) -> Tuple[Optional[LayerPlanner], str]:
+            scatter: bool = False, buckets: Sequence[Sequence[str]] = ()
+            ) -> Tuple[Optional[LayerPlanner], str]:
     """``(LayerPlanner or None, hierarchy)`` of an exchange's :class:`~.plan.Plan` (a
     planner where a per-layer Auto plans some tensors: built now, measuring the costs on
     every rank together; ``seed``: the exchange's; ``scatter``: the exchange may use the
-    reduce-scatter, :class:`LayerPlanner`) and the hierarchy it runs with: "flat"
+    reduce-scatter, ``buckets``: its fusion buckets (names), :class:`LayerPlanner`) and
+    the hierarchy it runs with: "flat"
     with a planner (module docstring; ConfigError for "host"), else ``hierarchy``
     unchanged."""
     if not plan.layer_shapes:
@@ -876,4 +949,4 @@ def planner(plan, hierarchy: str, transport, allreduce=None, seed: int = 0,
                           "'flat' or 'auto' (flat with it)")
     dev = plan.entries[next(iter(plan.layer_shapes))].param.device
     return (LayerPlanner(plan.auto, plan.layer_shapes, transport, allreduce, device=dev,
-                         seed=seed, scatter=scatter), "flat")
+                         seed=seed, scatter=scatter, buckets=buckets), "flat")

@@ -24,7 +24,8 @@ from hvdcomp.auto import CodecCost  # noqa: E402
 from hvdcomp.exchange.layer_plan import (STAGE2, candidates,  # noqa: E402
                                          effective_error, measure_errors, measure_key,
                                          sample_index, scatterable, second_stage_errors,
-                                         solve, stage2_buckets)
+                                         solve, solve_paths, stage2_buckets,
+                                         collectives)
 from hvdcomp.exchange.collective import Allgather  # noqa: E402
 from hvdcomp.exchange.scatter import ReduceScatter  # noqa: E402
 from world import run_ranks  # noqa: E402
@@ -90,6 +91,59 @@ def test_solver_hand_case_and_infeasible_budget():
     assert solve(times, errors, 0)[0] == [0, 0]
     with pytest.raises(ConfigError, match=r"budget 0.5 cannot be met.*least total error .* 1"):
         solve([[1, 2]], [[1, 3]], 0.5)
+
+
+def test_collective_latency_hand_case():
+    """Options A (allgather) and B (rounds), both without error.  Tensor 1: A 1.0 s, B 0.8;
+    tensor 2: A 1.0, B 1.1.  Without latencies the mix (B, A) is fastest (1.8 s); with 0.5 s
+    per collective it pays both (2.8) and all-B (1.9 + 0.5) wins; in two fusion buckets
+    every plan pays two collectives and the mix wins again (2.8 against 2.9 and 3.0)."""
+    times, errors = [[1.0, 0.8], [1.0, 1.1]], [[0.0, 0.0], [0.0, 0.0]]
+    keys = [("allgather",), ("rounds",)]
+    assert solve_paths(times, errors, 0.0, keys, {"allgather": 0, "rounds": 0})[0] == [1, 0]
+    lat = {"allgather": 0.5, "rounds": 0.5}
+    assert solve_paths(times, errors, 0.0, keys, lat)[0] == [1, 1]
+    assert solve_paths(times, errors, 0.0, keys, lat, buckets=[0, 1])[0] == [1, 0]
+    # a free option (no collective of its own) costs no latency; an infeasible budget is
+    # solve's ConfigError
+    assert solve_paths(times, errors, 0.0, [(), ("rounds",)], lat)[0] == [0, 0]
+    with pytest.raises(ConfigError, match="cannot be met"):
+        solve_paths([[1.0]], [[2.0]], 1.0, [("allgather",)], lat)
+
+
+def test_collectives_of_each_option_and_their_latencies():
+    cands = [hvdcomp.get(s) for s in ("none", "fp16", "qsgd:bits=3", "powersgd:rank=2")]
+    options = [(0, "allreduce"), (1, "allreduce"), (2, "allgather"), (3, "rounds"),
+               (2, "reduce_scatter"), (1, "allgather")]
+    keys, lat = collectives(options, cands, CHEAP_ALLTOALL, carrier=True)
+    assert keys == [(), ("allreduce fp16",), ("allgather",), ("rounds",),
+                    ("all-to-all", "allgather"), ("allgather",)]
+    L = CHEAP_ALLTOALL
+    assert lat == {"allgather": L.ag_latency, "all-to-all": L.aa_latency,
+                   "allreduce fp16": L.ar_latency, "rounds": 2 * L.ar_latency}
+    _, lat = collectives(options, cands, L, carrier=False)      # every sum an allgather
+    assert lat["rounds"] == 2 * L.ag_latency and lat["allreduce fp16"] == L.ag_latency
+
+
+def test_collective_latency_equals_brute_force_in_one_bucket():
+    rnd = random.Random(5)
+    names = ["allgather", "rounds", "allreduce fp16"]
+    for case in range(120):
+        T, K = rnd.randint(1, 4), rnd.randint(1, 4)
+        times = [[rnd.uniform(0, 10) for _ in range(K)] for _ in range(T)]
+        errors = [[rnd.choice([0.0, rnd.uniform(0, 5)]) for _ in range(K)] for _ in range(T)]
+        keys = [tuple(rnd.sample(names, rnd.randint(0, 2))) for _ in range(K)]
+        lat = {k: rnd.uniform(0, 6) for k in names}
+        budget = sum(min(e) for e in errors) + rnd.uniform(0, 8)
+
+        def cost(plan):
+            return (sum(times[i][j] for i, j in enumerate(plan))
+                    + sum(lat[k] for k in {k for j in plan for k in keys[j]}))
+        best = min(cost(p) for p in itertools.product(range(K), repeat=T)
+                   if sum(errors[i][j] for i, j in enumerate(p)) <= budget + 1e-9)
+        pick, proven = solve_paths(times, errors, budget, keys, lat)
+        assert proven and sum(errors[i][j] for i, j in enumerate(pick)) <= budget + 1e-9
+        assert cost(pick) == pytest.approx(best, abs=1e-9), case
 
 
 def _table(spec, gs):
