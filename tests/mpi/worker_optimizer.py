@@ -200,9 +200,11 @@ def auto_per_layer():
     equals the hand-computed step; then every rank adopts the same plan, made from step
     0's gradients, and the parameters stay identical on every rank (so do the averages);
     the plan is in the optimizer's state_dict.  Its candidates: QSGD at 2-5 bits over
-    either collective, the all-to-all given 100x cheaper than the allgather and a budget of
-    twice QSGD 4 bits' error (its second stage's is then within it), so that the plan sends
-    tensors over the reduce-scatter, which the exchange then builds."""
+    either collective, the all-to-all given 100x cheaper per byte than the allgather, every
+    collective's latency 1 us (the plan pays each collective it uses once: a latency of the
+    order of these tiny tensors' seconds would decide alone) and a budget of twice QSGD 4
+    bits' error (its second stage's is then within it), so that the plan sends tensors over
+    the reduce-scatter, which the exchange then builds."""
     from hvdcomp.auto import CodecCost, LinkCost
     from hvdcomp.exchange.layer_plan import STAGE2, candidates
     from hvdcomp.exchange.scatter import ReduceScatter
@@ -214,7 +216,7 @@ def auto_per_layer():
             codecs[key] = CodecCost(0, 1e-9, 0, 1e-9, 64, comp.message_bytes(4096) / 4096)
     for transport in TRANSPORTS:
         auto = hvdcomp.Auto(spec, per_layer=True, fallbacks=(), densities=(), ranks=(), budget=2.0,
-                            codecs=codecs, link=LinkCost(1e-4, 1e-7, 1e-4, 1e-6, 1e-4, 1e-8))
+                            codecs=codecs, link=LinkCost(1e-6, 1e-7, 1e-6, 1e-6, 1e-6, 1e-8))
         model, opt = train_steps(auto, transport, 1)      # step 0, against the reference
         layer = exchange_of(opt).layer
         assert not layer.pending and sorted(layer.choices) == ["0.weight", "2.weight"]
