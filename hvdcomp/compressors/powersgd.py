@@ -36,7 +36,7 @@ from .base import Compressor, TensorKey, numel_of, register
 from .protocols import SummedRounds
 from .state import finite, load_tensors
 
-__all__ = ["PowerSGD", "orthogonalize"]
+__all__ = ["PowerSGD", "orthogonalize", "skinny_product"]
 
 ORTHOGONALIZATIONS = ("auto", "gram_schmidt", "qr")
 
@@ -78,7 +78,8 @@ def skinny_product(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch
 
 
 # This rank's products with M (M Q, M^T P: its own contributions, summed across ranks) run
-# in float32 straight into the round buffers, as PyTorch's powerSGD_hook computes them.
+# in float32 into the round buffers (at rank >= 2 through an r x k temporary:
+# skinny_product), as PyTorch's powerSGD_hook computes them, up to float32 rounding.
 # What every rank computes from the shared sums (the orthogonalization of P, the average
 # P Q^T) runs in float64 and is rounded once to float32: a float32 BLAS result can depend
 # on the calling thread's number of threads (MKL) or on the device, a float64 one rounded

@@ -32,7 +32,8 @@ The choice minimizes the predicted step time subject to the budget (:func:`solve
 and codec costs (:class:`hvdcomp.auto.CostModel`, fused: without the collectives'
 latencies, which the second sum adds: ``L_k`` the measured latency of collective k, once
 for every fusion bucket b where some tensor's choice runs it, :func:`collectives` and
-:func:`solve_paths`; PowerSGD: its local rounds' measured seconds per element plus its
+:func:`solve_paths`, exact in one bucket and a heuristic in several; the DDP hook's
+buckets are DDP's, unknown here, and counted as one; PowerSGD: its local rounds' measured seconds per element plus its
 ``4 r (n + m)`` bytes through the allreduce; over the reduce-scatter: CostModel's
 prediction with the candidate's first- and second-stage costs).  ``e_i(c)``: the squared
 error of what training sees, the ranks' average, on tensor i's real gradients of the first
@@ -555,19 +556,22 @@ def collectives(options: Sequence[Tuple[int, str]], cands: Sequence[Compressor],
                 carrier: bool) -> Tuple[List[Tuple[str, ...]], Dict[str, float]]:
     """The collectives each option ``(candidate index, path)`` runs, as :func:`solve_paths`
     takes them, and their fixed seconds on the measured ``link``
-    (:class:`hvdcomp.auto.LinkCost`): the allgather (``ag_latency``), the reduce-scatter's
-    all-to-all and allgather (``aa_latency`` + ``ag_latency``), fp16's allreduce
-    (``ar_latency``) and PowerSGD's two rounds (2 ``ar_latency``; without a ``carrier``
-    every sum is an allgather: ``ag_latency``).  fp32 (``none``) is charged nothing: the
-    tensors the plan leaves out (biases, small ones) run its collective anyway."""
+    (:class:`hvdcomp.auto.LinkCost`): the allgather of messages (``ag_latency``), the
+    reduce-scatter's all-to-all and its own allgather of the averaged shards
+    (``aa_latency`` + ``ag_latency``), fp16's allreduce (``ar_latency``) and PowerSGD's two
+    rounds (2 ``ar_latency``).  fp32 (``none``) is charged nothing: the tensors the plan
+    leaves out (biases, small ones) run its collective anyway; without a ``carrier`` that
+    collective is the allgather, which fp16 and the compressors' messages then share
+    (charged nothing), and PowerSGD's rounds are allgathers (2 ``ag_latency``)."""
     ar = link.ar_latency if carrier else link.ag_latency
-    latency = {"allgather": link.ag_latency, "all-to-all": link.aa_latency,
+    latency = {"allgather": link.ag_latency if carrier else 0.0,
+               "all-to-all": link.aa_latency, "shard allgather": link.ag_latency,
                "allreduce fp16": ar, "rounds": 2 * ar}
     keys: List[Tuple[str, ...]] = []
     for k, path in options:
         spec = cands[k].spec()
         keys.append(() if spec == "none" else
-                    ("all-to-all", "allgather") if path == "reduce_scatter" else
+                    ("all-to-all", "shard allgather") if path == "reduce_scatter" else
                     ("rounds",) if path == "rounds" else
                     ("allreduce fp16",) if path == "allreduce" else ("allgather",))
     return keys, latency
@@ -581,17 +585,21 @@ def solve_paths(times: Sequence[Sequence[float]], errors: Sequence[Sequence[floa
     option j of every tensor runs the collectives ``keys[j]`` (names; empty: only ones the
     step runs anyway, charged nothing), ``latency[name]`` the fixed seconds of one,
     ``buckets[i]`` tensor i's fusion bucket (default: all in one).  Solves once for each
-    set of collectives the options may be restricted to (at most 2^4 - 1 sets) and returns
-    the plan of least ``sum times + sum over the (bucket, collective) pairs it uses of
-    latency``; ``proven`` as :func:`solve`'s, for that set.  ConfigError as :func:`solve`
-    when no plan meets the budget (the least-error plan over every collective exceeds it)."""
+    set of the options' distinct ``keys`` (at most 2^4 = 16 solves with
+    :func:`collectives`' four) restricted to it, and returns the plan of least ``sum
+    times + sum over the (bucket, collective) pairs it uses of latency``: the optimum in
+    one bucket (the best plan's own set is among those solved), a heuristic in several
+    (each set is shared by every bucket).  ``proven``: every solve finished.  ConfigError
+    as :func:`solve` when no plan meets the budget (the least-error plan over every
+    collective exceeds it)."""
     T = len(times)
     buckets = list(buckets) or [0] * T
-    kinds = sorted({k for ks in keys for k in ks})
-    best: Optional[Tuple[float, List[int], bool]] = None
-    for size in range(len(kinds), -1, -1):
-        for subset in itertools.combinations(kinds, size):
-            allowed = [j for j, ks in enumerate(keys) if set(ks) <= set(subset)]
+    groups = sorted({ks for ks in keys if ks})
+    best: Optional[Tuple[float, List[int]]] = None
+    all_proven = True
+    for size in range(len(groups), -1, -1):
+        for subset in itertools.combinations(groups, size):
+            allowed = [j for j, ks in enumerate(keys) if not ks or ks in subset]
             if not allowed:
                 continue
             try:
@@ -599,17 +607,18 @@ def solve_paths(times: Sequence[Sequence[float]], errors: Sequence[Sequence[floa
                                      [[e[j] for j in allowed] for e in errors], budget,
                                      max_nodes)
             except ConfigError:
-                if size == len(kinds):
+                if size == len(groups):
                     raise                 # every collective allowed: no plan at all
                 continue
+            all_proven = all_proven and proven
             pick = [allowed[j] for j in pick]
-            used = {(buckets[i], k) for i, j in enumerate(pick) for k in keys[j]}
+            used = sorted({(buckets[i], k) for i, j in enumerate(pick) for k in keys[j]})
             total = (sum(times[i][j] for i, j in enumerate(pick))
-                     + sum(latency[k] for _, k in used))
+                     + sum(latency[k] for _, k in used))      # (sorted: the same sum everywhere)
             if best is None or total < best[0]:
-                best = (total, pick, proven)
+                best = (total, pick)
     assert best is not None
-    return best[1], best[2]
+    return best[1], all_proven
 
 
 class _LPBound:

@@ -53,7 +53,8 @@ def test_averages_and_bytes_equal_pytorchs_powersgd_hook(ddp_run, r):
                 # P Q^T in float64): measured up to 1.7e-4 of the tensor's largest value after
                 # 4 steps of error feedback (5.3e-5 on 2 ranks; with every product in float64
                 # before: 1.2e-4 and 3.1e-5), and 5e-6 at START, where both are exact up to
-                # rounding
+                # rounding (measured before hvdcomp computed the products at rank >= 2 as
+                # (Q^T M^T)^T and (P^T M)^T on 2026-12-04: the same sums up to rounding)
                 err = float((ours - theirs).abs().max() / theirs.abs().max())
                 assert err <= (1e-5 if step <= W.START else 1e-3), (rank, step, name, err)
             # bytes: the payload is PyTorch's (its elements after compression, float32),
