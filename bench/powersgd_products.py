@@ -37,14 +37,10 @@ def models():
     return {"resnet50": resnet50(), "fashion_cnn": cnn}
 
 
-def timed(fn, reps):
+def seconds(fn):
+    t0 = time.perf_counter()
     fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return time.perf_counter() - t0
 
 
 def measure(shapes, r, reps):
@@ -66,10 +62,11 @@ def measure(shapes, r, reps):
             skinny_product(M, q, P)
             skinny_product(M.t(), p, Q)
 
+    plain(), skinny()                          # warm-up
     t_plain, t_skinny = [], []
     for _ in range(reps):                      # alternate: the same load on both
-        t_plain.append(timed(plain, 1))
-        t_skinny.append(timed(skinny, 1))
+        t_plain.append(seconds(plain))
+        t_skinny.append(seconds(skinny))
     diff = 0.0
     for M, q, p, P, Q in data:
         a, b = torch.mm(M, q), skinny_product(M, q, torch.empty_like(P))

@@ -68,9 +68,9 @@ def orthogonalize(a: torch.Tensor, method: str = "auto") -> torch.Tensor:
 def skinny_product(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` (k x r, float32) = ``x`` (k x l) @ ``y`` (l x r), for the few columns r of
     PowerSGD's P and Q; returns ``out``.  For r >= 2 computed as (y^T x^T)^T: the BLAS
-    behind PyTorch's CPU build runs a product with a k x r output 5-8x slower than the same
-    product with an r x k output (M Q of a 1024 x 3136 gradient at rank 4: 2.3 ms against
-    0.46 ms on one core; bench/results/powersgd_products.md); the sums are the same up to
+    behind PyTorch's CPU build runs a product with a k x r output 4-7x slower than the same
+    product with an r x k output (the real task's CNN at rank 4, both products: 4.9 ms
+    against 1.2 ms on one core; bench/results/powersgd_products.md); the sums are the same up to
     float32 rounding.  r = 1 (a matrix-vector product, as fast either way) stays x @ y."""
     if y.shape[1] == 1:
         return torch.mm(x, y, out=out)

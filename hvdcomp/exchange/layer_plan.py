@@ -33,11 +33,11 @@ and codec costs (:class:`hvdcomp.auto.CostModel`, fused: without the collectives
 latencies, which the second sum adds: ``L_k`` the measured latency of collective k, once
 for every fusion bucket b where some tensor's choice runs it, :func:`collectives` and
 :func:`solve_paths`, exact in one bucket and a heuristic in several; the DDP hook's
-buckets are DDP's, unknown here, and counted as one; PowerSGD: its local rounds' measured seconds per element plus its
-``4 r (n + m)`` bytes through the allreduce; over the reduce-scatter: CostModel's
-prediction with the candidate's first- and second-stage costs).  ``e_i(c)``: the squared
-error of what training sees, the ranks' average, on tensor i's real gradients of the first
-step, **measured** (:func:`measure_errors`):
+buckets are DDP's, unknown here, and counted as one; PowerSGD: its local rounds' measured
+seconds per element plus its ``4 r (n + m)`` bytes through the allreduce; over the
+reduce-scatter: CostModel's prediction with the candidate's first- and second-stage
+costs).  ``e_i(c)``: the squared error of what training sees, the ranks' average, on
+tensor i's real gradients of the first step, **measured** (:func:`measure_errors`):
 
     e_i(c) = || (1/N) sum_r (C(g_r) - g_r) ||^2        (N ranks with a finite gradient)
 
