@@ -4,8 +4,8 @@
 
 Real gradients: FC-300-100 and the small CNN of bench/common.py trained on the main job's
 MNIST digits (one process, plain SGD), and the real task's Fashion-MNIST CNN
-(examples/fashion.py, 3.27 M parameters, batch 64), at steps 0, 100 and 400 of the run; the tensors with
-at least 1,024 elements and two or more dimensions (what the drop-in compresses). For every
+(examples/fashion.py, 3.27 M parameters, batch 64), at steps 0, 100 and 400 of the run; the
+tensors with at least 1,024 elements and two or more dimensions (what the drop-in compresses). For every
 method and setting, one operating point per gradient:
 
 * bits per coordinate = 8 x (bytes of the whole encoded messages, headers included) / the
@@ -19,11 +19,14 @@ method and setting, one operating point per gradient:
 
 Methods: hvdcomp's QSGD (2-8 bits), QSGDinf, NUQSGD, ALQ and AMQ (L2 and L-inf bucket norms;
 levels fitted to the gradient as the refit during training does) at 2-5 bits, all with bucket
-1024, packed and rANS-coded (``entropy=True``); TernGrad; EF-SignSGD's scaled sign; top-k and
-DGC at densities 0.1 %-40 % with fp32, fp16, int8 and int4 values (``values=int8/int4``:
-a float32 scale per 256 values, rounded to nearest; indices Golomb-Rice coded: the only
-index coding hvdcomp has); top-k whose values are re-quantized by a second hvdcomp message (a
-composition made in this bench, with ALQ-inf or QSGDinf levels and rANS); PowerSGD
+1024, packed and rANS-coded (``entropy=True``); DQSG (Abdi & Fekri 2019) rANS-coded at bucket
+65536 with the paper's step (bucket max / M, 4-8 bits), and with its step set by a variance
+target (``variance_target`` 0.01-0.1 in steps of 0.0025, bits 6, 7 and 8); TernGrad;
+EF-SignSGD's scaled sign; top-k and DGC at densities 0.1 %-40 % with fp32, fp16, int8 and
+int4 values (``values=int8/int4``: a float32 scale per 256 values, rounded to nearest;
+indices Golomb-Rice coded: the only index coding hvdcomp has); top-k whose values are
+re-quantized by a second hvdcomp message (a composition made in this bench, with ALQ-inf or
+QSGDinf levels and rANS); PowerSGD
 (Vogels et al., NeurIPS 2019, Alg. 1) at ranks 1, 2, 4, 8, 16 from the plain PyTorch reference
 below, P and Q in fp32 (PyTorch's hook) or fp16; and CGX's quantizer (stochastic max-min,
 Markov et al. 2022; its README: "basic stochastic max-min uniform quantization") whose exact
@@ -293,6 +296,8 @@ QUANTIZERS = [("qsgd", range(2, 9)), ("qsgdinf", range(2, 9)), ("nuqsgd", range(
               ("amq-inf", range(2, 6))]
 SPARSE_Q = [("qsgdinf", 8, False), ("alq-inf", 4, True), ("alq-inf", 5, True)]
 SPARSE_Q_DENSITIES = (0.03, 0.1, 0.2, 0.25, 0.3, 0.4)
+DQSG_BUCKET = 65536
+VARIANCE_TARGETS = tuple(round(0.01 + 0.0025 * i, 4) for i in range(37))    # 0.01 .. 0.1
 
 
 def gradient_rows(model, step, grads, history, draws):
@@ -326,6 +331,15 @@ def gradient_rows(model, step, grads, history, draws):
             # entropy coding is lossless: same decoded values in the same stream
             assert abs(re["first_err"] - r["first_err"]) <= 1e-9 * r["first_err"], (name, bits)
             add(name, ent.spec(), dict(r, bits=re["bits"], bytes=re["bytes"]), False, True)
+    for bits in range(4, 9):                                   # DQSG, the paper's step
+        spec = f"dqsg:bits={bits},bucket_size={DQSG_BUCKET},entropy=True"
+        add("dqsg", spec, measure(lambda: hvdcomp.get(spec), grads, draws, sq), False, True)
+    for bits in (6, 7, 8):                                     # DQSG, step set by a variance
+        for v in VARIANCE_TARGETS:
+            spec = (f"dqsg:bits={bits},bucket_size={DQSG_BUCKET},entropy=True,"
+                    f"variance_target={v}")
+            add("dqsg variance", spec, measure(lambda: hvdcomp.get(spec), grads, draws, sq),
+                False, True)
     for bucket in (0, BUCKET):
         for entropy in (False, True):
             spec = f"terngrad:bucket_size={bucket},entropy={entropy}"
@@ -420,6 +434,8 @@ PLOT_SERIES = [   # (label, which rows, error kind)
     ("AMQ rANS", _is("amq", True), "nerr"),
     ("AMQ-inf rANS", _is("amq-inf", True), "nerr"),
     ("TernGrad rANS", _is("terngrad", True), "nerr"),
+    ("DQSG rANS, bucket 65536", _is("dqsg", True), "nerr"),
+    ("DQSG variance target, rANS", _is("dqsg variance", True), "nerr"),
     ("EF-sign", _is("signef"), "nerr"),
     ("top-k fp32", _is("topk", has="fp32"), "nerr"),
     ("top-k fp16", _is("topk", has="fp16"), "nerr"),
@@ -481,6 +497,9 @@ def label(r):
     """A short name for a row's setting."""
     if r["method"] in ("topk+quantized values", "powersgd", "cgx-maxmin"):
         return r["setting"].replace(",bucket_size=1024", "")
+    if r["method"] == "dqsg variance":
+        return (f"{r['setting'].split('bits=')[1].split(',')[0]} bits v="
+                + r["setting"].split("variance_target=")[1])
     if r["method"] in ("topk", "dgc", "signef", "terngrad"):
         return r["setting"].split(":", 1)[1].replace("density=", "d=").replace("values=", "")
     sp = dict(kv.split("=") for kv in r["setting"].split(":", 1)[1].split(","))
@@ -542,6 +561,7 @@ def report_md(res) -> str:
 #: hvdcomp settings; "topk+quantized values" and "powersgd" are this bench's compositions.
 GROUPS = (("hvdcomp quantizers", ("qsgd", "qsgdinf", "nuqsgd", "alq", "alq-inf", "amq",
                                   "amq-inf", "terngrad")),
+          ("hvdcomp DQSG rANS (paper's step / variance target)", ("dqsg", "dqsg variance")),
           ("hvdcomp top-k (fp32/fp16/int8/int4 values) / DGC / EF-sign",
            ("topk", "dgc", "signef")),
           ("top-k + quantized values (bench)", ("topk+quantized values",)),
@@ -560,6 +580,9 @@ def _short(r) -> str:
         return "terngrad" + (" rANS" if "entropy=True" in st else "")
     if m == "powersgd":
         return st.replace(",", " ")
+    if m == "dqsg variance":
+        return (f"dqsg {st.split('bits=')[1].split(',')[0]}b v="
+                + st.split("variance_target=")[1])
     if m == "topk+quantized values":
         d, q = st.split(" + ")
         return (f"d={d.split('=')[1]} + {q.split(':')[0]} {q.split('bits=')[1].split(',')[0]}b"
@@ -575,7 +598,7 @@ def verdict_md(verdicts, steady: bool) -> str:
     settings).  ``steady``: error feedback in its steady state (rows after step 0, the
     unbiased quantizers left out: their error is the same)."""
     kind, reading = ("nerr_ef", "cgx_ef") if steady else ("nerr", "cgx")
-    groups = GROUPS[1:] if steady else GROUPS
+    groups = GROUPS[2:] if steady else GROUPS
     out = ["| gradient | CGX 4b error | " + " | ".join(g for g, _ in groups) + " |",
            "|---|---|" + "---|" * len(groups)]
     for v in verdicts:

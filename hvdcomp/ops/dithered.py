@@ -17,6 +17,7 @@ messages; this module is the arithmetic.  Everything is float32 unless stated.
   Delta (M + 1/2) in magnitude) is finite.  The cap acts only on buckets whose maximum lies
   within a factor (M + 1/2) / M of the float32 maximum (there the largest values are
   clamped to q = +-M: biased by at most Delta/2 more); receivers reject larger steps.
+  (:func:`variance_steps`: the steps set by a variance target instead, never below m_b / M.)
 * Dither (Philox, hvdcomp.philox, keyed by the tensor's key: seed, step, rank, tensor id and
   the coordinate index i, so a receiver regenerates it bit-exactly from the header):
       s_i = hvdcomp.philox.uniform(n, seed, step, rank, tensor_id)[i] - 1/2   in [-1/2, 1/2)
@@ -65,6 +66,7 @@ from . import op, padded_buckets
 
 __all__ = ["CHECK_OFFSET", "max_step", "dither", "check_weights", "dqsg_quantize",
            "dqsg_reconstruct", "bucket_checksums", "nested_resolve", "bucket_steps",
+           "variance_steps",
            "dqsg_encode", "nested_encode", "validate_codes", "dqsg_decode_add",
            "nested_decode_add"]
 
@@ -229,6 +231,40 @@ def _(be, x, bits, bucket_size):
     if nb:
         be.launch("hvd_bucket_norms_linf", min(nb, MAX_GRID), reduce_block(bs), (x, n, bs, m))
     return (m / _levels(b)).clamp_(max=max_step(b))
+
+
+def variance_steps(x: torch.Tensor, bits: int, bucket_size: int,
+                   target: float) -> torch.Tensor:
+    """Steps set by a normalized variance ``target`` (> 0) instead of by the bucket maximum:
+    float32 (nb,) for a flat finite float32 x (n,), nb = ceil(n / bucket_size).
+
+    The subtractive dither makes the error of a step Delta uniform, with variance
+    Delta**2 / 12 per coordinate whatever x is, so per bucket b of n_b coordinates
+
+        Delta*_b = float32(||x_b||_2) * float32(sqrt(12 target / n_b))
+        Delta_b  = min(max(Delta*_b, bucket_steps_b), max_step(bits))    (0 for a zero bucket)
+
+    gives E||x_hat_b - x_b||^2 = target ||x_b||^2 wherever Delta*_b wins.  ``bucket_steps``
+    (max |x| / M) is the smallest step whose codes fit in [-M, M]: a bucket whose maximum lies
+    beyond (M + 1/2) Delta*_b gets that larger step, and more variance than the target.  With
+    entropy-coded codes the rate then follows the gradient's distribution (uniform steps with
+    entropy coding: Gish & Pierce, IEEE Trans. Inf. Theory 14(5), 1968; with a subtractive
+    dither: Zamir & Feder, IEEE Trans. Inf. Theory 38(2), 1992).  ||x_b||_2 is
+    hvdcomp.ops.quantize.bucket_norms (a float64 sum rounded once), the product and the
+    maximum are float32 operations rounded once: the same bits on the CPU and on CUDA."""
+    if not target > 0:
+        raise ValueError(f"target must be > 0, got {target}")
+    from .quantize import bucket_norms              # (quantize imports nothing from here)
+    by_max = bucket_steps(x, bits, bucket_size)
+    nb = by_max.numel()
+    bs = _bucket(bucket_size)
+    counts = np.full(nb, float(bs))
+    if nb:
+        counts[-1] = x.numel() - (nb - 1) * bs
+    scale = torch.from_numpy(np.sqrt(12.0 * float(target) / counts).astype(np.float32))
+    star = bucket_norms(x, bs, "l2") * scale.to(x.device)
+    delta = torch.maximum(star, by_max).clamp_(max=max_step(bits))
+    return torch.where(by_max > 0, delta, torch.zeros_like(delta))
 
 
 @op

@@ -134,7 +134,8 @@ def nb_of(n, bs):
 # --- settings -----------------------------------------------------------------------------
 
 def test_settings_validation_and_spec():
-    assert hvdcomp.get("dqsg").settings() == {"bits": 4, "bucket_size": 512, "entropy": False}
+    assert hvdcomp.get("dqsg").settings() == {"bits": 4, "bucket_size": 512, "entropy": False,
+                                              "variance_target": 0.0}
     assert hvdcomp.get("ndqsg").settings() == {"bits": 4, "nested_bits": 2, "bucket_size": 512,
                                                "dqsg_ranks": 0, "entropy": False}
     assert hvdcomp.get("dqsg:entropy=true").entropy is True
@@ -151,7 +152,8 @@ def test_settings_validation_and_spec():
            ("dqsg", dict(bucket_size=2 ** 31 + 1)), ("ndqsg", dict(nested_bits=0)),
            ("ndqsg", dict(bits=4, nested_bits=4)), ("ndqsg", dict(dqsg_ranks=-1)),
            ("dqsg", dict(entropy=2)), ("ndqsg", dict(entropy="yes")),
-           ("ndqsg", dict(entropy="maybe"))]
+           ("ndqsg", dict(entropy="maybe")), ("dqsg", dict(variance_target=-0.1)),
+           ("dqsg", dict(variance_target=float("nan"))), ("dqsg", dict(variance_target="0.1"))]
     for name, kw in bad:
         cls = REGISTRY[name]
         with pytest.raises(ValueError):
@@ -880,3 +882,91 @@ def test_ndqsg_zero_length_message_is_a_wire_error():
             comp.resolve(case, keys)
     with pytest.raises(WireFormatError, match="empty message"):
         hvdcomp.get("dqsg").combine([None], [key()], torch.zeros(30))
+
+
+# --- variance_target: the step set by a normalized variance ------------------------------
+
+def steps_np(x32, bits, bs, v):
+    """variance_steps by hand in NumPy: per bucket float32(||x_b|| from a float64 sum) times
+    float32(sqrt(12 v / n_b)), at least float32(max|x_b| / M), 0 for a zero bucket."""
+    M = 2 ** (bits - 1) - 1
+    out = []
+    for lo in range(0, x32.size, bs):
+        b = x32[lo:lo + bs]
+        norm = np.float32(np.sqrt(np.sum(b.astype(np.float64) ** 2)))
+        star = np.float32(norm * np.float32(np.sqrt(12.0 * v / b.size)))
+        by_max = np.float32(np.max(np.abs(b)) / np.float32(M))
+        out.append(np.float32(0) if by_max == 0 else max(star, by_max))
+    return np.array(out, dtype=np.float32)
+
+
+@pytest.mark.parametrize("bits,bs,v", [(8, 1000, 0.03), (8, 4096, 0.001), (3, 100, 0.5),
+                                       (5, 7, 0.1)])
+def test_variance_steps_formula(bits, bs, v):
+    g = torch.Generator().manual_seed(bits + bs)
+    x = (torch.randn(9001, generator=g) * torch.exp(torch.randn(9001, generator=g))).float()
+    x[bs:2 * bs] = 0.0                                   # a zero bucket: step 0, exact zeros
+    x[5] = 1e3                                           # an outlier: max / M may win there
+    got = dithered_ops.variance_steps(x, bits, bs, v)
+    want = steps_np(x.numpy(), bits, bs, v)
+    assert np.array_equal(got.numpy(), want)
+    assert float(got[1]) == 0.0
+    comp = hvdcomp.get(f"dqsg:bits={bits},bucket_size={bs},variance_target={v}")
+    assert np.array_equal(np.frombuffer(bytes(trip(comp, x, key()).sections[0]), "<f4"), want)
+
+
+def test_variance_target_is_the_variance():
+    """E||x_hat - x||^2 = sum_b n_b Delta_b^2 / 12 = v ||x||^2 where no bucket's maximum sets
+    the step (checked by the formula, and by the mean error over 40 dither draws)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40_000, generator=g) * torch.linspace(0.1, 3.0, 40_000)
+    v = 0.03
+    comp = hvdcomp.get(f"dqsg:bits=8,bucket_size=4096,entropy=True,variance_target={v}")
+    delta = dithered_ops.variance_steps(x, 8, 4096, v).double()
+    counts = torch.tensor([4096.0] * 9 + [40_000 - 9 * 4096], dtype=torch.float64)
+    sq = float(x.double().pow(2).sum())
+    assert float((counts * delta ** 2 / 12).sum()) == pytest.approx(v * sq, rel=1e-5)
+    errs = []
+    for step in range(40):
+        k = key(step=step)
+        errs.append(float((decode_one(comp, trip(comp, x, k), k, x.numel()).double()
+                           - x.double()).pow(2).sum()) / sq)
+    assert np.mean(errs) == pytest.approx(v, rel=0.01)   # std of the mean: 0.07 %
+    # the paper's step at 8 bits on the same gradient errs less and sends more bits
+    paper = hvdcomp.get("dqsg:bits=8,bucket_size=4096,entropy=True")
+    assert len(paper.encode(x, key()).to_bytes()) > 1.5 * len(comp.encode(x, key()).to_bytes())
+
+
+def test_variance_target_needs_nothing_of_the_receiver():
+    """A message sent with a variance target decodes with any DQSG of the same bits, bucket
+    size and entropy flag (the steps travel in the message)."""
+    x = torch.randn(3000).float()
+    k = key()
+    msg = trip(hvdcomp.get("dqsg:bits=8,bucket_size=512,entropy=True,variance_target=0.05"),
+               x, k)
+    out = decode_one(hvdcomp.get("dqsg:bits=8,bucket_size=512,entropy=True"), msg, k, 3000)
+    delta = dithered_ops.variance_steps(x, 8, 512, 0.05)
+    s = torch.from_numpy(dither_np(3000, k))
+    q = torch.floor(x / delta.repeat_interleave(512)[:3000] + s + 0.5)
+    assert torch.equal(out, reconstruct_np_t(delta, q, s, 512))
+
+
+def reconstruct_np_t(delta, q, s, bs):
+    return torch.from_numpy(reconstruct_np(delta.numpy(), q.numpy().astype(np.int64),
+                                           s.numpy(), bs))
+
+
+def test_variance_target_bad_input():
+    with pytest.raises(ValueError):
+        dithered_ops.variance_steps(torch.ones(4), 8, 2, 0.0)
+    comp = hvdcomp.get("dqsg:bits=8,bucket_size=64,variance_target=0.1")
+    for x in (torch.zeros(0), torch.zeros(100), torch.tensor(2.5), torch.randn(7, 3).half(),
+              torch.randn(30, 40).t()):
+        k = key()
+        out = decode_one(comp, trip(comp, x, k), k, x.numel())
+        assert bool(torch.isfinite(out).all())
+        if not bool((x != 0).any()):
+            assert bool((out == 0).all())
+    nan = torch.randn(100)
+    nan[3] = float("nan")
+    assert comp.encode(nan, key()).flags & FLAG_NONFINITE

@@ -237,6 +237,8 @@ GRADS = [
 ]
 SPECS = ["dqsg:bits=4,bucket_size=512", "dqsg:bits=2,bucket_size=3", "dqsg:bits=8,bucket_size=64",
          "dqsg:bits=4,bucket_size=100,entropy=True",
+         "dqsg:bits=8,bucket_size=64,entropy=True,variance_target=0.02",
+         "dqsg:bits=3,bucket_size=100,variance_target=0.5",
          "ndqsg:bits=4,nested_bits=2,bucket_size=64",
          "ndqsg:bits=5,nested_bits=3,bucket_size=7",
          "ndqsg:bits=8,nested_bits=1,bucket_size=512,dqsg_ranks=1",
@@ -351,6 +353,7 @@ def test_dqsg_kernels_on_gpu(cuda_backend, maybe_host, bits):
 
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("spec", ["dqsg:bits=4,bucket_size=512",
+                                  "dqsg:bits=8,bucket_size=4096,entropy=True,variance_target=0.03",
                                   "ndqsg:bits=4,nested_bits=2,bucket_size=64"])
 @pytest.mark.parametrize("spread", (0.01, 2.0))
 def test_compressors_on_gpu(monkeypatch, cuda_backend, spec, spread):
