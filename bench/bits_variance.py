@@ -21,7 +21,8 @@ Methods: hvdcomp's QSGD (2-8 bits), QSGDinf, NUQSGD, ALQ and AMQ (L2 and L-inf b
 levels fitted to the gradient as the refit during training does) at 2-5 bits, all with bucket
 1024, packed and rANS-coded (``entropy=True``); DQSG (Abdi & Fekri 2019) rANS-coded at bucket
 65536 with the paper's step (bucket max / M, 4-8 bits), and with its step set by a variance
-target (``variance_target`` 0.01-0.1 in steps of 0.0025, bits 6, 7 and 8); TernGrad;
+target (``variance_target`` 0.01-0.1 in steps of 0.0025, bits 6, 7 and 8); uniformef
+(nearest steps set by a variance target, 0.01-0.44, rANS, error feedback); TernGrad;
 EF-SignSGD's scaled sign; top-k and DGC at densities 0.1 %-40 % with fp32, fp16, int8 and
 int4 values (``values=int8/int4``: a float32 scale per 256 values, rounded to nearest;
 indices Golomb-Rice coded: the only index coding hvdcomp has); top-k whose values are
@@ -298,6 +299,7 @@ SPARSE_Q = [("qsgdinf", 8, False), ("alq-inf", 4, True), ("alq-inf", 5, True)]
 SPARSE_Q_DENSITIES = (0.03, 0.1, 0.2, 0.25, 0.3, 0.4)
 DQSG_BUCKET = 65536
 VARIANCE_TARGETS = tuple(round(0.01 + 0.0025 * i, 4) for i in range(37))    # 0.01 .. 0.1
+UNIFORMEF_TARGETS = tuple(round(0.01 * 1.25 ** i, 5) for i in range(18))     # 0.01 .. 0.44
 
 
 def gradient_rows(model, step, grads, history, draws):
@@ -340,6 +342,11 @@ def gradient_rows(model, step, grads, history, draws):
                     f"variance_target={v}")
             add("dqsg variance", spec, measure(lambda: hvdcomp.get(spec), grads, draws, sq),
                 False, True)
+    for v in UNIFORMEF_TARGETS:                                # nearest steps + EF, rANS
+        spec = f"uniformef:bits=6,bucket_size={DQSG_BUCKET},variance_target={v}"
+        add("uniformef", spec, dict(measure(lambda: hvdcomp.get(spec), grads, 1, sq),
+                                    nerr_ef=ef_error(lambda: hvdcomp.get(spec), history, grads)),
+            True, True)
     for bucket in (0, BUCKET):
         for entropy in (False, True):
             spec = f"terngrad:bucket_size={bucket},entropy={entropy}"
@@ -436,6 +443,8 @@ PLOT_SERIES = [   # (label, which rows, error kind)
     ("TernGrad rANS", _is("terngrad", True), "nerr"),
     ("DQSG rANS, bucket 65536", _is("dqsg", True), "nerr"),
     ("DQSG variance target, rANS", _is("dqsg variance", True), "nerr"),
+    ("uniformef", _is("uniformef"), "nerr"),
+    ("uniformef, EF steady state", _is("uniformef"), "nerr_ef"),
     ("EF-sign", _is("signef"), "nerr"),
     ("top-k fp32", _is("topk", has="fp32"), "nerr"),
     ("top-k fp16", _is("topk", has="fp16"), "nerr"),
@@ -497,6 +506,8 @@ def label(r):
     """A short name for a row's setting."""
     if r["method"] in ("topk+quantized values", "powersgd", "cgx-maxmin"):
         return r["setting"].replace(",bucket_size=1024", "")
+    if r["method"] == "uniformef":
+        return "v=" + r["setting"].split("variance_target=")[1]
     if r["method"] == "dqsg variance":
         return (f"{r['setting'].split('bits=')[1].split(',')[0]} bits v="
                 + r["setting"].split("variance_target=")[1])
@@ -562,6 +573,7 @@ def report_md(res) -> str:
 GROUPS = (("hvdcomp quantizers", ("qsgd", "qsgdinf", "nuqsgd", "alq", "alq-inf", "amq",
                                   "amq-inf", "terngrad")),
           ("hvdcomp DQSG rANS (paper's step / variance target)", ("dqsg", "dqsg variance")),
+          ("hvdcomp uniformef (rANS, error feedback)", ("uniformef",)),
           ("hvdcomp top-k (fp32/fp16/int8/int4 values) / DGC / EF-sign",
            ("topk", "dgc", "signef")),
           ("top-k + quantized values (bench)", ("topk+quantized values",)),
@@ -580,6 +592,8 @@ def _short(r) -> str:
         return "terngrad" + (" rANS" if "entropy=True" in st else "")
     if m == "powersgd":
         return st.replace(",", " ")
+    if m == "uniformef":
+        return "uniformef v=" + st.split("variance_target=")[1]
     if m == "dqsg variance":
         return (f"dqsg {st.split('bits=')[1].split(',')[0]}b v="
                 + st.split("variance_target=")[1])

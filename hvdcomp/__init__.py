@@ -9,7 +9,8 @@
 """
 from .compressors import (ALQ, AMQ, BF16, BHQ, DGC, DQSG, FP16, LAQ, NDQSG, NUQSGD, PSQ,
                           QSGD, Compressor, NoneCompressor, PowerSGD, QSGDInf, RandK, SignEF,
-                          TensorKey, TernGrad, TopK, available, get, parse_spec, register)
+                          TensorKey, TernGrad, TopK, UniformEF, available, get, parse_spec,
+                          register)
 from . import levels, wire
 from .auto import Auto, CostModel
 from .errors import ConfigError, Mismatch, OutOfStep, RankFailure, WireFormatError
@@ -19,5 +20,5 @@ __version__ = "0.1.0"
 
 __all__ = ["ALQ", "AMQ", "BF16", "FP16", "NUQSGD", "QSGD", "QSGDInf", "NoneCompressor",
            "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG", "TopK", "RandK", "DGC", "LAQ",
-           "PowerSGD", "Compressor", "TensorKey", "available", "get", "parse_spec", "register",
+           "PowerSGD", "UniformEF", "Compressor", "TensorKey", "available", "get", "parse_spec", "register",
            "ConfigError", "WireFormatError", "RankFailure", "OutOfStep", "Mismatch", "Message", "Auto", "CostModel", "__version__"]

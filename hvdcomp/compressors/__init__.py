@@ -16,6 +16,7 @@ from .dithered import DQSG, NDQSG
 from .sparsifiers import DGC, RandK, TopK
 from .laq import LAQ
 from .powersgd import PowerSGD
+from .uniformef import UniformEF
 
 for _m in _pkgutil.iter_modules(__path__):
     _importlib.import_module(f"{__name__}.{_m.name}")
@@ -24,4 +25,4 @@ __all__ = ["Compressor", "TensorKey", "available", "get", "parse_spec", "registe
            "registry", "examples", "ABSENT_ZEROS", "ABSENT_LAST", "ABSENT_REFUSE",
            "NoneCompressor", "FP16", "BF16", "BucketQuantizer", "QSGD", "QSGDInf", "NUQSGD",
            "ALQ", "AMQ", "TernGrad", "SignEF", "PSQ", "BHQ", "DQSG", "NDQSG", "TopK", "RandK", "DGC", "LAQ",
-           "PowerSGD"]
+           "PowerSGD", "UniformEF"]

@@ -17,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 DOC = os.path.join(ROOT, "docs", "adding-a-compressor.md")
 
-NAME, FAMILY, CODEC = "signl1", "signl1", 27      # the next free id below 128
+NAME, FAMILY, CODEC = "signl1", "signl1", 28      # the next free id below 128
 
 # what the checks below need of the checkout
 COPIED = ["hvdcomp", "kernels", "docs", "bench/codec_speed.py", "pyproject.toml", "README.md",

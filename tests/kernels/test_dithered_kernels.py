@@ -2,7 +2,8 @@
 hvdcomp/ops/dithered.py) against their PyTorch references, bit for bit: the host build here, the
 CUDA backend on a GPU (tests marked requires_cuda), and end to end through the compressors
 (kernel path vs HVDCOMP_BACKEND=reference: identical message bytes, decoded sums, events),
-NDQSG's fallback where the side information is too far off included.
+NDQSG's fallback where the side information is too far off included; uniformef, whose steps
+are those ops' too (variance_steps), end to end.
 """
 import dataclasses
 
@@ -197,14 +198,14 @@ def _use(monkeypatch, mode):
 
 
 def _run(spec, grads, monkeypatch, mode, device="cpu", wire=None):
-    """Encode every rank's gradient (or take ``wire``), combine on every rank's behalf once;
-    returns (message bytes, accumulator, events)."""
+    """Encode every rank's gradient, each with its own compressor (or take ``wire``),
+    combine on every rank's behalf once; returns (message bytes, accumulator, events)."""
     _use(monkeypatch, mode)
     c = hvdcomp.get(spec)
     world = len(grads)
     keys = [TensorKey("w", 3, 7, r, world, 11) for r in range(world)]
     if wire is None:
-        wire = [c.encode(g, k).to_bytes() for g, k in zip(grads, keys)]
+        wire = [hvdcomp.get(spec).encode(g, k).to_bytes() for g, k in zip(grads, keys)]
     acc = torch.zeros(grads[0].numel(), device=device)
     finite = c.combine([Message.from_bytes(w) for w in wire], keys, acc)
     assert finite == all(bool(torch.isfinite(g.float()).all()) for g in grads)
@@ -239,6 +240,8 @@ SPECS = ["dqsg:bits=4,bucket_size=512", "dqsg:bits=2,bucket_size=3", "dqsg:bits=
          "dqsg:bits=4,bucket_size=100,entropy=True",
          "dqsg:bits=8,bucket_size=64,entropy=True,variance_target=0.02",
          "dqsg:bits=3,bucket_size=100,variance_target=0.5",
+         "uniformef:bits=6,bucket_size=64,variance_target=0.03",
+         "uniformef:bits=3,bucket_size=100,variance_target=0.5,entropy=False",
          "ndqsg:bits=4,nested_bits=2,bucket_size=64",
          "ndqsg:bits=5,nested_bits=3,bucket_size=7",
          "ndqsg:bits=8,nested_bits=1,bucket_size=512,dqsg_ranks=1",
@@ -354,6 +357,7 @@ def test_dqsg_kernels_on_gpu(cuda_backend, maybe_host, bits):
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("spec", ["dqsg:bits=4,bucket_size=512",
                                   "dqsg:bits=8,bucket_size=4096,entropy=True,variance_target=0.03",
+                                  "uniformef:bits=6,bucket_size=4096,variance_target=0.03",
                                   "ndqsg:bits=4,nested_bits=2,bucket_size=64"])
 @pytest.mark.parametrize("spread", (0.01, 2.0))
 def test_compressors_on_gpu(monkeypatch, cuda_backend, spec, spread):

@@ -21,6 +21,7 @@ FROZEN = {
     "dgc": 21, "topk": 22, "randk": 23, "laq": 24,
     "coo": 25,
     "powersgd": 26,
+    "uniformef": 27,
 }
 
 

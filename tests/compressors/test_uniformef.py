@@ -1,0 +1,221 @@
+"""uniformef (hvdcomp.compressors.uniformef): uniform quantization with error feedback.
+
+Checked against an independent NumPy reference of the module docstring (steps, codes, decoded
+values and residuals, bit for bit, over several steps of error feedback), the telescoping sum
+of error feedback, the error bounds, the wire format's validation, the NaN policy and the
+state's round trip."""
+import numpy as np
+import pytest
+import torch
+
+import hvdcomp
+from hvdcomp import ConfigError, Message, TensorKey, WireFormatError
+from hvdcomp.compressors.base import REGISTRY
+from hvdcomp.ops.bitpack import pack_bits
+from hvdcomp.wire import CODECS, FLAG_ENTROPY, FLAG_NONFINITE
+
+F32 = np.float32
+
+
+def key(step=0, name="w", rank=0):
+    return TensorKey(name=name, tensor_id=3, step=step, rank=rank, world_size=2, seed=5)
+
+
+def reference_step(p32, bits, bs, v):
+    """(steps float32 (nb,), q int64 (n,), x_hat float32 (n,)) by hand: the step of each
+    bucket is max(float32(||p_b|| from a float64 sum) * float32(sqrt(12 v / n_b)),
+    float32(max|p_b| / M)), 0 for a zero bucket; q = clamp(floor(float32(p / step) + 1/2))."""
+    M = 2 ** (bits - 1) - 1
+    steps = []
+    for lo in range(0, p32.size, bs):
+        b = p32[lo:lo + bs]
+        norm = F32(np.sqrt(np.sum(b.astype(np.float64) ** 2)))
+        star = F32(norm * F32(np.sqrt(12.0 * v / b.size)))
+        by_max = F32(np.max(np.abs(b)) / F32(M))
+        steps.append(F32(0) if by_max == 0 else max(star, by_max))
+    steps = np.array(steps, dtype=F32)
+    d = np.repeat(steps, bs)[:p32.size]
+    safe = np.where(d > 0, d, F32(1)).astype(F32)
+    q = np.clip(np.floor(((p32 / safe).astype(F32) + F32(0.5)).astype(F32)), -M, M)
+    return steps, q.astype(np.int64), (q.astype(F32) * d).astype(F32)
+
+
+def trip(comp, x, k):
+    return Message.from_bytes(comp.encode(x, k).to_bytes())
+
+
+def decode(comp, msg, k, n):
+    out = torch.zeros(n)
+    assert comp.decode(msg, k, out) is True
+    return out
+
+
+def gradient(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(np.prod(shape))
+    x = torch.randn(n, generator=g) * torch.exp(1.5 * torch.randn(n, generator=g))
+    x[::9] = 0.0
+    return x.reshape(shape).float()
+
+
+def test_settings_and_registry():
+    c = hvdcomp.get("uniformef")
+    assert c.settings() == {"bits": 6, "bucket_size": 65536, "variance_target": 0.03,
+                            "entropy": True}
+    assert c.codec == CODECS["uniformef"] == 27 and c.biased and c.keeps_state
+    assert hvdcomp.get(c.spec()).settings() == c.settings()
+    for kw in (dict(bits=1), dict(bits=9), dict(bucket_size=0), dict(variance_target=0.0),
+               dict(variance_target=-1.0), dict(variance_target=float("inf")),
+               dict(entropy="maybe")):
+        with pytest.raises(ValueError):
+            REGISTRY["uniformef"](**kw)
+        with pytest.raises(ConfigError):
+            hvdcomp.get("uniformef", **kw)
+
+
+@pytest.mark.parametrize("bits,bs,v,entropy", [(6, 1000, 0.03, True), (8, 64, 0.001, False),
+                                               (3, 7, 0.5, True), (2, 100, 0.1, False)])
+def test_bit_exact_with_error_feedback(bits, bs, v, entropy):
+    """Four steps of error feedback: the message's steps and codes, the decoded values and
+    the residual equal the NumPy reference's; sum of decoded = sum of gradients - residual."""
+    spec = f"uniformef:bits={bits},bucket_size={bs},variance_target={v},entropy={entropy}"
+    comp = hvdcomp.get(spec)
+    shape = (37, 61)
+    e = np.zeros(int(np.prod(shape)), dtype=F32)
+    sent = np.zeros_like(e, dtype=np.float64)
+    total = np.zeros_like(sent)
+    M = 2 ** (bits - 1) - 1
+    for step in range(4):
+        g = gradient(shape, step)
+        p = (g.numpy().reshape(-1) + e).astype(F32)
+        steps, q, x_hat = reference_step(p, bits, bs, v)
+        msg = trip(comp, g, key(step))
+        assert bool(msg.flags & FLAG_ENTROPY) == entropy
+        assert np.array_equal(np.frombuffer(bytes(msg.sections[0]), "<f4"), steps)
+        if not entropy:
+            assert bytes(msg.sections[1]) == pack_bits(torch.from_numpy(q + M), bits).numpy(
+            ).tobytes()
+            assert len(msg.to_bytes()) - len(comp.encode(g, key(99, "other")).to_bytes()) == 0
+        out = decode(hvdcomp.get(spec), msg, key(step), p.size)
+        assert np.array_equal(out.numpy(), x_hat)
+        e = (p - x_hat).astype(F32)
+        assert np.array_equal(comp.residual("w").numpy().reshape(-1), e)
+        sent += x_hat
+        total += g.numpy().reshape(-1)
+    assert np.allclose(sent, total - e, rtol=0, atol=1e-4 * np.abs(total).max())
+
+
+def test_error_bounds():
+    """|p - x_hat| <= min(|p|, step / 2) per coordinate, so the error is at most ||p||^2 and
+    at most 3 v ||p_b||^2 in a bucket whose step v sets; on a Gaussian the error is close to
+    step^2 / 12 (high resolution)."""
+    v = 0.02
+    g = torch.randn(50_000, generator=torch.Generator().manual_seed(1))
+    comp = hvdcomp.get(f"uniformef:bits=8,bucket_size=5000,variance_target={v}")
+    k = key()
+    x_hat = decode(comp, trip(comp, g, k), k, g.numel())
+    err = (x_hat - g).abs()
+    steps = torch.from_numpy(np.frombuffer(bytes(comp.encode(g, key(1, "x")).sections[0]),
+                                           "<f4").copy()).repeat_interleave(5000)
+    assert bool((err <= torch.minimum(g.abs(), steps / 2) * (1 + 1e-6)).all())
+    rel = float(err.double().pow(2).sum() / g.double().pow(2).sum())
+    assert rel <= 3 * v
+    assert rel == pytest.approx(v, rel=0.05)
+
+
+def test_zero_small_and_odd_tensors():
+    comp = hvdcomp.get("uniformef:bits=6,bucket_size=64,variance_target=0.05")
+    cases = [torch.zeros(0), torch.zeros(0, 5), torch.tensor(-2.5), torch.zeros(300),
+             torch.randn(7, 3).half(), torch.randn(5, 9).bfloat16(), torch.randn(40, 30).t(),
+             torch.randn(65).double()]
+    for i, x in enumerate(cases):
+        k = key(name=f"t{i}")
+        out = decode(comp, trip(comp, x, k), k, x.numel())
+        p = x.float().reshape(-1)
+        assert torch.equal(comp.residual(f"t{i}").reshape(-1), p - out)
+        if not bool((x != 0).any()):
+            assert bool((out == 0).all())
+    assert tuple(comp.residual("t2").shape) == ()
+
+
+def test_nonfinite_leaves_the_residual():
+    comp = hvdcomp.get("uniformef:bits=6,bucket_size=64")
+    comp.encode(gradient((10, 10), 0), key(0))
+    before = comp.residual("w")
+    bad = gradient((10, 10), 1)
+    bad[3, 3] = float("nan")
+    msg = comp.encode(bad, key(1))
+    assert msg.flags & FLAG_NONFINITE and not msg.sections
+    assert torch.equal(comp.residual("w"), before)
+    out = torch.zeros(100)
+    assert comp.decode(Message.from_bytes(msg.to_bytes()), key(1), out) is False
+    # p = g + e overflowing float32 is non-finite too
+    comp.load_state_dict({"residuals": {"w": torch.full((10, 10), 3e38)}})
+    assert comp.encode(torch.full((10, 10), 3e38), key(2)).flags & FLAG_NONFINITE
+    with pytest.raises(ValueError):                       # a residual of another shape
+        comp.encode(torch.ones(5, 5), key(3))
+
+
+def test_state_round_trip_and_refusals():
+    a = hvdcomp.get("uniformef:bits=5,bucket_size=32")
+    for step in range(3):
+        a.encode(gradient((20, 7), step), key(step))
+    b = hvdcomp.get("uniformef:bits=5,bucket_size=32")
+    b.load_state_dict(a.state_dict())
+    g = gradient((20, 7), 9)
+    assert a.encode(g, key(3)).to_bytes() == b.encode(g, key(3)).to_bytes()
+    for bad in ({"residuals": {"w": torch.ones(3)}}, {"other": {}},
+                {"residuals": {"w": torch.full((20, 7), float("nan"))}},
+                {"residuals": {"w": torch.ones(20, 7, dtype=torch.float64)}}):
+        with pytest.raises(ValueError):
+            b.load_state_dict(bad)
+
+
+def test_malformed_messages():
+    comp = hvdcomp.get("uniformef:bits=4,bucket_size=10,entropy=False")
+    x = gradient((3, 10), 2)
+    x[1] = 0.0                                              # bucket 1: step 0
+    k = key()
+    msg = trip(comp, x, k)
+    steps = np.frombuffer(bytes(msg.sections[0]), "<f4").copy()
+    assert steps[1] == 0
+
+    def with_sections(s0, s1):
+        return Message(codec=msg.codec, dtype=msg.dtype, shape=msg.shape, sections=(s0, s1),
+                       flags=msg.flags, tensor_id=msg.tensor_id, rank=msg.rank, seed=msg.seed,
+                       step=msg.step, bits=msg.bits, bucket_size=msg.bucket_size,
+                       level_version=msg.level_version)
+
+    codes = bytearray(msg.sections[1])
+    bad = []
+    for v in (-1.0, float("inf"), float("nan"), 3e38):
+        s = steps.copy()
+        s[0] = v
+        bad.append(with_sections(s.astype("<f4").tobytes(), bytes(codes)))
+    bad.append(with_sections(steps.astype("<f4").tobytes()[:-4], bytes(codes)))
+    bad.append(with_sections(steps.astype("<f4").tobytes(), bytes(codes[:-1])))
+    c = bytearray(codes)
+    c[0] = 0xFF                                             # code 15: invalid at 4 bits
+    bad.append(with_sections(steps.astype("<f4").tobytes(), bytes(c)))
+    c = bytearray(codes)
+    c[6] ^= 0x10                                            # a non-zero code in bucket 1
+    bad.append(with_sections(steps.astype("<f4").tobytes(), bytes(c)))
+    for m in bad:
+        with pytest.raises(WireFormatError):
+            comp.decode(Message.from_bytes(m.to_bytes()), k, torch.zeros(30))
+
+
+def test_hand_worked_bucket():
+    """bits 2 (M = 1), a tiny variance target: the step is the bucket max / M = 4; p / 4 =
+    [1, 1/2, -1/2, 1/4, 0] rounds half up (floor(x + 1/2)) to [1, 1, 0, 0, 0]."""
+    comp = hvdcomp.get("uniformef:bits=2,bucket_size=5,variance_target=1e-6,entropy=False")
+    g = torch.tensor([4.0, 2.0, -2.0, 1.0, 0.0])
+    k = key()
+    msg = trip(comp, g, k)
+    assert np.frombuffer(bytes(msg.sections[0]), "<f4").tolist() == [4.0]
+    assert decode(comp, msg, k, 5).tolist() == [4.0, 4.0, 0.0, 0.0, 0.0]
+    assert comp.residual("w").tolist() == [0.0, -2.0, -2.0, 1.0, 0.0]
+    # the next step sends p = g + e = [4, 0, -4, 2, 0]: step 4, codes [1, 0, -1, 1, 0]
+    assert decode(comp, trip(comp, g, key(1)), key(1), 5).tolist() == [4.0, 0.0, -4.0, 4.0,
+                                                                         0.0]
+    assert comp.residual("w").tolist() == [0.0, 0.0, 0.0, -2.0, 0.0]
