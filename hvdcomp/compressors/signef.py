@@ -56,7 +56,7 @@ The computations are the ops of hvdcomp.ops.ternary (``signef_scales``, ``signef
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Dict
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ from ..wire import Message
 from . import settings
 from .base import Compressor, TensorKey, register
 from .bucketing import TensorBuckets
-from .state import finite, load_tensors
+from .state import Residuals, finite
 
 __all__ = ["SignEF"]
 
@@ -75,7 +75,7 @@ _BITS = 1
 
 
 @register("signef", codec=16)
-class SignEF(TensorBuckets, Compressor):
+class SignEF(Residuals, TensorBuckets, Compressor):
     """EF-SignSGD (Karimireddy et al., ICML 2019, arXiv 1901.09847, Algorithm 1): the scaled
     sign ``(||p||_1 / d) sign(p)`` of ``p = g + e`` per bucket, 1 bit per coordinate, with
     the residual ``e = p - decoded`` kept per parameter name.  Biased; error feedback
@@ -140,30 +140,3 @@ class SignEF(TensorBuckets, Compressor):
         dev = out.device
         bits = read_codes(msg, 1, n, _BITS, device=dev, what="sign bits")
         ternary.signef_decode_add(bits, n, s.to(dev), self._bs(n), out)
-
-    # --- state --------------------------------------------------------------------------
-    def residual(self, name: str) -> Optional[torch.Tensor]:
-        """A copy of the residual kept for parameter ``name`` (float32, its gradient's
-        shape), or None before its first finite encode."""
-        e = self._residuals.get(name)
-        return None if e is None else e.detach().clone()
-
-    def state_dict(self) -> Dict[str, Any]:
-        """``{"residuals": {name: float32 CPU tensor}}`` (copies)."""
-        return {"residuals": {k: v.detach().cpu().clone() for k, v in self._residuals.items()}}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Replace every residual with those of ``state`` (as produced by ``state_dict``).
-
-        Raises ValueError (and changes nothing) for unknown keys, a residual that is not a
-        finite float32 torch tensor, or one whose shape differs from the residual this
-        compressor already holds for that name.  A residual for a name not yet seen is
-        checked against the gradient's shape when that name is encoded next.
-        """
-        if not isinstance(state, dict):
-            raise ValueError(f"signef: state must be a dict, got {type(state).__name__}")
-        extra = sorted(set(state) - {"residuals"})
-        if extra:
-            raise ValueError(f"signef: unknown state keys {extra}; expected 'residuals'")
-        new = load_tensors("signef", "residual", state.get("residuals", {}), self._residuals)
-        self._residuals = new

@@ -54,7 +54,7 @@ Wire (codec ``uniformef`` = 27; header bits = ``bits``, bucket size = the settin
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -66,13 +66,13 @@ from ..ops.bitpack import pack_bits, packed_size, unpack_bits
 from ..wire import Message
 from . import settings
 from .base import Compressor, TensorKey, numel_of, register
-from .state import finite, load_tensors
+from .state import Residuals, finite
 
 __all__ = ["UniformEF"]
 
 
 @register("uniformef", codec=27)
-class UniformEF(Compressor):
+class UniformEF(Residuals, Compressor):
     """Uniform quantization with error feedback (Karimireddy et al., ICML 2019, Algorithm 2
     with a uniform quantizer; entropy-coded uniform steps: Gish & Pierce 1968): each bucket
     of ``p = g + e`` rounded to the nearest multiple of a step set by ``variance_target``,
@@ -193,26 +193,3 @@ class UniformEF(Compressor):
         if bool(((d == 0) & (codes != self.M)).any()):
             raise WireFormatError("uniformef: non-zero code in a bucket with step 0")
         out.add_((codes - self.M).to(torch.float32) * d)
-
-    # --- state --------------------------------------------------------------------------
-    def residual(self, name: str) -> Optional[torch.Tensor]:
-        """A copy of the residual kept for parameter ``name`` (float32, its gradient's
-        shape), or None before its first finite encode."""
-        e = self._residuals.get(name)
-        return None if e is None else e.detach().clone()
-
-    def state_dict(self) -> Dict[str, Any]:
-        """``{"residuals": {name: float32 CPU tensor}}`` (copies)."""
-        return {"residuals": {k: v.detach().cpu().clone() for k, v in self._residuals.items()}}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Replace every residual with those of ``state`` (as ``state_dict`` makes them).
-        ValueError (nothing changed) for unknown keys, a residual that is not a finite
-        float32 tensor, or one whose shape differs from the residual held for that name."""
-        if not isinstance(state, dict):
-            raise ValueError(f"uniformef: state must be a dict, got {type(state).__name__}")
-        extra = sorted(set(state) - {"residuals"})
-        if extra:
-            raise ValueError(f"uniformef: unknown state keys {extra}; expected 'residuals'")
-        self._residuals = load_tensors("uniformef", "residual", state.get("residuals", {}),
-                                       self._residuals)
