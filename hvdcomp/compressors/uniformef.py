@@ -139,7 +139,8 @@ class UniformEF(Residuals, Compressor):
         return 4 * (-(-numel // self.bucket_size)) + packed_size(numel, self.bits)
 
     def _per_coord(self, delta: torch.Tensor, n: int) -> torch.Tensor:
-        return delta.repeat_interleave(self.bucket_size)[:n] if n else delta[:0]
+        """Each coordinate's step: float32 (n,) from the bucket steps (nb,)."""
+        return dithered.per_coordinate(delta, self.bucket_size, n)
 
     # --- the compressor -----------------------------------------------------------------
     def _encode(self, grad: torch.Tensor, key: TensorKey) -> Message:

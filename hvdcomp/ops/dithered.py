@@ -66,7 +66,7 @@ from . import op, padded_buckets
 
 __all__ = ["CHECK_OFFSET", "max_step", "dither", "check_weights", "dqsg_quantize",
            "dqsg_reconstruct", "bucket_checksums", "nested_resolve", "bucket_steps",
-           "variance_steps",
+           "variance_steps", "per_coordinate",
            "dqsg_encode", "nested_encode", "validate_codes", "dqsg_decode_add",
            "nested_decode_add"]
 
@@ -108,9 +108,15 @@ def _nb(n: int, bucket_size: int) -> int:
     return (n + bucket_size - 1) // bucket_size
 
 
-def _per_coord(vals: torch.Tensor, bucket_size: int, n: int) -> torch.Tensor:
-    """Per-bucket values (nb,) -> per-coordinate values (n,)."""
-    return vals.unsqueeze(1).expand(vals.numel(), bucket_size).reshape(-1)[:n]
+def per_coordinate(vals: torch.Tensor, bucket_size: int, n: int) -> torch.Tensor:
+    """Per-bucket values (nb,) -> per-coordinate values (n,) (the last bucket may be short;
+    n elements are allocated, never nb * bucket_size)."""
+    nb = vals.numel()
+    if nb == 0 or n == 0:
+        return vals[:0]
+    reps = torch.full((nb,), bucket_size, dtype=torch.int64, device=vals.device)
+    reps[-1] = n - (nb - 1) * bucket_size
+    return vals.repeat_interleave(reps, output_size=n)
 
 
 def _levels(bits: int) -> int:
@@ -126,7 +132,7 @@ def dqsg_quantize(x: torch.Tensor, delta: torch.Tensor, bits: int, bucket_size: 
     s: float32 (n,) the dither (:func:`dither`)."""
     M = _levels(bits)
     n = x.numel()
-    safe = _per_coord(torch.where(delta > 0, delta, torch.ones_like(delta)), bucket_size, n)
+    safe = per_coordinate(torch.where(delta > 0, delta, torch.ones_like(delta)), bucket_size, n)
     return torch.floor(x / safe + s + 0.5).clamp_(-M, M).to(torch.int64)
 
 
@@ -134,7 +140,7 @@ def dqsg_reconstruct(delta: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
                      bucket_size: int) -> torch.Tensor:
     """x_hat = float32(float64(Delta) * q - float64(u)), u = float32(s * Delta): float32 (n,)
     from delta float32 (nb,), q int64 (n,) and s float32 (n,)."""
-    d = _per_coord(delta, bucket_size, q.numel())
+    d = per_coordinate(delta, bucket_size, q.numel())
     u = s * d
     return (d.to(torch.float64) * q.to(torch.float64) - u.to(torch.float64)).to(torch.float32)
 
@@ -317,7 +323,7 @@ def validate_codes(packed: torch.Tensor, n: int, delta: torch.Tensor, bucket_siz
     delta == 0) for n codes packed at ``width`` bits (uint8 (ceil(n * width / 8),)) and
     delta float32 (nb,)."""
     codes = unpack_bits(packed, n, width)
-    zero = _per_coord(delta == 0, bucket_size, n)
+    zero = per_coordinate(delta == 0, bucket_size, n)
     return bool((codes > max_code).any()), bool((zero & (codes != zero_code)).any())
 
 
@@ -384,12 +390,12 @@ def nested_decode_add(packed: torch.Tensor, n: int, delta: torch.Tensor, check: 
     c = unpack_bits(packed.cpu(), n, nested_bits)
     y = side_sum.cpu() / group
     s = dither(n, key)
-    d = _per_coord(delta, bucket_size, n)
+    d = per_coordinate(delta, bucket_size, n)
     z = y / torch.where(d > 0, d, torch.ones_like(d)) + s
     qh = nested_resolve(c, z, bits, nested_bits)
     qh = torch.where(d > 0, qh, torch.zeros_like(qh))
     failed = bucket_checksums(qh, check_weights(n, key), bucket_size) != check
-    v = torch.where(_per_coord(failed, bucket_size, n), y,
+    v = torch.where(per_coordinate(failed, bucket_size, n), y,
                     dqsg_reconstruct(delta, qh, s, bucket_size))
     out.add_(v.to(dev))
     return failed.to(dev)

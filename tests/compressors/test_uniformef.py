@@ -219,3 +219,15 @@ def test_hand_worked_bucket():
     assert decode(comp, trip(comp, g, key(1)), key(1), 5).tolist() == [4.0, 0.0, -4.0, 4.0,
                                                                          0.0]
     assert comp.residual("w").tolist() == [0.0, 0.0, 0.0, -2.0, 0.0]
+
+
+def test_one_bucket_per_tensor_allocates_per_coordinate():
+    """bucket_size 2**31 on a small tensor: per-coordinate steps are n values (a bucket's
+    worth, 2**31 floats, would not fit)."""
+    from hvdcomp.ops.dithered import per_coordinate
+    assert per_coordinate(torch.tensor([2.0, 3.0]), 4, 6).tolist() == [2.0] * 4 + [3.0] * 2
+    comp = hvdcomp.get(f"uniformef:bucket_size={2 ** 31},variance_target=0.05")
+    x = gradient((30, 33), 4)
+    k = key()
+    out = decode(comp, trip(comp, x, k), k, x.numel())
+    assert torch.equal(comp.residual("w").reshape(-1), x.reshape(-1) - out)

@@ -118,7 +118,7 @@ def test_validate(host):
 
 def _resolve_reference(msgs_q, keys, deltas, bits, nbits, bs, n, G):
     """values of the nested ranks as NDQSG.resolve computes them, from their true q."""
-    from hvdcomp.ops.dithered import nested_resolve, _per_coord
+    from hvdcomp.ops.dithered import nested_resolve, per_coordinate
     side = torch.zeros(n)
     for r in range(G):
         side.add_(dqsg_reconstruct(deltas[r], msgs_q[r], dither(n, keys[r]), bs))
@@ -126,7 +126,7 @@ def _resolve_reference(msgs_q, keys, deltas, bits, nbits, bs, n, G):
     vals, fails = [], []
     for r in range(G, len(keys)):
         s = dither(n, keys[r])
-        d = _per_coord(deltas[r], bs, n)
+        d = per_coordinate(deltas[r], bs, n)
         z = y / torch.where(d > 0, d, torch.ones_like(d)) + s
         c = msgs_q[r] & ((1 << nbits) - 1)
         qh = nested_resolve(c, z, bits, nbits)
@@ -134,7 +134,7 @@ def _resolve_reference(msgs_q, keys, deltas, bits, nbits, bs, n, G):
         check = bucket_checksums(msgs_q[r], check_weights(n, keys[r]), bs)
         bad = bucket_checksums(qh, check_weights(n, keys[r]), bs) != check
         v = dqsg_reconstruct(deltas[r], qh, s, bs)
-        vals.append(torch.where(_per_coord(bad, bs, n), y, v))
+        vals.append(torch.where(per_coordinate(bad, bs, n), y, v))
         fails.append(bad)
     return side, vals, fails
 
