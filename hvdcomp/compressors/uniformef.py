@@ -138,10 +138,6 @@ class UniformEF(Residuals, Compressor):
         numel = numel_of(shape)
         return 4 * (-(-numel // self.bucket_size)) + packed_size(numel, self.bits)
 
-    def _per_coord(self, delta: torch.Tensor, n: int) -> torch.Tensor:
-        """Each coordinate's step: float32 (n,) from the bucket steps (nb,)."""
-        return dithered.per_coordinate(delta, self.bucket_size, n)
-
     # --- the compressor -----------------------------------------------------------------
     def _encode(self, grad: torch.Tensor, key: TensorKey) -> Message:
         if not grad.is_floating_point():
@@ -162,7 +158,7 @@ class UniformEF(Residuals, Compressor):
             return self._nonfinite(grad, key)
         n = p.numel()
         delta = dithered.variance_steps(p, self.bits, self.bucket_size, self.variance_target)
-        d = self._per_coord(delta, n)
+        d = dithered.per_coordinate(delta, self.bucket_size, n)
         safe = torch.where(d > 0, d, torch.ones_like(d))
         q = torch.floor(p / safe + 0.5).clamp_(-self.M, self.M)
         x_hat = q * d
@@ -185,12 +181,14 @@ class UniformEF(Residuals, Compressor):
         dev = out.device
         delta = delta.to(dev)
         packed = read_codes(msg, 1, n, self.bits, device=dev)
-        codes = unpack_bits(packed, n, self.bits).to(torch.int64)
-        if bool((codes > 2 * self.M).any()):
+        invalid, nonzero = dithered.validate_codes(packed, n, delta, self.bucket_size,
+                                                   self.bits, self.M, 2 * self.M)
+        if invalid:
             raise WireFormatError(f"uniformef: code {2 * self.M + 1} is not a valid "
                                   f"{self.bits}-bit code (codes are q + {self.M} <= "
                                   f"{2 * self.M})")
-        d = self._per_coord(delta, n)
-        if bool(((d == 0) & (codes != self.M)).any()):
+        if nonzero:
             raise WireFormatError("uniformef: non-zero code in a bucket with step 0")
-        out.add_((codes - self.M).to(torch.float32) * d)
+        codes = unpack_bits(packed, n, self.bits)
+        out.add_((codes - self.M).to(torch.float32)
+                 * dithered.per_coordinate(delta, self.bucket_size, n))
