@@ -1,12 +1,18 @@
-"""The GPU backend: hvdcomp's ``kernels/*.cu`` compiled by NVRTC through CuPy and launched on
+"""The GPU backend: hvdcomp's ``kernels/*.cu`` compiled by NVRTC and launched through CuPy on
 PyTorch's current CUDA stream.
 
-* One ``cupy.RawModule`` per source file, built from the file's text once per process
-  (CuPy then keeps the binary per device, and on disk under ~/.cupy/kernel_cache).  Options:
-  ``--fmad=false`` (no FMA contraction: every float op rounds as in the PyTorch reference),
-  ``-std=c++17``, ``-I<kernels>`` for hvdcomp.cuh, and ``-DHVDCOMP_SOURCE_HASH=...``: CuPy's
-  disk cache keys on the main source and the options only, so the hash of every kernel
-  source (the header included) goes into the options to invalidate it when any changes.
+* Each source file is compiled once per process and architecture by NVRTC itself (CuPy's
+  NVRTC wrapper, ``cupy.cuda.nvrtc``) to PTX, kept on disk under
+  ``$HVDCOMP_CACHE/kernels/cuda`` keyed by the sources' hash, the options, the architecture
+  and NVRTC's version, and loaded as a ``cupy.RawModule(path=...)``.  Not through
+  ``RawModule(code=...)``: CuPy appends ``-ftz=true`` to every NVRTC compile (its
+  ``_compile_with_cache_cuda``), after the caller's options, and flushing subnormal float32
+  values to zero changes the bits (a bucket whose maximum is subnormal gets a norm of 0 on
+  the GPU and not on the CPU).  Options: ``--ftz=false --prec-div=true --prec-sqrt=true``
+  (IEEE float32: subnormals kept, division and square root correctly rounded, as g++ does
+  on the CPU), ``--fmad=false`` (no FMA contraction: every float op rounds as in the
+  PyTorch reference), ``-std=c++17``, ``-I<kernels>`` for hvdcomp.cuh, and
+  ``-arch=compute_XY`` of the oldest visible GPU (the driver builds the PTX for each).
 * Kernels run on ``torch.cuda.current_stream(device)`` (adopted with
   ``cupy.cuda.ExternalStream``, or ``Stream.from_external`` where that is gone: see
   _current_stream), so they are ordered with the surrounding PyTorch work without any
@@ -23,7 +29,10 @@ hvdcomp.backends.host's is for CPU tensors.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib
 import os
+import tempfile
 import threading
 import warnings
 from typing import Dict, Tuple
@@ -35,10 +44,12 @@ from ._common import DEVICE_SOURCES, KERNEL_SOURCE, SIGNATURES, kernel_dir, sour
 
 __all__ = ["backend", "require", "is_available", "compile_options", "compile_all"]
 
-NVRTC_OPTIONS = ("--fmad=false", "-std=c++17")
+# IEEE float32 as on the CPU: no flush to zero, correctly rounded / and sqrt, no FMA
+NVRTC_OPTIONS = ("--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=false",
+                 "-std=c++17")
 
 _lock = threading.RLock()
-_modules: Dict[str, object] = {}      # source file -> cupy.RawModule
+_modules: Dict[str, object] = {}      # source file -> cupy.RawModule (of its PTX)
 _functions: Dict[str, object] = {}    # kernel name -> cupy.RawKernel
 
 
@@ -77,19 +88,66 @@ def is_available() -> bool:
 
 
 def compile_options() -> Tuple[str, ...]:
+    """NVRTC's options for every source (without the architecture)."""
     d = kernel_dir()
     return NVRTC_OPTIONS + (f"-I{d}",
                             f"-DHVDCOMP_SOURCE_HASH=0x{source_hash(DEVICE_SOURCES, d)[:16]}")
+
+
+def _nvrtc(cupy):
+    nvrtc = getattr(cupy.cuda, "nvrtc", None)
+    return nvrtc if nvrtc is not None else importlib.import_module(
+        "cupy_backends.cuda.libs.nvrtc")
+
+
+def _arch() -> str:
+    """compute_XY of the oldest visible GPU: PTX that every visible device's driver builds."""
+    caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    major, minor = min(caps) if caps else (7, 0)
+    return f"compute_{major}{minor}"
+
+
+def compile_ptx(filename: str, arch: str) -> str:
+    """PTX of ``kernels/<filename>`` for ``arch`` (compute_XY), compiled by NVRTC with
+    :func:`compile_options` and cached on disk; raises RuntimeError with NVRTC's log."""
+    cupy = _cupy()
+    nvrtc = _nvrtc(cupy)
+    options = compile_options() + (f"-arch={arch}",)
+    with open(os.path.join(kernel_dir(), filename), encoding="utf-8") as f:
+        code = f.read()
+    version = ".".join(map(str, nvrtc.getVersion()))
+    key = hashlib.sha256("\0".join((filename, version, code) + options).encode()).hexdigest()
+    from . import host                        # the cache root ($HVDCOMP_CACHE/kernels)
+    cdir = os.path.join(host.cache_dir(), "cuda")
+    path = os.path.join(cdir, f"{filename}.{arch}.{key[:24]}.ptx")
+    if os.path.exists(path):
+        return path
+    prog = nvrtc.createProgram(code, filename, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except Exception as e:                # NVRTCError: the log says why
+            raise RuntimeError(f"NVRTC {version} could not compile {filename} "
+                               f"({' '.join(options)}): {e}\n{nvrtc.getProgramLog(prog)}") from e
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    if isinstance(ptx, str):
+        ptx = ptx.encode()
+    ptx = ptx.rstrip(b"\0")
+    os.makedirs(cdir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cdir, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:            # written whole, then renamed: never half a file
+        f.write(ptx)
+    os.replace(tmp, path)
+    return path
 
 
 def _module(filename: str):
     with _lock:
         mod = _modules.get(filename)
         if mod is None:
-            cupy = _cupy()
-            with open(os.path.join(kernel_dir(), filename), encoding="utf-8") as f:
-                code = f.read()
-            mod = cupy.RawModule(code=code, options=compile_options())
+            mod = _cupy().RawModule(path=compile_ptx(filename, _arch()))
             _modules[filename] = mod
         return mod
 

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import ConfigError, WireFormatError
+from ..ops import divide_
 from ..wire import FLAG_ENTROPY, FLAG_NONFINITE, Message, dtype_code, register_codec
 from . import prefixes, settings
 from .declarations import ABSENT_LAST, ABSENT_REFUSE, ABSENT_ZEROS, Declarations
@@ -251,7 +252,7 @@ class Compressor(Declarations):
         per-name state here); ``key.world_size`` is the number of ranks.
         """
         if not self.prescaled:
-            acc.div_(key.world_size)
+            divide_(acc, key.world_size)
         return acc
 
     # --- for subclasses ---------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .. import philox
+from ..ops import divide_
 from . import settings
 from .base import Compressor, TensorKey, numel_of, register
 from .protocols import SummedRounds
@@ -265,11 +266,11 @@ class PowerSGD(SummedRounds, Compressor):
         """The average (``acc`` / world size); a compressed tensor's finite average also
         commits the step: Q (the sum of Q / world size) for the warm start, and this rank's
         residual M - average where finite (a rank without a gradient keeps its residual)."""
-        acc.div_(key.world_size)
+        divide_(acc, key.world_size)
         pend = self._pending.pop(key.name, None)
         if pend is None or pend.Qsum is None or not self._finite_average(pend, acc):
             return acc
-        self._q[key.name] = pend.Qsum.div_(key.world_size)
+        self._q[key.name] = divide_(pend.Qsum, key.world_size)
         if pend.M is not None:
             res = pend.M.sub_(acc)
             if finite(res):          # the new residual; the old one's buffer is next M's

@@ -31,6 +31,7 @@ import torch
 
 from ..compressors import ABSENT_LAST, ABSENT_ZEROS, Compressor, TensorKey, get
 from ..compressors.state import finite as all_finite
+from ..ops import divide_
 from ..wire import Message
 from .plan import Entry
 from .step_stats import StepStats
@@ -150,7 +151,7 @@ class Averaging:
             for m, k in pairs:
                 part.zero_()
                 self._decoder(comp, m, k).decode(m, k, part)
-                acc.add_(part.div_(self.size))
+                acc.add_(divide_(part, self.size))
             return True, True
         return finite, comp.prescaled
 

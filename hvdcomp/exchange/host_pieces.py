@@ -20,6 +20,7 @@ import torch
 
 from ..compressors.state import finite as all_finite
 from ..errors import WireFormatError
+from ..ops import divide_
 from ..transport import Incoming, Outgoing, Stamp
 from ..wire import raw_bytes
 from .frames import frame
@@ -148,7 +149,7 @@ class HostPieces:
             for x in parts:
                 acc.add_(x)
             if all_finite(acc):
-                acc.div_(L)
+                divide_(acc, L)
             elif not all(all_finite(x) for x in parts):
                 acc.fill_(float("nan"))
             else:

@@ -36,7 +36,20 @@ import torch
 
 from ..backends import kernel_backend
 
-__all__ = ["Op", "op", "device_of", "finite", "bucket_width", "padded_buckets", "REGISTRY"]
+__all__ = ["Op", "op", "device_of", "finite", "divide_", "bucket_width", "padded_buckets",
+           "REGISTRY"]
+
+
+def divide_(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``t`` divided by the integer ``k`` in place (an average's division by the world size),
+    correctly rounded, the same bits on the CPU and on CUDA; returns ``t``.
+
+    PyTorch divides by a Python scalar as a true division on the CPU but as a
+    multiplication by the reciprocal on CUDA, which rounds differently for k = 3, 5, 6, ...;
+    a divisor held in a 0-dim tensor on ``t``'s device is an IEEE division on both."""
+    if k == 1:
+        return t
+    return t.div_(torch.full((), k, dtype=t.dtype, device=t.device))
 
 
 def bucket_width(n: int, bucket_size: int) -> int:

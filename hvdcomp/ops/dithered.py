@@ -215,19 +215,30 @@ def _quantize_pack(be, x, delta, b, bs, nbits, key) -> torch.Tensor:
 
 # --- encode -----------------------------------------------------------------------------------
 
+def _over_levels(m: torch.Tensor, bits: int) -> torch.Tensor:
+    """float32(m / M), correctly rounded, the same bits on every device: float32 (nb,).
+
+    ``m / M`` on a float32 tensor is a true division on the CPU but a multiplication by
+    float32(1/M) on CUDA (PyTorch's kernel for a Python-scalar divisor), which rounds
+    differently for a third of the inputs.  In float64 the CUDA route is within 2**-52 of
+    m / M, while the exact quotient is at least 2**-33 (relative) from any float32 rounding
+    boundary (M = 2**(bits-1) - 1 <= 127 is odd), so rounding to float32 gives the correctly
+    rounded quotient on both."""
+    return (m.to(torch.float64) / _levels(bits)).to(torch.float32)
+
+
 @op
 def bucket_steps(x: torch.Tensor, bits: int, bucket_size: int) -> torch.Tensor:
     """Delta_b = min(float32(max_{i in b} |x_i| / M), max_step(bits)): float32 (nb,) for a
     flat finite float32 x (n,), nb = ceil(n / bucket_size)."""
     xp = padded_buckets(x.abs().to(torch.float32), bucket_size)
-    return (xp.amax(dim=1) / _levels(bits)).clamp_(max=max_step(bits))
+    return _over_levels(xp.amax(dim=1), bits).clamp_(max=max_step(bits))
 
 
 @bucket_steps.kernel
 def _(be, x, bits, bucket_size):
-    # the bucket max |x| is kernel hvd_bucket_norms_linf (exact); the division by M is
-    # torch's, as the reference's (PyTorch divides by a scalar as a true division on the
-    # CPU and as a multiplication by the reciprocal on CUDA: the same op gives the same bits)
+    # the bucket max |x| is kernel hvd_bucket_norms_linf (exact); the division by M is the
+    # reference's (_over_levels: correctly rounded on the CPU and on CUDA)
     b = check_int(bits, "bits", 2, 8)
     x = check_tensor(be, x, "x", torch.float32)
     bs = _bucket(bucket_size)
@@ -236,7 +247,7 @@ def _(be, x, bits, bucket_size):
     m = torch.empty(nb, dtype=torch.float32, device=x.device)
     if nb:
         be.launch("hvd_bucket_norms_linf", min(nb, MAX_GRID), reduce_block(bs), (x, n, bs, m))
-    return (m / _levels(b)).clamp_(max=max_step(b))
+    return _over_levels(m, b).clamp_(max=max_step(b))
 
 
 def variance_steps(x: torch.Tensor, bits: int, bucket_size: int,

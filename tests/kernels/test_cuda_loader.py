@@ -1,7 +1,10 @@
 """hvdcomp.backends.cuda without a GPU: the Python side of the CuPy path, run against a
 stand-in ``cupy`` module that records what the loader asks for (the real thing runs in
 test_gpu.py on a GPU machine).  Checks: importing never needs CuPy; one RawModule per
-source, built once, with --fmad=false, -std=c++17, the include path and the source hash;
+source, compiled once by NVRTC (not through CuPy's RawModule(code=...), which appends
+-ftz=true) with --ftz=false, IEEE division and square root, --fmad=false, -std=c++17, the
+include path, the source hash and the oldest GPU's architecture, cached on disk as PTX and
+loaded by RawModule(path=...);
 launches on PyTorch's current stream (ExternalStream, else Stream.from_external, one cached
 wrapper per stream); scalars typed exactly as the kernel signature; pointers through DLPack.
 """
@@ -40,8 +43,10 @@ class _FakeCupy:
         fake = self
 
         class RawModule:
-            def __init__(self, *, code, options):
-                self.code, self.options = code, options
+            def __init__(self, *, path):
+                with open(path) as f:             # what the fake NVRTC wrote: the source
+                    self.code = f.read()
+                self.path = path
                 fake.modules.append(self)
 
             def get_function(self, name):
@@ -77,8 +82,29 @@ class _FakeCupy:
             fake.devices.append(i)
             yield
 
+        class Nvrtc:                               # CuPy's wrapper of NVRTC's C API
+            def getVersion(self):
+                return (13, 0)
+
+            def createProgram(self, src, name, headers, include_names):
+                fake.programs.append({"src": src, "name": name})
+                return len(fake.programs)
+
+            def compileProgram(self, prog, options):
+                fake.programs[prog - 1]["options"] = tuple(options)
+
+            def getPTX(self, prog):                # stands in for PTX: the source itself
+                return fake.programs[prog - 1]["src"].encode()
+
+            def getProgramLog(self, prog):
+                return ""
+
+            def destroyProgram(self, prog):
+                fake.programs[prog - 1]["destroyed"] = True
+
+        self.programs = []
         self.RawModule = RawModule
-        self.cuda = types.SimpleNamespace(Stream=Stream, Device=Device)
+        self.cuda = types.SimpleNamespace(Stream=Stream, Device=Device, nvrtc=Nvrtc())
         if api in ("both", "external"):
             self.cuda.ExternalStream = ExternalStream
         self.current_stream = None
@@ -98,11 +124,15 @@ class _Callable:
 
 
 @pytest.mark.parametrize("api", ["both", "external", "from_external"])
-def test_loader_and_launch_with_stand_in_cupy(monkeypatch, api):
+def test_loader_and_launch_with_stand_in_cupy(monkeypatch, tmp_path, api):
     # CuPy 14 has both (ExternalStream deprecated); older ones ExternalStream only; a future
     # one may keep only Stream.from_external
     fake = _FakeCupy(api)
     monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setenv("HVDCOMP_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    caps = {0: (9, 0), 1: (8, 6)}                        # the oldest GPU decides the PTX
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: caps[i])
     import hvdcomp.backends.cuda as cuda
     cuda = importlib.reload(cuda)                       # fresh per-process caches
     monkeypatch.setattr(torch.cuda, "current_stream",
@@ -125,10 +155,20 @@ def test_loader_and_launch_with_stand_in_cupy(monkeypatch, api):
     want_counts = sorted(open(os.path.join(_common.kernel_dir(), f)).read()
                          .count("extern \"C\" __global__") for f in ("quantize.cu", "random.cu"))
     assert sorted(m.code.count("extern \"C\" __global__") for m in fake.modules) == want_counts
-    for m in fake.modules:
-        assert "--fmad=false" in m.options and "-std=c++17" in m.options
-        assert f"-I{_common.kernel_dir()}" in m.options
-        assert any(o.startswith("-DHVDCOMP_SOURCE_HASH=0x") for o in m.options)
+    assert len(fake.programs) == 2 and all(p.get("destroyed") for p in fake.programs)
+    for prog in fake.programs:
+        opts = prog["options"]
+        for o in ("--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=false",
+                  "-std=c++17", f"-I{_common.kernel_dir()}", "-arch=compute_86"):
+            assert o in opts, (o, opts)
+        assert not any("ftz=true" in o or "fast" in o for o in opts), opts
+        assert any(o.startswith("-DHVDCOMP_SOURCE_HASH=0x") for o in opts)
+    for m in fake.modules:                              # the PTX on disk, in the cache
+        assert m.path.startswith(os.path.join(str(tmp_path), "kernels", "cuda"))
+    # a new process (fresh caches) loads the cached PTX without compiling again
+    importlib.reload(cuda)
+    cuda._module("quantize.cu")
+    assert len(fake.programs) == 2 and len(fake.modules) == 3
     # every launch on torch's stream, scalars typed as the C signature
     names = [ln[0] for ln in fake.launches]
     assert names == ["hvd_bucket_norms_l2", "hvd_quantize_pack", "hvd_dequantize_add",

@@ -329,6 +329,56 @@ def test_large(monkeypatch, host):
 
 # ---- GPU ----------------------------------------------------------------------------------------
 
+def _float32_patterns(seed):
+    """float32 values from random bit patterns (every exponent, subnormals) and gradients."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 2**31 - 1, (400_000,), generator=g, dtype=torch.int64)
+    x = x.to(torch.int32).view(torch.float32).abs()
+    return torch.cat([x[torch.isfinite(x)], gradient(100_000, 7, seed).abs()])
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_steps_are_the_correctly_rounded_quotient(bits):
+    """Delta = float32(m / M) correctly rounded (NumPy's float32 division), also by the route
+    PyTorch takes on CUDA (a multiplication by the float64 reciprocal): the same bits on
+    both devices.  A float32 reciprocal (what m / M on a CUDA float32 tensor computes)
+    differs for a third of these values at bits 3..8: the test would catch it."""
+    M = (1 << (bits - 1)) - 1
+    m = _float32_patterns(bits)
+    want = torch.from_numpy(m.numpy() / np.float32(M))
+    got = dithered._over_levels(m, bits)
+    assert same_bits(got, want)
+    cuda_route = (m.to(torch.float64) * (1.0 / M)).to(torch.float32)
+    assert same_bits(cuda_route, want)
+    steps = dithered.bucket_steps.reference(m, bits, 1)
+    assert same_bits(steps, torch.clamp(want, max=dithered.max_step(bits)))
+    if M > 1:
+        f32_route = m * torch.tensor(1.0 / M, dtype=torch.float32)
+        assert not same_bits(f32_route, want)
+
+
+def test_divide_is_the_correctly_rounded_quotient():
+    """hvdcomp.ops.divide_ (the average's division by the world size) against NumPy's float32
+    division; on CUDA test_divide_on_gpu checks the same bits."""
+    from hvdcomp.ops import divide_
+    x = _float32_patterns(11)
+    x[::2] *= -1
+    for k in (1, 2, 3, 5, 6, 7, 12):
+        want = torch.from_numpy(x.numpy() / np.float32(k))
+        assert same_bits(divide_(x.clone(), k), want), k
+
+
+@pytest.mark.requires_cuda
+def test_divide_on_gpu(cuda_backend):
+    from hvdcomp.ops import divide_
+    x = _float32_patterns(12)
+    for k in (3, 5, 6, 7, 12):
+        want = torch.from_numpy(x.numpy() / np.float32(k))
+        assert same_bits(divide_(x.cuda(), k).cpu(), want), k
+        assert same_bits(dithered._over_levels(x.cuda(), 4).cpu(),
+                         torch.from_numpy(x.numpy() / np.float32(7)))
+
+
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("bits", (2, 4, 8))
 def test_dqsg_kernels_on_gpu(cuda_backend, maybe_host, bits):
