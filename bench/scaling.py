@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 METHODS = ["none", "fp16", "ag+alq:bits=3", "rs+alq:bits=3", "ag+dgc:density=0.001",
            "rs+dgc:density=0.001", "auto+alq:bits=3", "powersgd:rank=1", "powersgd:rank=2",
-           "powersgd:rank=4", "auto+layer+alq:bits=3"]
+           "powersgd:rank=4", "auto+layer+alq:bits=3", "auto+layer+powersgd:rank=1"]
 # PyTorch's powerSGD_hook, timed under DDP over Gloo between the same hosts (--ddp-methods)
 DDP_METHODS = ["torch-powersgd:rank=1", "torch-powersgd:rank=2", "torch-powersgd:rank=4"]
 LABELS = {"none": "fp32 allreduce", "fp16": "fp16 allreduce",
@@ -63,6 +63,7 @@ LABELS = {"none": "fp32 allreduce", "fp16": "fp16 allreduce",
           "ag+dgc:density=0.001": "DGC 0.1% allgather",
           "rs+dgc:density=0.001": "DGC 0.1% reduce-scatter", "auto+alq:bits=3": "Auto(ALQ 3b)",
           "auto+layer+alq:bits=3": "Auto per layer (ALQ 3b)",
+          "auto+layer+powersgd:rank=1": "Auto per layer (PowerSGD r1)",
           **{f"powersgd:rank={r}": f"hvdcomp PowerSGD r{r}" for r in (1, 2, 4)},
           **{f"torch-powersgd:rank={r}": f"PyTorch PowerSGD hook r{r}" for r in (1, 2, 4)}}
 RESULTS = os.path.join(ROOT, "bench", "results", "scaling")

@@ -386,6 +386,7 @@ LABELS = {"none": "fp32 allreduce", "fp16": "fp16 allreduce",
           "ag+dgc:density=0.001": "DGC 0.1% allgather",
           "rs+dgc:density=0.001": "DGC 0.1% reduce-scatter", "auto+alq:bits=3": "Auto(ALQ 3b)",
           "auto+layer+alq:bits=3": "Auto per layer (ALQ 3b)",
+          "auto+layer+powersgd:rank=1": "Auto per layer (PowerSGD r1)",
           **{f"powersgd:rank={r}": f"hvdcomp PowerSGD r{r}" for r in (1, 2, 4)},
           **{f"torch-powersgd:rank={r}": f"PyTorch PowerSGD hook r{r}" for r in (1, 2, 4)}}
 FIXED = ["none", "fp16", "ag+alq:bits=3", "rs+alq:bits=3", "ag+dgc:density=0.001",
@@ -505,10 +506,11 @@ def render(res: dict, p: Dict[str, float]) -> str:
                       f"{LABELS[d['method']]} {d['median_s']:.3f} s.)"]
         layer = [r for r in cr if r["method"].startswith("auto+layer")]
         every = [r for r in cr if not r["method"].startswith("auto")]
-        if layer and every:
-            a, best = layer[0], min(every, key=lambda r: r["median_s"])
+        for a in (layer if every else []):
+            best = min(every, key=lambda r: r["median_s"])
             beats = all(a["median_s"] < r["median_s"] for r in every)
-            L += ["", f"Auto per layer: {a['median_s']:.3f} s against the best fixed "
+            L += ["", f"{LABELS.get(a['method'], a['method'])}: {a['median_s']:.3f} s "
+                      f"(error budget: {a['method'][len('auto+layer+'):]}'s) against the best fixed "
                       f"choice of this cell (every row but Auto's: "
                       f"{LABELS.get(best['method'], best['method'])}) "
                       f"{best['median_s']:.3f} s: "
