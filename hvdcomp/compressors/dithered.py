@@ -76,6 +76,39 @@ def _read_f32(sec) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(bytes(sec), dtype="<f4").astype(np.float32))
 
 
+def parse_steps(name: str, msg: Message, nb: int, bits: int) -> torch.Tensor:
+    """Section 0 of a message of bucket steps (DQSG, uniformef) validated: Delta float32
+    (nb,) on the CPU, each in [0, dithered.max_step(bits)] (larger steps, which no encoder
+    writes, could decode beyond the float32 range).  Raises WireFormatError."""
+    msg.section_size_check(0, 4 * nb, "bucket steps")
+    delta = _read_f32(msg.sections[0])
+    top = dithered.max_step(bits)
+    if not bool(((delta >= 0) & (delta <= top)).all()):      # NaN fails both
+        raise WireFormatError(f"{name}: bucket steps must be in [0, {top:.7g}] (finite, and "
+                              f"small enough for a finite decode at {bits} bits)")
+    return delta
+
+
+def parse_steps_and_codes(name: str, msg: Message, bits: int, bucket_size: int,
+                          device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A message of two sections, bucket steps and codes q + M packed at ``bits`` (DQSG,
+    uniformef), validated: (Delta float32 (nb,), packed codes uint8), both on ``device``.
+    Raises WireFormatError for wrong sections, steps out of range, the code 2M + 1 (never
+    sent) or a non-zero code in a bucket of step 0."""
+    n = msg.numel
+    M = (1 << (bits - 1)) - 1
+    msg.expect(nsections=2)
+    delta = parse_steps(name, msg, _nbuckets(n, bucket_size), bits).to(device)
+    packed = read_codes(msg, 1, n, bits, device=device)
+    invalid, nonzero = dithered.validate_codes(packed, n, delta, bucket_size, bits, M, 2 * M)
+    if invalid:
+        raise WireFormatError(f"{name}: code {2 * M + 1} is not a valid {bits}-bit code "
+                              f"(codes are q + {M} <= {2 * M})")
+    if nonzero:
+        raise WireFormatError(f"{name}: non-zero code in a bucket with step 0")
+    return delta, packed
+
+
 def _read_u32(sec) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(bytes(sec), dtype="<u4").astype(np.int64))
 
@@ -173,34 +206,10 @@ class DQSG(Compressor):
 
     # -- decode ---------------------------------------------------------------------------
     def _parse_steps(self, msg: Message, nb: int) -> torch.Tensor:
-        """Section 0 validated: Delta float32 (nb,) on the CPU, each in
-        [0, dithered.max_step(bits)] (larger steps, which no encoder writes, could decode
-        beyond the float32 range)."""
-        msg.section_size_check(0, 4 * nb, "bucket steps")
-        delta = _read_f32(msg.sections[0])
-        top = dithered.max_step(self.bits)
-        if not bool(((delta >= 0) & (delta <= top)).all()):      # NaN fails both
-            raise WireFormatError(f"{self.name}: bucket steps must be in [0, {top:.7g}] "
-                                  f"(finite, and small enough for a finite decode at "
-                                  f"{self.bits} bits)")
-        return delta
+        return parse_steps(self.name, msg, nb, self.bits)
 
     def _parse_dqsg(self, msg: Message, device) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Validate a full-code message's sections; returns (Delta float32 (nb,), codes
-        packed at ``bits``, uint8), both on ``device``."""
-        n = msg.numel
-        msg.expect(nsections=2)
-        delta = self._parse_steps(msg, _nbuckets(n, self.bucket_size)).to(device)
-        packed = read_codes(msg, 1, n, self.bits, device=device)
-        invalid, nonzero = dithered.validate_codes(packed, n, delta, self.bucket_size,
-                                                   self.bits, self.M, 2 * self.M)
-        if invalid:
-            raise WireFormatError(f"{self.name}: code {2 * self.M + 1} is not a valid "
-                                  f"{self.bits}-bit DQSG code (codes are q + {self.M} <= "
-                                  f"{2 * self.M})")
-        if nonzero:
-            raise WireFormatError(f"{self.name}: non-zero code in a bucket with step 0")
-        return delta, packed
+        return parse_steps_and_codes(self.name, msg, self.bits, self.bucket_size, device)
 
     def _decode(self, msg, key, out):
         delta, packed = self._parse_dqsg(msg, out.device)

@@ -59,13 +59,13 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
-from ..codecs.sections import read_codes, write_codes
-from ..errors import WireFormatError
+from ..codecs.sections import write_codes
 from ..ops import dithered
 from ..ops.bitpack import pack_bits, packed_size, unpack_bits
 from ..wire import Message
 from . import settings
 from .base import Compressor, TensorKey, numel_of, register
+from .dithered import parse_steps_and_codes
 from .state import Residuals, finite
 
 __all__ = ["UniformEF"]
@@ -170,25 +170,8 @@ class UniformEF(Residuals, Compressor):
 
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
         n = msg.numel
-        nb = -(-n // self.bucket_size)
-        msg.expect(nsections=2)
-        msg.section_size_check(0, 4 * nb, "bucket steps")
-        delta = torch.from_numpy(np.frombuffer(bytes(msg.sections[0]), dtype="<f4")
-                                 .astype(np.float32))
-        top = dithered.max_step(self.bits)
-        if not bool(((delta >= 0) & (delta <= top)).all()):      # NaN fails both
-            raise WireFormatError(f"uniformef: bucket steps must be in [0, {top:.7g}]")
-        dev = out.device
-        delta = delta.to(dev)
-        packed = read_codes(msg, 1, n, self.bits, device=dev)
-        invalid, nonzero = dithered.validate_codes(packed, n, delta, self.bucket_size,
-                                                   self.bits, self.M, 2 * self.M)
-        if invalid:
-            raise WireFormatError(f"uniformef: code {2 * self.M + 1} is not a valid "
-                                  f"{self.bits}-bit code (codes are q + {self.M} <= "
-                                  f"{2 * self.M})")
-        if nonzero:
-            raise WireFormatError("uniformef: non-zero code in a bucket with step 0")
+        delta, packed = parse_steps_and_codes(self.name, msg, self.bits, self.bucket_size,
+                                              out.device)
         codes = unpack_bits(packed, n, self.bits)
         out.add_((codes - self.M).to(torch.float32)
                  * dithered.per_coordinate(delta, self.bucket_size, n))
