@@ -153,6 +153,12 @@ def worker(args):
     hvd.init()
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
+    if rank == 0:       # Auto's plan and cost model (INFO, rank 0) into the bench's log
+        import logging
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("[hvdcomp] %(message)s"))
+        logging.getLogger("hvdcomp").addHandler(h)
+        logging.getLogger("hvdcomp").setLevel(logging.INFO)
     shapes = {"resnet50": resnet50, "bert_base": bert_base}[args.model]()
     params = synthetic_params(shapes, rank)
 

@@ -729,6 +729,10 @@ class LayerPlanner:
             max(4 * sum(int(np.prod(s)) for s in shapes.values()), 1 << 20), 8 << 20),
             alltoall=bool(self.scattered))
         self.codecs: Dict[str, CodecCost] = dict(auto.codecs or {})
+        rounds = [c for c in self.cands
+                  if isinstance(c, SummedRounds) and c.spec() not in self.codecs]
+        if rounds:               # untimed: a process's first large allocations page-fault
+            _measure_rounds(rounds[0], transport, numel)
         for c in self.cands:
             if c.spec() in self.codecs or c.spec() in ("none", "fp16"):
                 continue
@@ -736,6 +740,7 @@ class LayerPlanner:
                 self.codecs[c.spec()] = _measure_rounds(c, transport, numel)
             else:
                 self.codecs[c.spec()] = measure_codec(c, transport, numel, device=device)
+        monotone_in_rank(rounds, self.codecs)
         for spec in sorted(self.scattered):
             if STAGE2 + spec not in self.codecs:
                 self.codecs[STAGE2 + spec] = measure_codec(
@@ -918,6 +923,23 @@ class LayerPlanner:
                          f"buckets: the drop-in optimizer, not the DDP hook); they travel over "
                          f"the allgather with the same compressors")
         self.pending = not plan
+
+
+def monotone_in_rank(cands: Sequence[Compressor], codecs: Dict[str, CodecCost]) -> None:
+    """Measured costs of low-rank candidates made non-decreasing in their ``rank``, in
+    place: a candidate's seconds per element become the least measured at its rank or any
+    higher rank of the same class (rank r's products and orthogonalization are a part of
+    rank r' > r's work, and its elementwise passes are the same).  Timings on a shared
+    machine are noisy, and the first measured also pays the process's first page faults
+    (rank 1 at 8.3 ns per element first, 2.0 after, in one process here); a plan that
+    trusted them chose PowerSGD rank 2 over rank 1 under a budget rank 1 met
+    (bench/results/scaling.md, resnet50 8 x 1 Gbit/s)."""
+    ranked = [c for c in cands if getattr(c, "rank", None) is not None and c.spec() in codecs]
+    for c in ranked:
+        low = min(codecs[d.spec()].encode_per_elem for d in ranked
+                  if type(d) is type(c) and d.rank >= c.rank)
+        if low < codecs[c.spec()].encode_per_elem:
+            codecs[c.spec()] = replace(codecs[c.spec()], encode_per_elem=low)
 
 
 def _measure_rounds(comp: Compressor, transport, numel: int) -> CodecCost:

@@ -593,6 +593,28 @@ def test_powersgd_as_the_compressor_plans_its_ranks():
     assert all(torch.equal(a[1][n], b[1][n]) for n in a[1])
 
 
+def test_low_rank_costs_made_monotone_in_rank():
+    """A measured rank-1 PowerSGD slower than rank 2 (noise, or the process's first page
+    faults) is credited rank 2's cost; costs already in order, and other candidates, are
+    left as measured.  (Hand-made costs: seconds per element.)"""
+    from hvdcomp.exchange.layer_plan import monotone_in_rank
+    cands = [hvdcomp.get(s) for s in ("powersgd:rank=1", "powersgd:rank=2",
+                                      "powersgd:rank=4", "topk:density=0.01")]
+    per = {"powersgd:rank=1": 8.3e-9, "powersgd:rank=2": 3.6e-9, "powersgd:rank=4": 4.0e-9,
+           "topk:density=0.01": 1e-9}
+    codecs = {hvdcomp.get(k).spec(): CodecCost(0.0, v, 0.0, 0.0, 7.0, 0.5) for k, v in per.items()}
+    monotone_in_rank(cands, codecs)
+    got = {k: codecs[hvdcomp.get(k).spec()] for k in per}
+    assert got["powersgd:rank=1"].encode_per_elem == 3.6e-9           # min(8.3, 3.6, 4.0)
+    assert got["powersgd:rank=2"].encode_per_elem == 3.6e-9
+    assert got["powersgd:rank=4"].encode_per_elem == 4.0e-9
+    assert got["topk:density=0.01"].encode_per_elem == 1e-9
+    assert got["powersgd:rank=1"].bytes_fixed == 7.0                  # only the time changes
+    ordered = dict(codecs)
+    monotone_in_rank(cands, ordered)                                  # idempotent
+    assert ordered == codecs
+
+
 def test_checkpoint_refused_where_the_plan_cannot_be_kept():
     """A per-layer plan loaded by an exchange without a per-layer Auto, or by one that does
     not offer the plan's candidates: ValueError, nothing changed."""
