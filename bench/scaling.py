@@ -10,8 +10,8 @@ python bench/scaling.py --worker ...`: one rank per host, each host in its own n
 namespace behind its own link of RATE in both directions (MPI over TCP).  For every method
 (fp32 and fp16 through Horovod's allreduce; ALQ 3 bits and DGC 0.1 % over the allgather and
 over the reduce-scatter; Auto; hvdcomp's PowerSGD at ranks 1, 2, 4, its P and Q summed by
-Horovod's allreduce in rounds; Auto per layer, whose first exchange, the warm-up, is fp32 and
-decides its plan) each rank times a warm-up and --reps exchanges of synthetic
+Horovod's allreduce in rounds; Auto per layer, whose first exchange is fp32 and decides its
+plan, and which therefore warms up with two exchanges) each rank times a warm-up and --reps exchanges of synthetic
 gradients with the model's shapes (bench/shapes.py); with --ddp-methods
 (``torch-powersgd:rank=R``) the same ranks then shut Horovod down and time PyTorch's
 powerSGD_hook (Vogels et al. 2019; error feedback, warm start) under DDP over Gloo between
@@ -174,8 +174,12 @@ def worker(args):
         ex = Exchange(params, comp, tp, allreduce=ar, seed=1, collective=collective)
         build_s = time.perf_counter() - t0
         reps = []
-        for rep in range(args.reps + 1):                 # rep 0 warms up
-            last = rep == args.reps
+        # warm-up exchanges, untimed: one; two for Auto per layer, whose first exchange is
+        # fp32 and decides the plan, and whose second is its plan's first (the compressors'
+        # first step, which every fixed method takes in its own warm-up)
+        warm = 2 if spec.startswith("auto+layer") else 1
+        for rep in range(args.reps + warm):
+            last = rep == args.reps + warm - 1
             tp.on = ar.on = last
             tp.calls, ar.calls = [], []
             barrier(f"{spec}.{rep}")
@@ -188,7 +192,7 @@ def worker(args):
             dt = time.perf_counter() - t0
             rx1, tx1 = netdev()
             tp.on = ar.on = False
-            if rep:
+            if rep >= warm:
                 reps.append(dict(s=dt, tx=tx1 - tx0, rx=rx1 - rx0, encode=st.encode_s,
                                  comm=st.comm_s, decode=st.decode_s, reduce=st.reduce_s,
                                  sent=st.bytes_sent, recv=st.recv_bytes,
