@@ -179,7 +179,13 @@ def _nvrtc_compile(lib, source_text, name, options):
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         buf = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetProgramLog(prog, buf)
-        return rc, buf.value.decode(errors="replace")
+        log = buf.value.decode(errors="replace")
+        if rc == 0:     # how many float instructions flush subnormals to zero (".ftz")
+            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+            ptx = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetPTX(prog, ptx)
+            log += f"\n[ptx .ftz instructions: {ptx.value.decode(errors='replace').count('.ftz')}]"
+        return rc, log
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -197,10 +203,30 @@ def test_nvrtc_compiles_as_cupy_does(arch, source):
     version = (ctypes.c_int(), ctypes.c_int())
     lib.nvrtcVersion(ctypes.byref(version[0]), ctypes.byref(version[1]))
     rc, log, _ = compile_cache.memo(
-        ["nvrtc", os.path.realpath(where), str(os.path.getsize(os.path.realpath(where))),
+        ["nvrtc", "ptx-ftz-count", os.path.realpath(where), str(os.path.getsize(os.path.realpath(where))),
          f"{version[0].value}.{version[1].value}", source, *options],
         lambda: _nvrtc_compile(lib, text, source, options))
     if rc != 0 and "libnvrtc-builtins" in log:
         pytest.skip(f"NVRTC at {where} cannot find its builtins library: {log.strip()}")
     assert rc == 0, f"NVRTC ({where}) {options}:\n{log}"
     assert "warning" not in log.lower(), log
+    # subnormals kept, as on the CPU (CuPy's own compile adds -ftz=true: backends/cuda.py)
+    assert "[ptx .ftz instructions: 0]" in log, log
+
+
+def test_the_ftz_check_sees_flushing():
+    """The PTX check above can fail: the same source compiled with -ftz=true (what CuPy's
+    RawModule(code=...) appends) has .ftz instructions."""
+    lib, where = _nvrtc_library()
+    if lib is None:
+        pytest.skip("no NVRTC library")
+    from hvdcomp.backends import cuda
+    options = [o for o in cuda.compile_options() if not o.startswith("--ftz")]
+    options += ["-ftz=true", "-arch=compute_90"]
+    rc, log = _nvrtc_compile(lib, open(os.path.join(KDIR, "quantize.cu")).read(),
+                             "quantize.cu", options)
+    if rc != 0 and "libnvrtc-builtins" in log:
+        pytest.skip(f"NVRTC at {where} cannot find its builtins library")
+    assert rc == 0, log
+    n = int(log.rsplit("[ptx .ftz instructions: ", 1)[1].split("]")[0])
+    assert n > 0, log
