@@ -18,12 +18,12 @@ from test_ddp import torchrun  # noqa: E402
 
 
 def _cuda_reason():
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
+    """None where hvdcomp's CUDA backend can run (a CUDA device and CuPy), else why not."""
+    from hvdcomp.backends import cuda
     try:
-        import cupy  # noqa: F401
-    except ImportError as e:
-        return f"CuPy is not installed ({e})"
+        cuda.require()
+    except (ImportError, RuntimeError) as e:
+        return str(e)
     return None
 
 
