@@ -1,18 +1,18 @@
 """The GPU backend: hvdcomp's ``kernels/*.cu`` compiled by NVRTC and launched through CuPy on
 PyTorch's current CUDA stream.
 
-* Each source file is compiled once per process and architecture by NVRTC itself (CuPy's
-  NVRTC wrapper, ``cupy.cuda.nvrtc``) to PTX, kept on disk under
-  ``$HVDCOMP_CACHE/kernels/cuda`` keyed by the sources' hash, the options, the architecture
-  and NVRTC's version, and loaded as a ``cupy.RawModule(path=...)``.  Not through
+* Each source file is compiled once per process and GPU architecture by NVRTC itself
+  (CuPy's NVRTC wrapper, ``cupy.cuda.nvrtc``) to a binary for that GPU (``-arch=sm_XY``;
+  PTX of NVRTC's newest architecture only for a GPU newer than NVRTC: :func:`target`),
+  kept on disk under ``$HVDCOMP_CACHE/kernels/cuda`` keyed by the sources, the options, the
+  architecture and NVRTC's version, and loaded as a ``cupy.RawModule(path=...)``.  Not through
   ``RawModule(code=...)``: CuPy appends ``-ftz=true`` to every NVRTC compile (its
   ``_compile_with_cache_cuda``), after the caller's options, and flushing subnormal float32
   values to zero changes the bits (a bucket whose maximum is subnormal gets a norm of 0 on
   the GPU and not on the CPU).  Options: ``--ftz=false --prec-div=true --prec-sqrt=true``
   (IEEE float32: subnormals kept, division and square root correctly rounded, as g++ does
   on the CPU), ``--fmad=false`` (no FMA contraction: every float op rounds as in the
-  PyTorch reference), ``-std=c++17``, ``-I<kernels>`` for hvdcomp.cuh, and
-  ``-arch=compute_XY`` of the oldest visible GPU (the driver builds the PTX for each).
+  PyTorch reference), ``-std=c++17`` and ``-I<kernels>`` for hvdcomp.cuh.
 * Kernels run on ``torch.cuda.current_stream(device)`` (adopted with
   ``cupy.cuda.ExternalStream``, or ``Stream.from_external`` where that is gone: see
   _current_stream), so they are ordered with the surrounding PyTorch work without any
@@ -29,13 +29,14 @@ hvdcomp.backends.host's is for CPU tensors.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib
 import os
 import tempfile
 import threading
 import warnings
-from typing import Dict, Tuple
+from typing import Dict, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -49,8 +50,9 @@ NVRTC_OPTIONS = ("--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=f
                  "-std=c++17")
 
 _lock = threading.RLock()
-_modules: Dict[str, object] = {}      # source file -> cupy.RawModule (of its PTX)
-_functions: Dict[str, object] = {}    # kernel name -> cupy.RawKernel
+_modules: Dict[Tuple[str, str], object] = {}     # (source file, arch) -> cupy.RawModule
+_functions: Dict[Tuple[str, str], object] = {}   # (kernel name, arch) -> cupy.RawKernel
+_archs: Dict[int, str] = {}                      # CUDA device index -> NVRTC -arch
 
 
 def cupy_extra() -> str:
@@ -100,16 +102,32 @@ def _nvrtc(cupy):
         "cupy_backends.cuda.libs.nvrtc")
 
 
-def _arch() -> str:
-    """compute_XY of the oldest visible GPU: PTX that every visible device's driver builds."""
-    caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
-    major, minor = min(caps) if caps else (7, 0)
-    return f"compute_{major}{minor}"
+def target(cc: int, supported: Sequence[int] = ()) -> str:
+    """NVRTC's ``-arch`` for a GPU of compute capability ``cc`` (e.g. 90): ``sm_XY``, a
+    binary for that GPU, where this NVRTC supports it (``supported``: its architectures,
+    empty when unknown); ``compute_XY`` PTX of NVRTC's newest where the GPU is newer (the
+    driver builds it); RuntimeError where the GPU is older than NVRTC's oldest.  A binary,
+    not PTX, wherever possible: PTX from an NVRTC newer than the driver does not load."""
+    if not supported or cc in supported:
+        return f"sm_{cc}"
+    if cc > max(supported):
+        return f"compute_{max(supported)}"
+    raise RuntimeError(f"hvdcomp.backends.cuda: this NVRTC builds for compute capabilities "
+                       f"{min(supported) / 10:.1f} and up; the GPU has {cc / 10:.1f}")
 
 
-def compile_ptx(filename: str, arch: str) -> str:
-    """PTX of ``kernels/<filename>`` for ``arch`` (compute_XY), compiled by NVRTC with
-    :func:`compile_options` and cached on disk; raises RuntimeError with NVRTC's log."""
+def _device_arch(index: int) -> str:
+    cupy = _cupy()
+    major, minor = torch.cuda.get_device_capability(index)
+    get = getattr(_nvrtc(cupy), "getSupportedArchs", None)
+    return target(10 * major + minor, tuple(get()) if get is not None else ())
+
+
+def compile_binary(filename: str, arch: str) -> str:
+    """The path of ``kernels/<filename>`` compiled by NVRTC with :func:`compile_options`
+    for ``arch`` (``sm_XY``: a cubin; ``compute_XY``: PTX), cached on disk (written whole
+    then renamed; the file's size is in its name, so a cut file is rebuilt); raises
+    RuntimeError with NVRTC's log."""
     cupy = _cupy()
     nvrtc = _nvrtc(cupy)
     options = compile_options() + (f"-arch={arch}",)
@@ -119,9 +137,13 @@ def compile_ptx(filename: str, arch: str) -> str:
     key = hashlib.sha256("\0".join((filename, version, code) + options).encode()).hexdigest()
     from . import host                        # the cache root ($HVDCOMP_CACHE/kernels)
     cdir = os.path.join(host.cache_dir(), "cuda")
-    path = os.path.join(cdir, f"{filename}.{arch}.{key[:24]}.ptx")
-    if os.path.exists(path):
-        return path
+    ext = "cubin" if arch.startswith("sm_") else "ptx"
+    stem = os.path.join(cdir, f"{filename}.{arch}.{key[:24]}")
+    for old in glob.glob(f"{stem}.*.{ext}"):
+        size = old[len(stem) + 1:-len(ext) - 1]
+        if size.isdigit() and os.path.getsize(old) == int(size) > 0:
+            return old
+        os.remove(old)                        # cut short: build it again
     prog = nvrtc.createProgram(code, filename, (), ())
     try:
         try:
@@ -129,35 +151,45 @@ def compile_ptx(filename: str, arch: str) -> str:
         except Exception as e:                # NVRTCError: the log says why
             raise RuntimeError(f"NVRTC {version} could not compile {filename} "
                                f"({' '.join(options)}): {e}\n{nvrtc.getProgramLog(prog)}") from e
-        ptx = nvrtc.getPTX(prog)
+        data = nvrtc.getCUBIN(prog) if ext == "cubin" else nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
-    if isinstance(ptx, str):
-        ptx = ptx.encode()
-    ptx = ptx.rstrip(b"\0")
+    if isinstance(data, str):
+        data = data.encode()
+    if ext == "ptx":
+        data = data.rstrip(b"\0")
     os.makedirs(cdir, exist_ok=True)
+    path = f"{stem}.{len(data)}.{ext}"
     fd, tmp = tempfile.mkstemp(dir=cdir, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:            # written whole, then renamed: never half a file
-        f.write(ptx)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return path
 
 
-def _module(filename: str):
+def _module(filename: str, arch: str):
     with _lock:
-        mod = _modules.get(filename)
+        mod = _modules.get((filename, arch))
         if mod is None:
-            mod = _cupy().RawModule(path=compile_ptx(filename, _arch()))
-            _modules[filename] = mod
+            mod = _cupy().RawModule(path=compile_binary(filename, arch))
+            _modules[(filename, arch)] = mod
         return mod
 
 
-def _function(kernel: str):
+def _function(kernel: str, device: int):
+    """The kernel, built for the architecture of CUDA device ``device`` (an index)."""
     with _lock:
-        fn = _functions.get(kernel)
+        arch = _archs.get(device)
+        if arch is None:
+            arch = _archs[device] = _device_arch(device)
+        fn = _functions.get((kernel, arch))
         if fn is None:
-            fn = _module(KERNEL_SOURCE[kernel]).get_function(kernel)
-            _functions[kernel] = fn
+            fn = _module(KERNEL_SOURCE[kernel], arch).get_function(kernel)
+            _functions[(kernel, arch)] = fn
         return fn
 
 
@@ -167,9 +199,10 @@ def compile_all(device=None) -> None:
     cupy = _cupy()
     dev = torch.device(device) if device is not None else torch.device(
         "cuda", torch.cuda.current_device())
-    with cupy.cuda.Device(dev.index if dev.index is not None else 0):
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    with cupy.cuda.Device(index):
         for name in SIGNATURES:
-            _function(name).kernel        # the property compiles and loads for this device
+            _function(name, index).kernel   # the property compiles and loads for this device
 
 
 class _StreamPointer:
@@ -227,7 +260,8 @@ class _CudaBackend:
                              or not a.is_contiguous() or a.requires_grad):
                 raise TypeError(f"{kernel}: pointer arguments must be contiguous CUDA tensors "
                                 f"on {dev} that do not require grad")
-        fn = _function(kernel)
+        fn = _function(kernel, dev.index if dev.index is not None
+                       else torch.cuda.current_device())
         with cupy.cuda.Device(dev.index):
             stream = _current_stream(cupy, dev)
             with stream:

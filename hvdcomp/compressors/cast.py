@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import WireFormatError
+from ..ops import divide
 from ..wire import Message, code_dtype, raw_bytes
 from .base import Compressor, TensorKey, numel_of, register
 from .state import finite
@@ -102,7 +103,7 @@ class _Cast(Compressor):
         x = grad.detach()
         s = self._scale(key)
         if s != 1.0:
-            x = x.to(torch.float32) / s     # divide before the cast so sums cannot overflow
+            x = divide(x.to(torch.float32), s)   # before the cast, so sums cannot overflow
         y = x.to(self.wire_dtype)
         if not finite(y):                   # the cast overflowed (grad is finite: encode)
             return self.range_fallback(grad, key)
@@ -117,7 +118,7 @@ class _Cast(Compressor):
         x = grad.detach()
         if self.prescaled:
             wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-            x = (x.to(wide) / key.world_size).to(grad.dtype)
+            x = divide(x.to(wide), key.world_size).to(grad.dtype)
         return _NONE.encode(x, key)
 
     def decode(self, msg, key, out):
@@ -152,7 +153,7 @@ class _Cast(Compressor):
         if not tensor.is_floating_point():
             return tensor, None
         s = _horovod_size() if self.prescaled else 1
-        x = tensor.to(torch.float32) / s if s != 1 else tensor
+        x = divide(tensor.to(torch.float32), s) if s != 1 else tensor
         return x.to(self.contract_dtype(tensor.dtype)), (tensor.dtype, s)
 
     def decompress(self, tensor, ctx):

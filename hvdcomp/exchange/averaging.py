@@ -31,7 +31,7 @@ import torch
 
 from ..compressors import ABSENT_LAST, ABSENT_ZEROS, Compressor, TensorKey, get
 from ..compressors.state import finite as all_finite
-from ..ops import divide_
+from ..ops import divide, divide_
 from ..wire import Message
 from .plan import Entry
 from .step_stats import StepStats
@@ -78,7 +78,7 @@ class Averaging:
         if g.is_sparse and self.sparse_as_dense:
             g = g.to_dense()
         if self.predivide != 1.0:
-            g = g / self.predivide
+            g = divide(g, self.predivide)
         return g
 
     def accumulator(self, e: Entry, out: Optional[torch.Tensor] = None,
@@ -109,7 +109,8 @@ class Averaging:
             return None
         x = g.detach()
         if comp.prescaled:
-            x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32) / self.size
+            x = divide(x.to(torch.float64 if x.dtype == torch.float64 else torch.float32),
+                       self.size)
         if all_finite(x.to(comp.wire_dtype)):
             return None
         return self._none.encode(x.to(g.dtype) if comp.prescaled else x, key)

@@ -17,6 +17,7 @@ import torch
 from ..compressors import TensorKey
 from ..compressors.state import finite as all_finite
 from ..errors import WireFormatError
+from ..ops import divide
 from ..wire import CODECS, Message, code_dtype, dtype_code
 
 __all__ = ["CODEC", "encode", "combine"]
@@ -82,7 +83,7 @@ def combine(msgs: List[Message], keys: List[TensorKey], shape: Sequence[int],
     idx = torch.cat([p[0] for p in parts], dim=1)
     vals = torch.cat([p[1] for p in parts]).to(torch.float32)
     if divisor != 1.0:
-        vals = vals / divisor
+        vals = divide(vals, divisor)
     finite = all_finite(vals)
     if not finite:
         vals = torch.full_like(vals, float("nan"))

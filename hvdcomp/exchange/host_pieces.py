@@ -20,7 +20,7 @@ import torch
 
 from ..compressors.state import finite as all_finite
 from ..errors import WireFormatError
-from ..ops import divide_
+from ..ops import divide, divide_
 from ..transport import Incoming, Outgoing, Stamp
 from ..wire import raw_bytes
 from .frames import frame
@@ -155,7 +155,7 @@ class HostPieces:
             else:
                 acc.zero_()
                 for x in parts:
-                    acc.add_(x / L)
+                    acc.add_(divide(x, L))
             out[p.name] = acc.view(p.shape)
         return out
 

@@ -928,16 +928,20 @@ class LayerPlanner:
 def monotone_in_rank(cands: Sequence[Compressor], codecs: Dict[str, CodecCost]) -> None:
     """Measured costs of low-rank candidates made non-decreasing in their ``rank``, in
     place: a candidate's seconds per element become the least measured at its rank or any
-    higher rank of the same class (rank r's products and orthogonalization are a part of
+    higher rank of the same compressor with the same other settings (rank r's products and orthogonalization are a part of
     rank r' > r's work, and its elementwise passes are the same).  Timings on a shared
     machine are noisy, and the first measured also pays the process's first page faults
     (rank 1 at 8.3 ns per element first, 2.0 after, in one process here); a plan that
     trusted them chose PowerSGD rank 2 over rank 1 under a budget rank 1 met
     (bench/results/scaling.md, resnet50 8 x 1 Gbit/s)."""
+    def others(c):           # the spec but its rank: the settings that must agree
+        name, _, rest = c.spec().partition(":")
+        return name, tuple(kv for kv in rest.split(",") if not kv.startswith("rank="))
+
     ranked = [c for c in cands if getattr(c, "rank", None) is not None and c.spec() in codecs]
     for c in ranked:
         low = min(codecs[d.spec()].encode_per_elem for d in ranked
-                  if type(d) is type(c) and d.rank >= c.rank)
+                  if others(d) == others(c) and d.rank >= c.rank)
         if low < codecs[c.spec()].encode_per_elem:
             codecs[c.spec()] = replace(codecs[c.spec()], encode_per_elem=low)
 

@@ -17,6 +17,7 @@ import torch
 
 from ..compressors.state import finite as all_finite
 from ..errors import OutOfStep, RankFailure
+from ..ops import divide
 from ..transport import Allreduce
 from .averaging import Averaging
 from .plan import Entry
@@ -92,7 +93,7 @@ class Sums:
                 x = g.reshape(-1).to(torch.float32)
                 bad = not all_finite(x)
                 if e.compressor.prescaled:
-                    x = x / self.size           # divide before the cast so sums cannot overflow
+                    x = divide(x, self.size)    # before the cast, so sums cannot overflow
                 parts.append(x.to(dt))
                 counts += [1.0, 0.0, float(bad)]
             groups.append((e, n))
@@ -149,7 +150,7 @@ class Sums:
         for e, n in redo:
             g = self.averaging.gradient(e, grads)
             parts.append(torch.zeros(n, device=e.param.device) if g is None or g.is_sparse
-                         else g.reshape(-1).to(torch.float32) / self.size)
+                         else divide(g.reshape(-1).to(torch.float32), self.size))
         flat = torch.cat(parts)
         self.allreduce.wait(self.allreduce.start(flat, f"{k}.{i}.again"))
         stats.bytes_sent += flat.numel() * 4

@@ -36,17 +36,28 @@ import torch
 
 from ..backends import kernel_backend
 
-__all__ = ["Op", "op", "device_of", "finite", "divide_", "bucket_width", "padded_buckets",
+__all__ = ["Op", "op", "device_of", "finite", "divide", "divide_", "bucket_width", "padded_buckets",
            "REGISTRY"]
 
 
-def divide_(t: torch.Tensor, k: int) -> torch.Tensor:
-    """``t`` divided by the integer ``k`` in place (an average's division by the world size),
-    correctly rounded, the same bits on the CPU and on CUDA; returns ``t``.
+def divide(t: torch.Tensor, k: float) -> torch.Tensor:
+    """``t / k`` for a Python number ``k`` (a world size, a predivide factor), correctly
+    rounded to ``t``'s dtype, the same bits on the CPU and on CUDA: a new tensor.
 
-    PyTorch divides by a Python scalar as a true division on the CPU but as a
-    multiplication by the reciprocal on CUDA, which rounds differently for k = 3, 5, 6, ...;
-    a divisor held in a 0-dim tensor on ``t``'s device is an IEEE division on both."""
+    PyTorch divides a tensor by a Python number as a true division on the CPU but as a
+    multiplication by the reciprocal on CUDA, which rounds differently (for k = 3 about a
+    third of float32 values); a divisor held in a 0-dim tensor on ``t``'s device is an IEEE
+    division on both.  float16 and bfloat16 are divided in float32 and rounded once more,
+    which gives their correctly rounded quotient (24 >= 2 x 11 + 2 bits)."""
+    if k == 1:
+        return t.clone()
+    if t.dtype in (torch.float32, torch.float64):
+        return t / torch.full((), k, dtype=t.dtype, device=t.device)
+    return divide(t.to(torch.float32), k).to(t.dtype)
+
+
+def divide_(t: torch.Tensor, k: float) -> torch.Tensor:
+    """:func:`divide` in place (``t`` float32 or float64); returns ``t``."""
     if k == 1:
         return t
     return t.div_(torch.full((), k, dtype=t.dtype, device=t.device))

@@ -42,11 +42,13 @@ def runs(tmp_path_factory):
 
 
 # Encoders whose bits depend on the device's floating-point reductions: PowerSGD's matrix
-# products (cuBLAS and the CPU's BLAS sum in different orders) and BHQ's choice of blocks
-# (from torch.sum and torch.amax over rows).  Their CUDA averages are checked against the
-# exact average instead: no further from it than the CPU's, within 50 % (where the two
-# encodings agree, as on most tensors, the errors are equal).
+# products (cuBLAS and the CPU's BLAS sum in different orders): its CUDA averages are within
+# 1e-4 of the CPU's (relative to the norm); BHQ's choice of blocks (from torch.sum and
+# torch.amax over rows), which can change a block's quantization: its CUDA averages are no
+# further from the exact average than the CPU's, within 50 % (where the two encodings
+# agree, as on most tensors, the errors are equal).
 DEVICE_ROUNDING = ("powersgd", "bhq")
+CLOSE_TO_CPU = ("powersgd",)
 
 
 def _exact_average(n, step):
@@ -71,6 +73,10 @@ def test_nccl_hook_gives_the_gloo_hooks_bits(runs, spec, summable):
                 if spec.split(":")[0] in DEVICE_ROUNDING:
                     if not torch.isfinite(a[name]).all():       # the NaN policy: same places
                         assert torch.equal(a[name].isnan(), b[name].isnan()), (spec, name)
+                        continue
+                    if spec.split(":")[0] in CLOSE_TO_CPU:
+                        d = float((a[name].double() - b[name].double()).norm())
+                        assert d <= 1e-4 * float(a[name].double().norm()), (spec, step, name, d)
                         continue
                     ea = float((a[name].double() - exact[name]).norm())
                     eb = float((b[name].double() - exact[name]).norm())

@@ -613,6 +613,11 @@ def test_low_rank_costs_made_monotone_in_rank():
     ordered = dict(codecs)
     monotone_in_rank(cands, ordered)                                  # idempotent
     assert ordered == codecs
+    # other settings differ (warm start off): not compared
+    cold = hvdcomp.get("powersgd:rank=1,warm_start=false")
+    more = dict(codecs, **{cold.spec(): CodecCost(0.0, 9e-9, 0.0, 0.0, 7.0, 0.5)})
+    monotone_in_rank(cands + [cold], more)
+    assert more[cold.spec()].encode_per_elem == 9e-9
 
 
 def test_checkpoint_refused_where_the_plan_cannot_be_kept():

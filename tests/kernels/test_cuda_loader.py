@@ -1,10 +1,11 @@
 """hvdcomp.backends.cuda without a GPU: the Python side of the CuPy path, run against a
 stand-in ``cupy`` module that records what the loader asks for (the real thing runs in
 test_gpu.py on a GPU machine).  Checks: importing never needs CuPy; one RawModule per
-source, compiled once by NVRTC (not through CuPy's RawModule(code=...), which appends
--ftz=true) with --ftz=false, IEEE division and square root, --fmad=false, -std=c++17, the
-include path, the source hash and the oldest GPU's architecture, cached on disk as PTX and
-loaded by RawModule(path=...);
+source and GPU architecture, compiled once by NVRTC (not through CuPy's
+RawModule(code=...), which appends -ftz=true) with --ftz=false, IEEE division and square
+root, --fmad=false, -std=c++17, the include path, the source hash and the device's
+architecture (a cubin; PTX only for a GPU newer than NVRTC), cached on disk, a cut file
+rebuilt, and loaded by RawModule(path=...);
 launches on PyTorch's current stream (ExternalStream, else Stream.from_external, one cached
 wrapper per stream); scalars typed exactly as the kernel signature; pointers through DLPack.
 """
@@ -93,8 +94,14 @@ class _FakeCupy:
             def compileProgram(self, prog, options):
                 fake.programs[prog - 1]["options"] = tuple(options)
 
-            def getPTX(self, prog):                # stands in for PTX: the source itself
+            def getSupportedArchs(self):
+                return (75, 80, 86, 89, 90, 100)
+
+            def getCUBIN(self, prog):              # stands in for a binary: the source
                 return fake.programs[prog - 1]["src"].encode()
+
+            def getPTX(self, prog):
+                return fake.programs[prog - 1]["src"]
 
             def getProgramLog(self, prog):
                 return ""
@@ -123,6 +130,18 @@ class _Callable:
         return self.f(*a)
 
 
+def test_target_architecture():
+    """A binary for the GPU where NVRTC knows it; PTX of NVRTC's newest for a newer GPU;
+    a clear error for an older one; a binary when NVRTC cannot say."""
+    import hvdcomp.backends.cuda as cuda
+    archs = (75, 80, 86, 89, 90, 100)
+    assert cuda.target(90, archs) == "sm_90"
+    assert cuda.target(120, archs) == "compute_100"
+    with pytest.raises(RuntimeError, match="7.5 and up; the GPU has 6.0"):
+        cuda.target(60, archs)
+    assert cuda.target(86, ()) == "sm_86"
+
+
 @pytest.mark.parametrize("api", ["both", "external", "from_external"])
 def test_loader_and_launch_with_stand_in_cupy(monkeypatch, tmp_path, api):
     # CuPy 14 has both (ExternalStream deprecated); older ones ExternalStream only; a future
@@ -131,8 +150,9 @@ def test_loader_and_launch_with_stand_in_cupy(monkeypatch, tmp_path, api):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setenv("HVDCOMP_CACHE", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    caps = {0: (9, 0), 1: (8, 6)}                        # the oldest GPU decides the PTX
+    caps = {0: (9, 0), 1: (8, 6)}                        # launches go to device 0
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: caps[i])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     import hvdcomp.backends.cuda as cuda
     cuda = importlib.reload(cuda)                       # fresh per-process caches
     monkeypatch.setattr(torch.cuda, "current_stream",
@@ -159,16 +179,26 @@ def test_loader_and_launch_with_stand_in_cupy(monkeypatch, tmp_path, api):
     for prog in fake.programs:
         opts = prog["options"]
         for o in ("--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=false",
-                  "-std=c++17", f"-I{_common.kernel_dir()}", "-arch=compute_86"):
+                  "-std=c++17", f"-I{_common.kernel_dir()}", "-arch=sm_90"):
             assert o in opts, (o, opts)
         assert not any("ftz=true" in o or "fast" in o for o in opts), opts
         assert any(o.startswith("-DHVDCOMP_SOURCE_HASH=0x") for o in opts)
     for m in fake.modules:                              # the PTX on disk, in the cache
         assert m.path.startswith(os.path.join(str(tmp_path), "kernels", "cuda"))
-    # a new process (fresh caches) loads the cached PTX without compiling again
+    # a new process (fresh caches) loads the cached binary without compiling again; a
+    # cached file cut short is built again; device 1 (8.6) gets its own binary
     importlib.reload(cuda)
-    cuda._module("quantize.cu")
+    cuda._module("quantize.cu", "sm_90")
     assert len(fake.programs) == 2 and len(fake.modules) == 3
+    with open(fake.modules[-1].path, "r+b") as f:
+        f.truncate(10)
+    importlib.reload(cuda)
+    cuda._module("quantize.cu", "sm_90")
+    assert len(fake.programs) == 3 and os.path.getsize(fake.modules[-1].path) > 10
+    cuda._function("hvd_uniform", 1)
+    assert fake.programs[-1]["options"][-1] == "-arch=sm_86"
+    assert not [f for f in os.listdir(os.path.join(str(tmp_path), "kernels", "cuda"))
+                if f.endswith(".tmp")]
     # every launch on torch's stream, scalars typed as the C signature
     names = [ln[0] for ln in fake.launches]
     assert names == ["hvd_bucket_norms_l2", "hvd_quantize_pack", "hvd_dequantize_add",
