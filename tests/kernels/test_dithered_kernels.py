@@ -363,9 +363,17 @@ def test_divide_is_the_correctly_rounded_quotient():
     from hvdcomp.ops import divide_
     x = _float32_patterns(11)
     x[::2] *= -1
+    from hvdcomp.ops import divide
     for k in (1, 2, 3, 5, 6, 7, 12):
         want = torch.from_numpy(x.numpy() / np.float32(k))
         assert same_bits(divide_(x.clone(), k), want), k
+        assert same_bits(divide(x, k), want), k
+        x64 = x.double() * 1.1
+        assert torch.equal(divide(x64, k), torch.from_numpy(x64.numpy() / np.float64(k))), k
+        h = (x[:100_000] * 1e-3).half()              # finite float16 values
+        want_h = torch.from_numpy((h.numpy().astype(np.float64) / k).astype(np.float16))
+        assert torch.equal(divide(h, k), want_h), k
+        assert divide(x, k) is not x
 
 
 @pytest.mark.requires_cuda
