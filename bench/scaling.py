@@ -5,6 +5,9 @@ measured on 2 to 16 emulated hosts, and a model fitted to the measurements that 
     .venv/bin/python bench/scaling.py --models resnet50 --hosts 2,4,8 --rates 1gbit,10gbit
     .venv/bin/python bench/scaling.py --fit          # refit the model, redraw, no measuring
 
+Rank 0 logs Auto's plans and cost model (INFO); with HVDCOMP_BENCH_DEBUG=1 also each per-layer
+candidate's measured costs (DEBUG).
+
 Each cell (model, hosts, rate) runs `launch/cluster HOSTS RATE -- launch/run -np HOSTS
 python bench/scaling.py --worker ...`: one rank per host, each host in its own network
 namespace behind its own link of RATE in both directions (MPI over TCP).  For every method
@@ -158,7 +161,8 @@ def worker(args):
         h = logging.StreamHandler(sys.stderr)
         h.setFormatter(logging.Formatter("[hvdcomp] %(message)s"))
         logging.getLogger("hvdcomp").addHandler(h)
-        logging.getLogger("hvdcomp").setLevel(logging.INFO)
+        logging.getLogger("hvdcomp").setLevel(
+            logging.DEBUG if os.environ.get("HVDCOMP_BENCH_DEBUG") else logging.INFO)
     shapes = {"resnet50": resnet50, "bert_base": bert_base}[args.model]()
     params = synthetic_params(shapes, rank)
 

@@ -750,6 +750,11 @@ class LayerPlanner:
             self.codecs["fp16"] = some or CodecCost(0, 0, 0, 0, 0, 2, 0.0)
         self.model = CostModel(link, self.codecs["fp16"], self.size, allreduce is not None)
         auto.model = self.model
+        for spec, c in sorted(self.codecs.items()):
+            logger.debug("Auto per layer: candidate %s: encode %.3g s + %.3g ns/element, "
+                         "decode %.3g s + %.3g ns/element, %.4g bytes/element", spec,
+                         c.encode_fixed, 1e9 * c.encode_per_elem, c.decode_fixed,
+                         1e9 * c.decode_per_elem, c.bytes_per_elem)
 
     # --- prediction --------------------------------------------------------------------
     def path(self, comp: Compressor) -> str:
