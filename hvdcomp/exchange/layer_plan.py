@@ -737,9 +737,10 @@ class LayerPlanner:
             if c.spec() in self.codecs or c.spec() in ("none", "fp16"):
                 continue
             if isinstance(c, SummedRounds):
-                self.codecs[c.spec()] = _measure_rounds(c, transport, numel)
+                self.codecs[c.spec()] = _measure_rounds(c, transport, numel, CALIBRATE_REPS)
             else:
-                self.codecs[c.spec()] = measure_codec(c, transport, numel, device=device)
+                self.codecs[c.spec()] = measure_codec(c, transport, numel, device=device,
+                                                      reps=CALIBRATE_REPS)
         monotone_in_rank(rounds, self.codecs)
         for spec in sorted(self.scattered):
             if STAGE2 + spec not in self.codecs:
@@ -951,7 +952,14 @@ def monotone_in_rank(cands: Sequence[Compressor], codecs: Dict[str, CodecCost]) 
             codecs[c.spec()] = replace(codecs[c.spec()], encode_per_elem=low)
 
 
-def _measure_rounds(comp: Compressor, transport, numel: int) -> CodecCost:
+#: Timed repetitions per candidate (the least is kept; measure_codec's default is 2): the
+#: plan compares candidates with each other, and with 2 the plans of 8 ranks on 2 cores
+#: changed from run to run (PowerSGD rank 1, rank 2, top-k; bench/results/scaling.md).
+CALIBRATE_REPS = 4
+
+
+def _measure_rounds(comp: Compressor, transport, numel: int,
+                    reps: int = CALIBRATE_REPS) -> CodecCost:
     """A compressor summed in rounds, timed as one rank's rounds (:func:`simulate`, a
     fresh copy each repetition) on a 1024-row matrix of about ``numel`` elements: seconds
     per element as ``encode``; its bytes come from ``message_bytes`` (slowest rank)."""
@@ -962,7 +970,7 @@ def _measure_rounds(comp: Compressor, transport, numel: int) -> CodecCost:
     key = TensorKey("hvdcomp.auto.calibration.rounds", 0, 0, 0, 1, 0, shape=(rows, cols),
                     dtype=torch.float32)
     best = math.inf
-    for rep in range(3):
+    for rep in range(reps + 1):                  # the first warms up
         fresh = get(comp.spec())
         t0 = time.perf_counter()
         simulate([fresh], [x], [key])
