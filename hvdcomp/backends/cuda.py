@@ -29,6 +29,7 @@ hvdcomp.backends.host's is for CPU tensors.
 """
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import importlib
@@ -126,7 +127,8 @@ def _device_arch(index: int) -> str:
 def compile_binary(filename: str, arch: str) -> str:
     """The path of ``kernels/<filename>`` compiled by NVRTC with :func:`compile_options`
     for ``arch`` (``sm_XY``: a cubin; ``compute_XY``: PTX), cached on disk (written whole
-    then renamed; the file's size is in its name, so a cut file is rebuilt); raises
+    then renamed; the file's size is in its name, so a cut file is rebuilt; under a file
+    lock, so that of the ranks of a machine one compiles and the others load); raises
     RuntimeError with NVRTC's log."""
     cupy = _cupy()
     nvrtc = _nvrtc(cupy)
@@ -139,6 +141,16 @@ def compile_binary(filename: str, arch: str) -> str:
     cdir = os.path.join(host.cache_dir(), "cuda")
     ext = "cubin" if arch.startswith("sm_") else "ptx"
     stem = os.path.join(cdir, f"{filename}.{arch}.{key[:24]}")
+    os.makedirs(cdir, exist_ok=True)
+    with open(stem + ".lock", "w") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)      # one compiler per file; the others wait, then load
+        try:
+            return _cached_or_compiled(nvrtc, code, filename, options, version, stem, ext)
+        finally:
+            fcntl.flock(lockf, fcntl.LOCK_UN)
+
+
+def _cached_or_compiled(nvrtc, code, filename, options, version, stem, ext) -> str:
     for old in glob.glob(f"{stem}.*.{ext}"):
         size = old[len(stem) + 1:-len(ext) - 1]
         if size.isdigit() and os.path.getsize(old) == int(size) > 0:
@@ -158,9 +170,8 @@ def compile_binary(filename: str, arch: str) -> str:
         data = data.encode()
     if ext == "ptx":
         data = data.rstrip(b"\0")
-    os.makedirs(cdir, exist_ok=True)
     path = f"{stem}.{len(data)}.{ext}"
-    fd, tmp = tempfile.mkstemp(dir=cdir, suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(stem), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -221,3 +221,31 @@ def test_loader_and_launch_with_stand_in_cupy(monkeypatch, tmp_path, api):
     assert [s[0] for s in fake.streams] == (["from_external"] if api == "from_external"
                                             else ["ExternalStream"])
     importlib.reload(cuda)                               # leave no stand-in behind
+
+
+def test_one_compile_per_file_when_ranks_start_together(monkeypatch, tmp_path):
+    """Ranks of one machine that start together: one compiles each file, the others wait
+    for it (a file lock) and load its binary."""
+    import threading
+    import time
+    fake = _FakeCupy()
+    slow = fake.cuda.nvrtc.compileProgram
+
+    def compile_slowly(prog, options):
+        time.sleep(0.3)
+        slow(prog, options)
+    fake.cuda.nvrtc.compileProgram = compile_slowly
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setenv("HVDCOMP_CACHE", str(tmp_path))
+    import hvdcomp.backends.cuda as cuda
+    cuda = importlib.reload(cuda)
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(
+        cuda.compile_binary("random.cu", "sm_90"))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(paths) == 3 and len(set(paths)) == 1
+    assert len(fake.programs) == 1
+    importlib.reload(cuda)
