@@ -62,7 +62,7 @@ from ..backends._common import (BLOCK, MAX_GRID, check_int, check_tensor, grid_f
                                 reduce_block, u32)
 from .bitpack import pack_bits, unpack_bits
 from ..philox import random_words, uniform
-from . import op, padded_buckets
+from . import divide, op, padded_buckets
 
 __all__ = ["CHECK_OFFSET", "max_step", "dither", "check_weights", "dqsg_quantize",
            "dqsg_reconstruct", "bucket_checksums", "nested_resolve", "bucket_steps",
@@ -216,15 +216,10 @@ def _quantize_pack(be, x, delta, b, bs, nbits, key) -> torch.Tensor:
 # --- encode -----------------------------------------------------------------------------------
 
 def _over_levels(m: torch.Tensor, bits: int) -> torch.Tensor:
-    """float32(m / M), correctly rounded, the same bits on every device: float32 (nb,).
-
-    ``m / M`` on a float32 tensor is a true division on the CPU but a multiplication by
-    float32(1/M) on CUDA (PyTorch's kernel for a Python-scalar divisor), which rounds
-    differently for a third of the inputs.  In float64 the CUDA route is within 2**-52 of
-    m / M, while the exact quotient is at least 2**-33 (relative) from any float32 rounding
-    boundary (M = 2**(bits-1) - 1 <= 127 is odd), so rounding to float32 gives the correctly
-    rounded quotient on both."""
-    return (m.to(torch.float64) / _levels(bits)).to(torch.float32)
+    """float32(m / M), correctly rounded, the same bits on every device: float32 (nb,)
+    (:func:`hvdcomp.ops.divide`: ``m / M`` by a Python number is a multiplication by
+    float32(1/M) on CUDA, which rounds differently for a third of the inputs)."""
+    return divide(m, _levels(bits))
 
 
 @op

@@ -24,6 +24,10 @@ from hvdcomp import backends
 from hvdcomp.exchange import Exchange
 from hvdcomp.transport.base import Transport
 
+# tests/exchange's thread ranks (test_loops.on_ranks) for the 3-rank tests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "exchange"))
+
 # every compressor of hvdcomp's registry, by its example spec, and one entropy-coded
 SPECS = [spec for name, spec in hvdcomp.compressors.examples().items()
          if hvdcomp.compressors.registry()[name].__module__.startswith("hvdcomp.")]
@@ -154,8 +158,6 @@ def _three_ranks(spec, device, mode, summable):
     """Three thread-ranks (a world size that is not a power of two: every average divides
     by 3), three steps; one tensor so large that its float32 sum overflows (the averaging's
     divide-first fallback).  Returns rank 0's averages per step."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "exchange"))
     from test_loops import on_ranks
     base = _model("cpu")                 # (torch's seed is global: not in the threads)
 
