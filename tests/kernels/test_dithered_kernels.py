@@ -339,9 +339,9 @@ def _float32_patterns(seed):
 
 @pytest.mark.parametrize("bits", range(2, 9))
 def test_steps_are_the_correctly_rounded_quotient(bits):
-    """Delta = float32(m / M) correctly rounded (NumPy's float32 division), also by the route
-    PyTorch takes on CUDA (a multiplication by the float64 reciprocal): the same bits on
-    both devices.  A float32 reciprocal (what m / M on a CUDA float32 tensor computes)
+    """Delta = float32(m / M) correctly rounded (NumPy's float32 division), the same bits on
+    both devices (hvdcomp.ops.divide); so is the float64 route (a multiplication by the
+    float64 reciprocal, rounded to float32).  A float32 reciprocal (what m / M on a CUDA float32 tensor computes)
     differs for a third of these values at bits 3..8: the test would catch it."""
     M = (1 << (bits - 1)) - 1
     m = _float32_patterns(bits)
