@@ -61,14 +61,7 @@ METHODS = ["none", "fp16", "ag+alq:bits=3", "rs+alq:bits=3", "ag+dgc:density=0.0
            "powersgd:rank=4", "auto+layer+alq:bits=3", "auto+layer+powersgd:rank=1"]
 # PyTorch's powerSGD_hook, timed under DDP over Gloo between the same hosts (--ddp-methods)
 DDP_METHODS = ["torch-powersgd:rank=1", "torch-powersgd:rank=2", "torch-powersgd:rank=4"]
-LABELS = {"none": "fp32 allreduce", "fp16": "fp16 allreduce",
-          "ag+alq:bits=3": "ALQ 3b allgather", "rs+alq:bits=3": "ALQ 3b reduce-scatter",
-          "ag+dgc:density=0.001": "DGC 0.1% allgather",
-          "rs+dgc:density=0.001": "DGC 0.1% reduce-scatter", "auto+alq:bits=3": "Auto(ALQ 3b)",
-          "auto+layer+alq:bits=3": "Auto per layer (ALQ 3b)",
-          "auto+layer+powersgd:rank=1": "Auto per layer (PowerSGD r1)",
-          **{f"powersgd:rank={r}": f"hvdcomp PowerSGD r{r}" for r in (1, 2, 4)},
-          **{f"torch-powersgd:rank={r}": f"PyTorch PowerSGD hook r{r}" for r in (1, 2, 4)}}
+from scaling_model import LABELS  # noqa: E402  (the rows' names, one table for the bench)
 RESULTS = os.path.join(ROOT, "bench", "results", "scaling")
 CORES = os.cpu_count() or 1
 

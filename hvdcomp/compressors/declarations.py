@@ -21,9 +21,9 @@ ABSENT_REFUSE = "refuse"    # a clear error: every rank's message is needed (NDQ
 class Declarations:
     """The declarations the exchange core reads (defaults here; the families override):
     ``absent_rank``, ``wire_dtype``, ``sends_values``, ``shard_unit`` / ``shard_shape``,
-    ``second_stage``, ``for_dtype``, ``shared_state`` and ``biased``.  Only
-    :class:`~hvdcomp.compressors.base.Compressor` inherits it; ``name`` is the
-    compressor's registered name."""
+    ``second_stage``, ``for_dtype``, ``shared_state``, ``biased`` and
+    ``device_identical``.  Only :class:`~hvdcomp.compressors.base.Compressor` inherits it;
+    ``name`` is the compressor's registered name."""
     name: ClassVar[str] = "?"
 
     # What a rank that sends nothing for a tensor (no gradient there) counts as:
@@ -79,3 +79,10 @@ class Declarations:
     # layer (hvdcomp.exchange.layer_plan.effective_error) weighs such a compressor's one-step
     # error by the contraction it implies rather than as an unbiased variance.
     biased: ClassVar[bool] = False
+
+    # The message bytes are the same on a CPU and a CUDA device for the same gradient and
+    # key (the kernels and their reference sum in one fixed order).  False where the encode
+    # sums in an order the device chooses: PowerSGD's matrix products (cuBLAS against the
+    # CPU's BLAS), BHQ's choice of blocks (torch.sum / amax over rows).  Decoding stays
+    # elementwise for every compressor, so ranks that decode the same messages agree.
+    device_identical: ClassVar[bool] = True

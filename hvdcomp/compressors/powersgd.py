@@ -136,6 +136,7 @@ class PowerSGD(SummedRounds, Compressor):
     keeps_state = True
     shared_state = ("q",)   # Q is the ranks' summed product, the same on every rank
     biased = True
+    device_identical = False   # its matrix products: cuBLAS vs the CPU's BLAS
     example = "powersgd:rank=2,min_compression_rate=1.0"
 
     def __init__(self, rank: int = 4, start_iter: int = 0, min_compression_rate: float = 2.0,

@@ -234,6 +234,7 @@ class BHQ(_RowQuantizer):
         c.decode(Message.from_bytes(msg.to_bytes()), key, acc)
     """
     example = "bhq:bits=4"
+    device_identical = False   # its blocks: rows ranked by torch's sums / maxima per device
 
     def __init__(self, bits: int = 4, block_size: int = 8, entropy: bool = False):
         self.bits = settings.integer("bits", bits, 1, 8)
