@@ -321,3 +321,50 @@ def test_from_spec_with_a_leading_hierarchy_prefix_says_the_exchange_reads_it():
     with pytest.raises(hvdcomp.ConfigError, match=r"^'host\+alq:bits=3': 'host\+' is an "
                        r"exchange setting \(hierarchy='host'\)"):
         from_spec("host+alq:bits=3")
+
+
+class _ThreeRanks:
+    """Rank 0 of three whose other ranks report fixed per-repetition values (float64
+    frames); a one-byte frame is the barrier of ``align`` and is counted."""
+    rank, size = 0, 3
+
+    def __init__(self, others):
+        self.others, self.barriers = others, 0
+
+    def allgather(self, x):
+        x = np.asarray(x)
+        if x.nbytes == 1:
+            self.barriers += 1
+            return [x.copy()] * 3
+        return [x.copy()] + [np.asarray(o, dtype=np.float64).view(np.uint8)
+                             for o in self.others]
+
+
+def test_slowest_best_is_the_best_repetition_of_the_slowest_rank():
+    from hvdcomp.auto import align, slowest_best
+    # two values, three aligned repetitions; rank 0's own and two other ranks' (flat)
+    mine = [[5.0, 1.0], [2.0, 9.0], [4.0, 3.0]]
+    r1 = [1.0, 1.0, 6.0, 1.0, 1.0, 1.0]
+    r2 = [1.0, 2.0, 1.0, 1.0, 3.0, 8.0]
+    t = _ThreeRanks([r1, r2])
+    # per repetition, slowest rank: value 0: 5, 6, 4; value 1: 2, 9, 8 -> least: 4, 2
+    assert slowest_best(t, mine) == [4.0, 2.0]
+    # each rank's own best first, then the slowest of those, would give 2 and 1: not that
+    assert slowest_best(t, mine) != [max(min(v[i::2]) for v in (sum(mine, []), r1, r2))
+                                     for i in range(2)]
+    align(t)
+    assert t.barriers == 1
+    align(_OneRank())        # one rank: no collective (its allgather would still work)
+
+
+def test_measure_codec_aligns_every_repetition():
+    t = _ThreeRanks([])
+    t.allgather = lambda x, t=t: (_count(t, x), [np.asarray(x).copy()] * 3)[1]
+    measure_codec(hvdcomp.get("topk:density=0.01"), t, numel=1 << 14, reps=3)
+    # (reps + 1) repetitions (the first warms up) for each of the two sizes
+    assert t.barriers == 2 * (3 + 1)
+
+
+def _count(t, x):
+    if np.asarray(x).nbytes == 1:
+        t.barriers += 1
