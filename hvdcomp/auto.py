@@ -372,23 +372,6 @@ def _slowest(transport, values: List[float]) -> List[float]:
     return np.max(np.stack([g.view(np.float64) for g in got]), axis=0).tolist()
 
 
-def align(transport) -> None:
-    """Start together: a barrier (an allgather of one byte) on 2 or more ranks.  Timed
-    repetitions begin aligned, so every rank's repetition r runs beside the others' r, under
-    the contention the exchange itself sees (ranks sharing cores)."""
-    if transport.size > 1:
-        transport.allgather(np.zeros(1, dtype=np.uint8))
-
-
-def slowest_best(transport, reps: List[List[float]]) -> List[float]:
-    """``reps``: this rank's values of each aligned repetition (same length on every rank).
-    Returns, for each value, its least over repetitions of its slowest rank: the cost of the
-    best repetition that every rank ran together."""
-    flat = _slowest(transport, [v for r in reps for v in r])
-    k = len(reps[0])
-    return [min(flat[i::k]) for i in range(k)]
-
-
 def _best_of(fn: Callable[[], None], reps: int) -> float:
     best = float("inf")
     for _ in range(reps):
@@ -441,8 +424,7 @@ def measure_codec(compressor: Compressor, transport, numel: int = 2**22,
                   ) -> CodecCost:
     """Encode and decode fresh copies of ``compressor`` (same settings; the real one's state
     is untouched) on N(0, 1e-6) tensors of 4096 and ``numel`` elements on ``device``; slowest
-    rank's values (of the best repetition the ranks ran together: :func:`slowest_best`).
-    Every repetition uses new copies, so compressors that keep state (LAQ's
+    rank's values.  Every repetition uses new copies, so compressors that keep state (LAQ's
     lazy skips, error feedback) are timed on a first, full upload.  NDQSG is timed as its
     DQSG group (rank 0): the nested ranks' decode, which needs every message, is not.
     ``second_stage``: time ``second_stage(copy)`` instead (the reduce-scatter's
@@ -456,7 +438,7 @@ def measure_codec(compressor: Compressor, transport, numel: int = 2**22,
         x = (torch.randn(n, generator=gen) * 1e-3).to(dev)
         # as rank 0 on every rank: a message any compressor decodes alone
         key = TensorKey(f"hvdcomp.auto.calibration.{n}", 2**31 - 1, 0, 0, size, 0)
-        timed = []
+        t_enc = t_dec = t16 = float("inf")
         nbytes = 0
         for rep in range(reps + 1):               # the first repetition warms up
             enc, dec = get(compressor.spec()), get(compressor.spec())
@@ -464,7 +446,6 @@ def measure_codec(compressor: Compressor, transport, numel: int = 2**22,
                 enc, dec = second_stage(enc), second_stage(dec)
             acc = torch.zeros(n, device=dev)
             sync()
-            align(transport)
             t0 = time.perf_counter()
             msg = enc.encode(x, key)
             sync()
@@ -479,9 +460,8 @@ def measure_codec(compressor: Compressor, transport, numel: int = 2**22,
             sync()
             t3 = time.perf_counter()
             if rep:
-                timed.append([t1 - t0, t2 - t1, t3 - t2])
+                t_enc, t_dec, t16 = min(t_enc, t1 - t0), min(t_dec, t2 - t1), min(t16, t3 - t2)
             nbytes = len(msg.to_bytes())
-        t_enc, t_dec, t16 = slowest_best(transport, timed)
         vals += [t_enc, t_dec, float(nbytes), t16]
     e1, d1, m1, c1, e2, d2, m2, c2 = _slowest(transport, vals)
     n1, n2 = CALIBRATE_SMALL, numel

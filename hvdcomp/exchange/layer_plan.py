@@ -116,8 +116,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..auto import (SAMPLE, Auto, CodecCost, CostModel, align, measure_codec,
-                    measure_link, slowest_best)
+from ..auto import (SAMPLE, Auto, CodecCost, CostModel, _slowest, measure_codec,
+                    measure_link)
 from ..compressors import Compressor, TensorKey, get
 from ..compressors.protocols import AdaptiveLevels, SummedRounds
 from ..errors import ConfigError
@@ -961,24 +961,22 @@ CALIBRATE_REPS = 4
 def _measure_rounds(comp: Compressor, transport, numel: int,
                     reps: int = CALIBRATE_REPS) -> CodecCost:
     """A compressor summed in rounds, timed as one rank's rounds (:func:`simulate`, a
-    fresh copy each repetition, the ranks' repetitions aligned: :func:`hvdcomp.auto.
-    slowest_best`) on a 1024-row matrix of about ``numel`` elements: seconds per element as
-    ``encode``; its bytes come from ``message_bytes`` (slowest rank)."""
+    fresh copy each repetition) on a 1024-row matrix of about ``numel`` elements: seconds
+    per element as ``encode``; its bytes come from ``message_bytes`` (slowest rank)."""
     rows = 1024
     cols = max(numel // rows, 8)
     gen = torch.Generator().manual_seed(12345 + transport.rank)
     x = torch.randn(rows, cols, generator=gen) * 1e-3     # (simulate runs on the host)
     key = TensorKey("hvdcomp.auto.calibration.rounds", 0, 0, 0, 1, 0, shape=(rows, cols),
                     dtype=torch.float32)
-    timed = []
+    best = math.inf
     for rep in range(reps + 1):                  # the first warms up
         fresh = get(comp.spec())
-        align(transport)
         t0 = time.perf_counter()
         simulate([fresh], [x], [key])
         if rep:
-            timed.append([time.perf_counter() - t0])
-    (t,) = slowest_best(transport, timed)
+            best = min(best, time.perf_counter() - t0)
+    (t,) = _slowest(transport, [best])
     return CodecCost(0.0, t / (rows * cols), 0.0, 0.0, 0.0, 0.0)
 
 
