@@ -33,15 +33,10 @@ and codec costs (:class:`hvdcomp.auto.CostModel`, fused: without the collectives
 latencies, which the second sum adds: ``L_k`` the measured latency of collective k, once
 for every fusion bucket b where some tensor's choice runs it, :func:`collectives` and
 :func:`solve_paths`, exact in one bucket and a heuristic in several; the DDP hook's
-buckets are DDP's, unknown here, and counted as one).  The codec costs are c's own seconds
-on tensor i's first gradient, timed while its error is measured below (the slowest
-rank's, :func:`slowest_times`): its encode, N decodes and one finalize over the allgather;
-PowerSGD: its local rounds plus its ``4 r (n + m)`` bytes through the allreduce.  A
-calibration on one synthetic tensor (``measure_codec``) priced PowerSGD by a cost per
-element that depends on the matrix's shape, and moved 3-5x between runs where ranks share
-cores (bench/results/scaling_diagnostics_20261204.md); it still prices fp16, the
-reduce-scatter (CostModel's prediction with the candidate's first- and second-stage costs)
-and, when Auto is given ``codecs``, those candidates.  ``e_i(c)``: the squared error of what training sees, the ranks' average, on
+buckets are DDP's, unknown here, and counted as one; PowerSGD: its local rounds' measured
+seconds per element plus its ``4 r (n + m)`` bytes through the allreduce; over the
+reduce-scatter: CostModel's prediction with the candidate's first- and second-stage
+costs).  ``e_i(c)``: the squared error of what training sees, the ranks' average, on
 tensor i's real gradients of the first step, **measured** (:func:`measure_errors`):
 
     e_i(c) = || (1/N) sum_r (C(g_r) - g_r) ||^2        (N ranks with a finite gradient)
@@ -80,8 +75,7 @@ stage's error and needs a ``budget`` above 1, or other tensors to take less erro
 
 What it costs, once: every candidate's encode and decode of every planned tensor on each
 rank, and an allgather of ``tensors x (1 + candidates x (S + 1))`` float32 values per rank
-(ResNet-50's 54 compressed weights, 11 candidates, ``S = 1024``: 2.4 MB per rank), and one
-of ``tensors x candidates x 3`` float64 seconds.
+(ResNet-50's 54 compressed weights, 11 candidates, ``S = 1024``: 2.4 MB per rank).
 Its limits: it is one step's error, while error feedback (top-k, PowerSGD) carries what a
 step leaves out into later steps, where biased errors accumulate and PowerSGD's warm start
 improves on the first step's single power iteration (the contraction is a worst-case
@@ -183,8 +177,7 @@ def measure_key(name: str, rank: int, seed: int = 0) -> TensorKey:
 
 
 def residual(comp: Compressor, g: torch.Tensor, key: TensorKey,
-             levels: Optional[np.ndarray] = None,
-             times: Optional[List[Tuple[float, float, float]]] = None) -> torch.Tensor:
+             levels: Optional[np.ndarray] = None) -> torch.Tensor:
     """``C(g) - g``, flat float32 on ``g``'s device (a compressor summed in rounds: on the
     host), of one compress and decompress of ``g`` (any shape, float; a float16 / bfloat16
     gradient is cast first) by a fresh copy of ``comp`` (``comp``'s state is untouched,
@@ -193,12 +186,7 @@ def residual(comp: Compressor, g: torch.Tensor, key: TensorKey,
     measured with a fitted table, as it trains after its first refit (its initial table is
     there for the first ``refit_steps[0]`` steps only, and errs several times more):
     ``levels`` (a payload of :func:`fitted_levels`), else one fitted to ``g`` alone.
-    Meaningless for a non-finite ``g`` (:func:`measure_errors` skips those).  ``times``: a
-    list to which the seconds ``(encode, decode, finish)`` of this compress and decompress
-    are appended: the encode, the decode of the one message into the accumulator, and the
-    accumulator's allocation and ``finalize`` (once per tensor whatever the number of
-    messages); a compressor summed in rounds: ``(its rounds, 0, 0)``; the device
-    synchronized around each."""
+    Meaningless for a non-finite ``g`` (:func:`measure_errors` skips those)."""
     fresh = get(comp.spec())
     g32 = g.detach().to(torch.float32)
     key = TensorKey(key.name, key.tensor_id, key.step, key.rank, key.world_size, key.seed,
@@ -208,31 +196,14 @@ def residual(comp: Compressor, g: torch.Tensor, key: TensorKey,
             fresh.observe(g32)
             levels = fresh.update(fresh.pending_stats(), 1)
         fresh.adopt(levels)
-    sync = (lambda: torch.cuda.synchronize(g32.device)) if g32.is_cuda else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
     if isinstance(fresh, SummedRounds):            # (simulate's buffers are on the host)
         g32 = g32.cpu()
-        t0 = time.perf_counter()
         out = simulate([fresh], [g32], [key])[0]
-        t1 = t2 = time.perf_counter()
     else:
         msg = fresh.encode(g32, key)
-        sync()
-        t1 = time.perf_counter()
         out = torch.zeros(g32.numel(), device=g32.device)
-        sync()
-        ta = time.perf_counter()
         fresh.combine([msg], [key], out)
-        sync()
-        tb = time.perf_counter()
         out = fresh.finalize(out, key)
-        sync()
-        t2 = time.perf_counter()
-        fin = (ta - t1) + (t2 - tb)
-    if times is not None:
-        times.append((t1 - t0, tb - ta, fin) if not isinstance(fresh, SummedRounds)
-                     else (t1 - t0, 0.0, 0.0))
     return out.reshape(-1) - g32.reshape(-1)
 
 
@@ -283,8 +254,7 @@ def fitted_levels(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.T
 def measure_errors(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.Tensor]],
                    shapes: Dict[str, Tuple[int, ...]], transport, sample: int = SAMPLE,
                    seed: int = 0, with_ratios: bool = False,
-                   tables: Optional[Dict[int, Optional[np.ndarray]]] = None,
-                   times: Optional[Dict[str, List[Tuple[float, float, float]]]] = None):
+                   tables: Optional[Dict[int, Optional[np.ndarray]]] = None):
     """{name: [error of each candidate]}: for each tensor of ``shapes`` ({name: shape},
     the same on every rank) and candidate c, an unbiased estimate of the squared error of
     the ranks' average, ``||(1/N) sum_r (C(g_r) - g_r)||^2`` over the N ranks whose
@@ -301,11 +271,8 @@ def measure_errors(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.
     ``||d_r||^2 / ||g_r||^2`` over the whole tensor (0 for a zero gradient), per
     candidate]} (the same allgather: a biased compressor's contraction,
     :func:`effective_error`).  ``tables``: :func:`fitted_levels`'s result when the caller
-    has it (else fitted here).  ``times``: a dict that gets, for each tensor this rank had
-    a finite gradient for, this rank's ``(encode, decode, finish)`` seconds of each candidate
-    (:func:`residual`; :func:`slowest_times` makes them every rank's).  ValueError (on every
-    rank, after the collective) for a gradient of another numel than its shape's, or a
-    ``sample`` below 1."""
+    has it (else fitted here).  ValueError (on every rank, after the collective) for a
+    gradient of another numel than its shape's, or a ``sample`` below 1."""
     if int(sample) < 1:
         raise ValueError(f"sample must be >= 1, got {sample!r}")
     if tables is None:
@@ -328,11 +295,8 @@ def measure_errors(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.
         lo, w = int(offsets[i]), widths[i]
         vals[lo] = 1.0                                     # this rank counts
         norm2 = float(g.detach().double().pow(2).sum())
-        spent: List[Tuple[float, float, float]] = []
-        if times is not None:
-            times[n] = spent
         for k, c in enumerate(cands):
-            d = residual(c, g, key, tables.get(k), spent)
+            d = residual(c, g, key, tables.get(k))
             vals[lo + 1 + K * w + k] = float(d.double().pow(2).sum()) / norm2 if norm2 else 0.0
             if idx is not None:
                 d = d[torch.from_numpy(idx).to(d.device)]
@@ -359,21 +323,6 @@ def measure_errors(cands: Sequence[Compressor], grads: Dict[str, Optional[torch.
         out[n] = [float(scale * np.dot(m, m)) for m in mean]
         ratios[n] = [float(x) / count for x in total[lo + 1 + K * w:lo + 1 + K * (w + 1)]]
     return (out, ratios) if with_ratios else out
-
-
-def slowest_times(times: Dict[str, List[Tuple[float, float, float]]], names: Sequence[str],
-                  k: int, transport) -> Dict[str, List[Tuple[float, float, float]]]:
-    """{name: [(encode, decode, finish) seconds of each of ``k`` candidates]} from each
-    rank's :func:`measure_errors` ``times``: the slowest rank's, for every tensor of
-    ``names`` that some rank timed (collective: one allgather of ``names x k x 3`` float64
-    values; every rank gets the same)."""
-    flat = np.zeros((len(names), k, 3), dtype=np.float64)
-    for i, n in enumerate(names):
-        if n in times:
-            flat[i] = np.asarray(times[n], dtype=np.float64).reshape(k, 3)
-    got = np.asarray(_slowest(transport, flat.reshape(-1).tolist())).reshape(len(names), k, 3)
-    return {n: [tuple(map(float, got[i, j])) for j in range(k)]
-            for i, n in enumerate(names) if got[i].any()}
 
 
 def scatterable(comp: Compressor) -> bool:
@@ -774,10 +723,6 @@ class LayerPlanner:
         self.choices: Dict[str, Choice] = {}
         self.budget: Optional[float] = None
         self.reference: Optional[float] = None       # the user's compressor's total error
-        #: the user's compressor's predicted seconds on the planned tensors (same pricing)
-        self.reference_seconds: Optional[float] = None
-        #: {name: [(encode, decode, finish) s of each candidate]}: slowest_times, once decided
-        self.timed: Dict[str, List[Tuple[float, float, float]]] = {}
         self.proven = True
         numel = auto.calibrate_numel
         link = auto.link or measure_link(transport, allreduce, device=device, large=min(
@@ -820,15 +765,12 @@ class LayerPlanner:
         wire = getattr(comp, "wire_dtype", None) or torch.float32
         return "allreduce" if comp.summable and wire in self.dtypes else "allgather"
 
-    def predict(self, comp: Compressor, shape, path: Optional[str] = None,
-                measured: Optional[Tuple[float, float, float]] = None
+    def predict(self, comp: Compressor, shape, path: Optional[str] = None
                 ) -> Tuple[float, float]:
         """(seconds, bytes sent per rank) of one exchange of a tensor of ``shape`` with
         ``comp`` in a fusion bucket (module docstring); ``path`` "reduce_scatter": over the
         reduce-scatter (:class:`hvdcomp.auto.CostModel`'s prediction with this candidate's
-        costs and its second stage's), else its own :meth:`path`, with ``measured``
-        ``(encode, decode, finish)`` seconds of this tensor (:func:`slowest_times`: N
-        decodes, one finish) in place of the calibrated codec costs where given."""
+        costs and its second stage's), else its own :meth:`path`."""
         n = int(np.prod(shape))
         m = self.model
         L, N = m.link, self.size
@@ -839,13 +781,12 @@ class LayerPlanner:
             C2 = self.codecs[STAGE2 + comp.spec()]
             t = CostModel(L, C, N, self.carrier, C2).seconds(n, fused=True)[path]
             return t, N * C.message(n / N) + C2.message(n / N)
-        enc, dec, fin = measured if measured is not None else (C.encode(n), C.decode(n), 0.0)
         if isinstance(comp, SummedRounds):
             nbytes = comp.message_bytes(tuple(shape))
             per_byte = L.ar_per_byte if self.carrier else L.ag_per_byte
-            return enc + per_byte * nbytes, nbytes
+            return C.encode(n) + per_byte * nbytes, nbytes
         nbytes = C.message(n)
-        return enc + L.ag_per_byte * nbytes + N * dec + fin, nbytes
+        return C.encode(n) + L.ag_per_byte * nbytes + N * C.decode(n), nbytes
 
     # --- the decision ------------------------------------------------------------------
     def decide(self, grads: Dict[str, Optional[torch.Tensor]], transport) -> Dict[str, Choice]:
@@ -857,12 +798,9 @@ class LayerPlanner:
         budget).  ConfigError when the budget cannot be met (every rank alike);
         :class:`~hvdcomp.errors.Mismatch` if the ranks' plans differ (a digest check)."""
         tables = fitted_levels(self.cands, grads, transport)
-        local: Dict[str, List[Tuple[float, float, float]]] = {}
         raw, ratios = measure_errors(self.cands, grads, self.shapes, transport,
                                      sample=self.auto.sample, seed=self.seed, with_ratios=True,
-                                     tables=tables, times=local)
-        timed = (slowest_times(local, sorted(self.shapes), len(self.cands), transport)
-                 if MEASURED_CODECS else {})
+                                     tables=tables)
         which = [k for k, c in enumerate(self.cands) if c.spec() in self.scattered]
         second = (second_stage_errors(self.cands, which, grads, self.shapes, transport,
                                       sample=self.auto.sample, seed=self.seed, tables=tables)
@@ -878,16 +816,9 @@ class LayerPlanner:
         user = next(j for j, (k, _) in enumerate(self.options)
                     if self.cands[k] is self.auto.compressor)
         known = [n for n in names if not any(math.isnan(e) for e in errs[n])]
-        given = set(self.auto.codecs or ())     # costs the user gave stand
-        pred = {n: [self.predict(self.cands[k], self.shapes[n], path,
-                                 timed[n][k] if (n in timed and path != "reduce_scatter"
-                                                 and self.cands[k].spec() not in given)
-                                 else None)
+        pred = {n: [self.predict(self.cands[k], self.shapes[n], path)
                     for k, path in self.options] for n in names}
-        self.timed = timed
-        self._log_codec_times(timed)
         self.reference = sum(errs[n][user] for n in known)
-        self.reference_seconds = sum(pred[n][user][0] for n in known)
         self.budget = float(self.auto.budget) * self.reference
         keys, latency = collectives(self.options, self.cands, self.model.link, self.carrier)
         pick, self.proven = solve_paths([[p[0] for p in pred[n]] for n in known],
@@ -936,19 +867,6 @@ class LayerPlanner:
         for name, c in self.choices.items():
             plan.assign(name, self.compressor(name), scatter=c.path == "reduce_scatter")
 
-    def _log_codec_times(self, timed: Dict[str, List[Tuple[float, float, float]]]) -> None:
-        """DEBUG: each candidate's measured codec seconds on the planned tensors against
-        what its calibration predicts for them."""
-        for k, c in enumerate(self.cands):
-            if c.spec() in ("none", "fp16") or not timed:
-                continue
-            C = self.codecs[c.spec()]
-            got = sum(t[k][0] + self.size * t[k][1] + t[k][2] for t in timed.values())
-            cal = sum(C.encode(int(np.prod(self.shapes[n])))
-                      + self.size * C.decode(int(np.prod(self.shapes[n]))) for n in timed)
-            logger.debug("Auto per layer: candidate %s: codec seconds on the planned tensors "
-                         "%.4g measured, %.4g calibrated", c.spec(), got, cal)
-
     def compressor(self, name: str) -> Compressor:
         """The compressor instance ``name`` travels with (one instance per candidate)."""
         return self.by_spec[self.choices[name].spec]
@@ -957,11 +875,9 @@ class LayerPlanner:
         """The plan, one line per tensor (INFO, :mod:`hvdcomp.log`)."""
         tot = self.totals()
         logger.info("Auto per layer: budget %.6g (x%.3g of %s's %.6g), plan error %.6g, "
-                    "predicted %.6g s (that compressor alone: %.6g s), %d bytes per rank%s",
-                    self.budget, self.auto.budget, self.auto.compressor.spec(),
-                    self.reference, tot["error"], tot["seconds"],
-                    self.reference_seconds if self.reference_seconds is not None
-                    else math.nan, tot["bytes"], "" if self.proven else " (not proven optimal)")
+                    "predicted %.6g s, %d bytes per rank%s", self.budget, self.auto.budget,
+                    self.auto.compressor.spec(), self.reference, tot["error"],
+                    tot["seconds"], tot["bytes"], "" if self.proven else " (not proven optimal)")
         for n, c in self.choices.items():
             logger.info("  %s: %s via %s, %d bytes, %.3g s, error %.4g", n, c.spec, c.path,
                         c.bytes, c.seconds, c.error)
@@ -1040,12 +956,6 @@ def monotone_in_rank(cands: Sequence[Compressor], codecs: Dict[str, CodecCost]) 
 #: plan compares candidates with each other, and with 2 the plans of 8 ranks on 2 cores
 #: changed from run to run (PowerSGD rank 1, rank 2, top-k; bench/results/scaling.md).
 CALIBRATE_REPS = 4
-
-#: Price each planned tensor's candidates by their encode and decode seconds on its own
-#: first gradient (timed while its error is measured, the slowest rank's) rather than by
-#: the calibration's line: a compressor's cost per element depends on the tensor's shape
-#: (PowerSGD) and the calibration on one synthetic tensor moves with the machine's load.
-MEASURED_CODECS = True
 
 
 def _measure_rounds(comp: Compressor, transport, numel: int,
