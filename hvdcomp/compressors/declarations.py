@@ -21,9 +21,10 @@ ABSENT_REFUSE = "refuse"    # a clear error: every rank's message is needed (NDQ
 class Declarations:
     """The declarations the exchange core reads (defaults here; the families override):
     ``absent_rank``, ``wire_dtype``, ``sends_values``, ``shard_unit`` / ``shard_shape``,
-    ``second_stage``, ``for_dtype``, ``shared_state``, ``biased`` and
-    ``device_identical``.  Only :class:`~hvdcomp.compressors.base.Compressor` inherits it;
-    ``name`` is the compressor's registered name."""
+    ``second_stage``, ``for_dtype``, ``shared_state`` and ``biased``; and one for the
+    compressor's users and tests, not the core: ``device_identical``.  Only
+    :class:`~hvdcomp.compressors.base.Compressor` inherits it; ``name`` is the compressor's
+    registered name."""
     name: ClassVar[str] = "?"
 
     # What a rank that sends nothing for a tensor (no gradient there) counts as:

@@ -1,7 +1,8 @@
 """The DDP hook's nccl path: the golden training (golden.py) with CUDA parameters over nccl
 gives the same averaged gradients, bit for bit, as with CPU parameters over gloo, for every
 compressor (those not declared ``device_identical``, PowerSGD and BHQ: as close to the exact
-average), with and without the allreduce of summable encodings.  One rank per GPU (nccl refuses two ranks on one device), so up to torch.cuda.device_count() ranks.
+average), with and without the allreduce of summable encodings.  One rank per GPU (nccl
+refuses two ranks on one device), so up to torch.cuda.device_count() ranks.
 Needs a CUDA device and CuPy: skipped otherwise, a failure under HVDCOMP_REQUIRE_GPU=1
 (launch/gpu-check)."""
 import os
