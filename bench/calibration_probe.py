@@ -40,6 +40,7 @@ def main() -> None:
     from hvdcomp.auto import measure_codec
     from hvdcomp.compressors import get
     from hvdcomp.compressors.base import TensorKey
+    from hvdcomp.compressors.protocols import SummedRounds
     from hvdcomp.exchange.layer_plan import CALIBRATE_REPS, _measure_rounds
     from hvdcomp.exchange.rounds import simulate
     from hvdcomp.transport import MPITransport
@@ -62,7 +63,7 @@ def main() -> None:
 
     for spec in args.methods.split(";"):
         comp = get(spec)
-        rounds = spec.startswith("powersgd")
+        rounds = isinstance(comp, SummedRounds)     # summed in rounds (PowerSGD)
         cal = (_measure_rounds(comp, tp, 2**22) if rounds
                else measure_codec(comp, tp, 2**22, reps=CALIBRATE_REPS))
         accs = [torch.zeros(int(np.prod(s))) for s in shapes]

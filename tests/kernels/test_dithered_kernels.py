@@ -341,8 +341,9 @@ def _float32_patterns(seed):
 def test_steps_are_the_correctly_rounded_quotient(bits):
     """Delta = float32(m / M) correctly rounded (NumPy's float32 division), the same bits on
     both devices (hvdcomp.ops.divide); so is the float64 route (a multiplication by the
-    float64 reciprocal, rounded to float32).  A float32 reciprocal (what m / M on a CUDA float32 tensor computes)
-    differs for a third of these values at bits 3..8: the test would catch it."""
+    float64 reciprocal, rounded to float32).  A float32 reciprocal (what m / M on a CUDA
+    float32 tensor computes) differs for a third of these values at bits 3..8: the test
+    would catch it."""
     M = (1 << (bits - 1)) - 1
     m = _float32_patterns(bits)
     want = torch.from_numpy(m.numpy() / np.float32(M))
