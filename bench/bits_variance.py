@@ -15,14 +15,20 @@ method and setting, one operating point per gradient:
   ``--draws`` Philox streams for the stochastic (unbiased) quantizers: for those it is the
   normalized variance E||Q(g) - g||^2 / ||g||^2; for the biased methods (top-k, DGC, scaled
   sign, PowerSGD) it is the deterministic error of one step, which error feedback carries to
-  the next step rather than averages away.  Each method's first step (empty residual).
+  the next step rather than averages away.  Each method's first step (empty residual), and
+  for those with error feedback also its steady state: the error on g_t + e_t after Alg. 2
+  ran over the 10 preceding real gradients, with the bits of that step's messages
+  (``bits_ef``; the first step's bits where the bench composes a method itself and for
+  PowerSGD, whose floats per step do not change).
 
 Methods: hvdcomp's QSGD (2-8 bits), QSGDinf, NUQSGD, ALQ and AMQ (L2 and L-inf bucket norms;
 levels fitted to the gradient as the refit during training does) at 2-5 bits, all with bucket
 1024, packed and rANS-coded (``entropy=True``); DQSG (Abdi & Fekri 2019) rANS-coded at bucket
 65536 with the paper's step (bucket max / M, 4-8 bits), and with its step set by a variance
 target (``variance_target`` 0.01-0.1 in steps of 0.0025, bits 6, 7 and 8); uniformef
-(nearest steps set by a variance target, 0.01-0.44, rANS, error feedback); TernGrad;
+(nearest steps set by a variance target, 0.01-0.44, rANS, error feedback; each bucket's
+step from its norm, and ``step_scope=model``: one step for every tensor from the previous
+step's mean square, which at a first step falls back to the buckets' own); TernGrad;
 EF-SignSGD's scaled sign; top-k and DGC at densities 0.1 %-40 % with fp32, fp16, int8 and
 int4 values (``values=int8/int4``: a float32 scale per 256 values, rounded to nearest;
 indices Golomb-Rice coded: the only index coding hvdcomp has); top-k whose values are
@@ -181,23 +187,28 @@ def ef_error(make, history, grads):
     """Error feedback in its steady state: a compressor ``make()`` (top-k, DGC, scaled sign)
     runs Alg. 1 of Stich et al. / Karimireddy et al. over the preceding real gradients
     ``history`` (oldest first), then compresses g_t; returns ||C(p) - p||^2 / ||p||^2 for
-    p = g_t + e_t, the vector it actually compresses at step t (what the residual carries)."""
+    p = g_t + e_t, the vector it actually compresses at step t (what the residual carries).
+    Returns {"nerr_ef": that error, "bits_ef": 8 x the bytes of step t's messages / coords}."""
     comp = make()
     names = sorted(grads)
     for j, gd in enumerate(history):
         for i, n in enumerate(names):
             comp.encode(gd[n], hvdcomp.TensorKey(n, i, j, 0, 4, 1))
     err = sq = 0.0
+    nbytes = numel = 0
     for i, n in enumerate(names):
         g = grads[n]
         e = comp.residual(n) if hasattr(comp, "residual") else comp.accumulation(n)
         p = g.reshape(-1).double() + (0 if e is None else e.reshape(-1).double())
         key = hvdcomp.TensorKey(n, i, len(history), 0, 4, 1)
         acc = torch.zeros(g.numel())
-        comp.decode(hvdcomp.Message.from_bytes(comp.encode(g, key).to_bytes()), key, acc)
+        b = comp.encode(g, key).to_bytes()
+        comp.decode(hvdcomp.Message.from_bytes(b), key, acc)
         err += float((acc.double() - p).pow(2).sum())
         sq += float(p.pow(2).sum())
-    return err / sq
+        nbytes += len(b)
+        numel += g.numel()
+    return {"nerr_ef": err / sq, "bits_ef": 8 * nbytes / numel}
 
 
 def topk_quantized(p, density, vq, vbits, entropy, name, i, step, fitted):
@@ -246,15 +257,18 @@ def sparse_quantized(grads, history, setting, draws, sq):
     fitted = {}
     for j, gd in enumerate(history + [grads]):
         err = psq = 0.0
+        ef_bytes = 0
         for i, n in enumerate(names):
             p = gd[n].reshape(-1).double() + res[n]
-            acc, _ = topk_quantized(p.float(), *setting, n, i, j, fitted)
+            acc, b = topk_quantized(p.float(), *setting, n, i, j, fitted)
             res[n] = p - acc
             err += float(res[n].pow(2).sum())
             psq += float(p.pow(2).sum())
+            ef_bytes += b
     return dict(nerr=statistics.fmean(errs),
                 nerr_sem=statistics.stdev(errs) / len(errs) ** .5 if len(errs) > 1 else 0.0,
-                nerr_ef=err / psq, bits=8 * nbytes / numel, bytes=nbytes)
+                nerr_ef=err / psq, bits=8 * nbytes / numel, bytes=nbytes,
+                bits_ef=8 * ef_bytes / numel)
 
 
 def powersgd_points(history, grads, rank, fp16, seed=0):
@@ -345,7 +359,13 @@ def gradient_rows(model, step, grads, history, draws):
     for v in UNIFORMEF_TARGETS:                                # nearest steps + EF, rANS
         spec = f"uniformef:bits=6,bucket_size={DQSG_BUCKET},variance_target={v}"
         add("uniformef", spec, dict(measure(lambda: hvdcomp.get(spec), grads, 1, sq),
-                                    nerr_ef=ef_error(lambda: hvdcomp.get(spec), history, grads)),
+                                    **ef_error(lambda: hvdcomp.get(spec), history, grads)),
+            True, True)
+    for v in UNIFORMEF_TARGETS:                 # one step for the model: step_scope=model
+        spec = (f"uniformef:bits=6,bucket_size={DQSG_BUCKET},variance_target={v},"
+                f"step_scope=model")
+        add("uniformef model", spec, dict(measure(lambda: hvdcomp.get(spec), grads, 1, sq),
+                                          **ef_error(lambda: hvdcomp.get(spec), history, grads)),
             True, True)
     for bucket in (0, BUCKET):
         for entropy in (False, True):
@@ -354,18 +374,18 @@ def gradient_rows(model, step, grads, history, draws):
                 entropy)
         spec = f"signef:bucket_size={bucket}"
         add("signef", spec, dict(measure(lambda: hvdcomp.get(spec), grads, 1, sq),
-                                 nerr_ef=ef_error(lambda: hvdcomp.get(spec), history, grads)),
+                                 **ef_error(lambda: hvdcomp.get(spec), history, grads)),
             True)
     for d in DENSITIES:
         for values in ("fp32", "fp16", "int8", "int4"):
             spec = f"topk:density={d},values={values}"
             add("topk", spec, dict(measure(lambda: hvdcomp.get(spec), grads, 1, sq),
-                                   nerr_ef=ef_error(lambda: hvdcomp.get(spec), history, grads)),
+                                   **ef_error(lambda: hvdcomp.get(spec), history, grads)),
                 True)
         if d in (0.001, 0.01, 0.1):                            # DGC, momentum 0: top-k's
             spec = f"dgc:density={d},values=fp16"
             add("dgc", spec, dict(measure(lambda: hvdcomp.get(spec), grads, 1, sq),
-                                  nerr_ef=ef_error(lambda: hvdcomp.get(spec), history, grads)),
+                                  **ef_error(lambda: hvdcomp.get(spec), history, grads)),
                 True)
         for vq, vbits, entropy in SPARSE_Q if d in SPARSE_Q_DENSITIES else ():
             r = sparse_quantized(grads, history, (d, vq, vbits, entropy), draws, sq)
@@ -393,6 +413,13 @@ def err(r, kind):
     return r.get(kind, r["nerr"])
 
 
+def bits_of(r, kind):
+    """A row's bits per coordinate at the error of ``kind``: for "nerr_ef" those of the
+    steady state's messages (``bits_ef``) where measured, else the first step's (PowerSGD's
+    do not change; the unbiased quantizers have no steady state)."""
+    return r.get("bits_ef", r["bits"]) if kind == "nerr_ef" else r["bits"]
+
+
 READINGS = {"qsgd": ("qsgd", "nerr"), "cgx": ("cgx", "nerr"), "cgx_ef": ("cgx", "nerr_ef")}
 
 
@@ -412,11 +439,13 @@ def verdict(rows):
             m = per.setdefault(r["method"], {"best_under_2bits": {}, "fewest_bits": {}})
             for kind in ("nerr", "nerr_ef"):
                 b = m["best_under_2bits"].get(kind)
-                if r["bits"] <= TARGET_BITS and (b is None or err(r, kind) < err(b, kind)):
+                if bits_of(r, kind) <= TARGET_BITS and (b is None
+                                                        or err(r, kind) < err(b, kind)):
                     m["best_under_2bits"][kind] = r
             for w, (ref, kind) in READINGS.items():
                 f = m["fewest_bits"].get(w)
-                if err(r, kind) <= refs[ref]["nerr"] and (f is None or r["bits"] < f["bits"]):
+                if err(r, kind) <= refs[ref]["nerr"] and (
+                        f is None or bits_of(r, kind) < bits_of(f, kind)):
                     m["fewest_bits"][w] = r
         out.append(dict(model=model, step=step, ref_qsgd4=refs["qsgd"], ref_cgx4=refs["cgx"],
                         zero_fraction=g[0]["zero_fraction"], methods=per))
@@ -445,6 +474,7 @@ PLOT_SERIES = [   # (label, which rows, error kind)
     ("DQSG variance target, rANS", _is("dqsg variance", True), "nerr"),
     ("uniformef", _is("uniformef"), "nerr"),
     ("uniformef, EF steady state", _is("uniformef"), "nerr_ef"),
+    ("uniformef step_scope=model, EF steady state", _is("uniformef model"), "nerr_ef"),
     ("EF-sign", _is("signef"), "nerr"),
     ("top-k fp32", _is("topk", has="fp32"), "nerr"),
     ("top-k fp16", _is("topk", has="fp16"), "nerr"),
@@ -471,7 +501,7 @@ def plot(rows, path):
     for ax, (model, step) in zip(axes.flat, keys):
         g = [r for r in rows if r["model"] == model and r["step"] == step]
         for i, (label_, pick, kind) in enumerate(PLOT_SERIES):
-            pts = sorted((r["bits"], err(r, kind)) for r in g if pick(r))
+            pts = sorted((bits_of(r, kind), err(r, kind)) for r in g if pick(r))
             if not pts:
                 continue
             ef = kind == "nerr_ef"
@@ -506,8 +536,8 @@ def label(r):
     """A short name for a row's setting."""
     if r["method"] in ("topk+quantized values", "powersgd", "cgx-maxmin"):
         return r["setting"].replace(",bucket_size=1024", "")
-    if r["method"] == "uniformef":
-        return "v=" + r["setting"].split("variance_target=")[1]
+    if r["method"] in ("uniformef", "uniformef model"):
+        return "v=" + r["setting"].split("variance_target=")[1].replace(",step_scope=", " ")
     if r["method"] == "dqsg variance":
         return (f"{r['setting'].split('bits=')[1].split(',')[0]} bits v="
                 + r["setting"].split("variance_target=")[1])
@@ -518,7 +548,7 @@ def label(r):
 
 
 def _pt(r, kind="nerr"):
-    return f"{err(r, kind):.3g} @ {r['bits']:.2f} b ({label(r)})" if r else "-"
+    return f"{err(r, kind):.3g} @ {bits_of(r, kind):.2f} b ({label(r)})" if r else "-"
 
 
 def report_md(res) -> str:
@@ -562,6 +592,7 @@ def report_md(res) -> str:
         for r in [x for x in res["rows"] if x["model"] == model and x["step"] == step]:
             kind = "one step (biased)" if r["biased"] else "variance (unbiased)"
             extra = (f"; on g+e with error feedback: {r['nerr_ef']:.3g}"
+                     + (f" at {r['bits_ef']:.4f} bits" if "bits_ef" in r else "")
                      if "nerr_ef" in r else "")
             out.append(f"| {r['method']} | `{r['setting']}` | {r['bits']:.4f} | "
                        f"{r['nerr']:.4g} | {kind}{extra} |")
@@ -573,7 +604,8 @@ def report_md(res) -> str:
 GROUPS = (("hvdcomp quantizers", ("qsgd", "qsgdinf", "nuqsgd", "alq", "alq-inf", "amq",
                                   "amq-inf", "terngrad")),
           ("hvdcomp DQSG rANS (paper's step / variance target)", ("dqsg", "dqsg variance")),
-          ("hvdcomp uniformef (rANS, error feedback)", ("uniformef",)),
+          ("hvdcomp uniformef (rANS, error feedback; bucket / model step)",
+           ("uniformef", "uniformef model")),
           ("hvdcomp top-k (fp32/fp16/int8/int4 values) / DGC / EF-sign",
            ("topk", "dgc", "signef")),
           ("top-k + quantized values (bench)", ("topk+quantized values",)),
@@ -592,8 +624,9 @@ def _short(r) -> str:
         return "terngrad" + (" rANS" if "entropy=True" in st else "")
     if m == "powersgd":
         return st.replace(",", " ")
-    if m == "uniformef":
-        return "uniformef v=" + st.split("variance_target=")[1]
+    if m in ("uniformef", "uniformef model"):
+        return ("uniformef v=" + st.split("variance_target=")[1].split(",")[0]
+                + (" model" if m == "uniformef model" else ""))
     if m == "dqsg variance":
         return (f"dqsg {st.split('bits=')[1].split(',')[0]}b v="
                 + st.split("variance_target=")[1])
@@ -625,14 +658,14 @@ def verdict_md(verdicts, steady: bool) -> str:
             best = [m["best_under_2bits"].get(kind) for m in ms]
             best = min((b for b in best if b), key=lambda b: err(b, kind), default=None)
             few = [m["fewest_bits"].get(reading) for m in ms]
-            few = min((f for f in few if f), key=lambda f: f["bits"], default=None)
+            few = min((f for f in few if f), key=lambda f: bits_of(f, kind), default=None)
             if best is None:
                 cells.append("-")
                 continue
             e = err(best, kind)
             ok = "**yes**" if e <= ref else f"no ({e / ref:.2f}x)"
-            need = f"needs {few['bits']:.2f}" if few else "> tested"
-            cells.append(f"{e:.3g} @ {best['bits']:.2f} ({_short(best)}): {ok}; {need}")
+            need = f"needs {bits_of(few, kind):.2f}" if few else "> tested"
+            cells.append(f"{e:.3g} @ {bits_of(best, kind):.2f} ({_short(best)}): {ok}; {need}")
         out.append(f"| {v['model']} {v['step']} | {ref:.3g} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
@@ -640,7 +673,8 @@ def verdict_md(verdicts, steady: bool) -> str:
 def _brief(v):
     """A verdict entry for the JSON: its rows by method, setting, bits and errors."""
     def row(r):
-        return r and {k: r[k] for k in ("method", "setting", "bits", "nerr", "nerr_ef") if k in r}
+        return r and {k: r[k] for k in ("method", "setting", "bits", "nerr", "nerr_ef",
+                                        "bits_ef") if k in r}
     return dict(v, ref_qsgd4=row(v["ref_qsgd4"]), ref_cgx4=row(v["ref_cgx4"]),
                 methods={m: {part: {k: row(r) for k, r in d[part].items()}
                              for part in ("best_under_2bits", "fewest_bits")}

@@ -18,10 +18,29 @@ Per tensor, with ``g`` the gradient's float32 values and ``e`` the residual of t
 (float32, zero before the first step), ``p = g + e`` (float32), per bucket b of
 ``bucket_size`` coordinates (the last one may be short), M = 2**(bits-1) - 1:
 
+    step_scope "bucket" (the default), each bucket's own step:
     Delta_b = hvdcomp.ops.dithered.variance_steps(p, bits, bucket_size, variance_target)_b
             = max(float32(||p_b||) * float32(sqrt(12 v / n_b)), float32(max|p_b| / M)),
               0 for an all-zero bucket          (float32; the same step DQSG's
                                                 variance_target sets)
+
+    step_scope "model", one step for every tensor, from the mean square of the previous step:
+    Delta_b = hvdcomp.ops.dithered.floor_steps(p, bits, bucket_size, s_t)_b
+            = max(s_t, float32(max|p_b| / M)), 0 for an all-zero bucket
+    s_t     = float32(sqrt(12 v m_{t-1})),  m_{t-1} = sum ||p_b||^2 / sum n_b over every bucket of
+              every tensor this compressor encoded at the previous step (``TensorKey.step``)
+              with a finite p and norms: ||p_b|| the float32 bucket norms of variance_steps,
+              squared and summed in float64, tensors in name order.  The reduce-scatter's
+              re-encoded averages (names ending "/avg", hvdcomp.exchange.shards) keep an m
+              of their own.  Before a first such step (and after a step whose every p was
+              zero) the "bucket" steps are used.
+    With one step for the whole model each coordinate errs by about the same amount, which
+    minimizes the model's total squared error at a given entropy of the codes (for
+    entropy-coded uniform steps, equal distortion per coordinate is the optimal allocation:
+    Gish & Pierce 1968); per-bucket steps give each bucket the same relative error instead,
+    which spends bits on the layers of small gradients.  Streaming needs a step before the
+    model's last gradient exists, hence the previous step's mean square (gradients' scale
+    moves slowly; a bucket whose maximum outgrows the step still gets max / M).
     q_i     = clamp(floor(float32(p_i / Delta_b) + 1/2), -M, M)    (0 where Delta_b = 0)
     x_hat_i = float32(Delta_b * q_i)            what receivers add
     e_i    <- float32(p_i - x_hat_i)
@@ -38,11 +57,14 @@ Bias: BIASED.  ``sum_t x_hat_t = sum_t g_t - e_T`` (up to float32 rounding): no 
 mass is lost, only delayed.
 
 State: one residual per parameter name (``TensorKey.name``), float32 of the gradient's shape,
-on its device; ``state_dict()`` is ``{"residuals": {name: float32 CPU tensor}}``.  ``encode``
-updates the residual: call it once per tensor per step.
+on its device; ``state_dict()`` is ``{"residuals": {name: float32 CPU tensor}}``, and with
+step_scope "model" also ``"mean_square"``: the m that the next step's s is set from,
+``{"gradients": m, "averages": m}`` (each a float >= 0; absent before a first step).  ``encode`` updates the residual: call it once per tensor
+per step.
 
 NaN policy: a gradient holding NaN/Inf (or ``p`` overflowing float32) is sent as a
-payload-free NONFINITE message and the residual stays unchanged.
+payload-free NONFINITE message, the residual stays unchanged and the tensor does not count in
+the mean square.
 
 Wire (codec ``uniformef`` = 27; header bits = ``bits``, bucket size = the setting):
     section 0: Delta_b, float32 little-endian, nb = ceil(numel / bucket_size) values, each
@@ -54,13 +76,15 @@ Wire (codec ``uniformef`` = 27; header bits = ``bits``, bucket size = the settin
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+import math
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..codecs.sections import write_codes
 from ..ops import dithered
+from ..ops.quantize import bucket_norms
 from ..ops.bitpack import pack_bits, packed_size, unpack_bits
 from ..wire import Message
 from . import settings
@@ -69,6 +93,15 @@ from .dithered import parse_steps_and_codes
 from .state import Residuals, finite
 
 __all__ = ["UniformEF"]
+
+
+#: The groups that keep a mean square of their own with step_scope "model": the gradients,
+#: and the reduce-scatter's re-encoded averages (names ending "/avg": hvdcomp.exchange.shards).
+GROUPS = ("gradients", "averages")
+
+
+def _group(name: str) -> str:
+    return "averages" if name.endswith("/avg") else "gradients"
 
 
 @register("uniformef", codec=27)
@@ -89,6 +122,11 @@ class UniformEF(Residuals, Compressor):
             .variance_steps); rounding errs by at most 3 v ||p_b||^2 and, on peaked
             gradients, by much less.
       entropy: rANS-code the codes (default) instead of packing them at ``bits``.
+      step_scope: "bucket" (default): each bucket's step from its own norm, the same
+            relative error v in every bucket; "model": one step for every tensor,
+            sqrt(12 v m) with m the mean square of the previous step's p over all the tensors
+            this compressor encoded (module docstring), so that v is the error relative to
+            the whole model's ||p||^2.  Receivers need nothing of it (the steps travel).
     Settings are validated by hvdcomp.compressors.settings: ValueError out of range,
     TypeError for a value of the wrong type (hvdcomp.get: ConfigError).
 
@@ -102,21 +140,25 @@ class UniformEF(Residuals, Compressor):
       [0, max_step(bits)], the invalid code, or a non-zero code in a bucket with step 0.
     Measured (bench/results/bits_variance.md): at the error of CGX's 4-bit quantizer (4.06
     bits per coordinate) it sent 0.50-1.74 bits per coordinate on 10 of the bench's 12 real
-    gradients at the first step and 0.62-1.82 on all 8 in error feedback's steady state
-    (2.27 and 2.65 at step 0 of the two CNNs).
+    gradients at the first step (2.27 and 2.65 at step 0 of the two CNNs); for error
+    feedback's steady state see that page's step_scope rows.
     """
     example = "uniformef:bits=6,bucket_size=256,variance_target=0.03"
     keeps_state = True          # the residuals
     biased = True
 
     def __init__(self, bits: int = 6, bucket_size: int = 65536, variance_target: float = 0.03,
-                 entropy: bool = True):
+                 entropy: bool = True, step_scope: str = "bucket"):
         self.bits = settings.integer("bits", bits, 2, 8)
         self.bucket_size = settings.integer("bucket_size", bucket_size, 1, 2**31)
         self.variance_target = settings.real("variance_target", variance_target, 0.0, 1e3,
                                              lo_open=True)
         self.entropy = settings.boolean("entropy", entropy)
+        self.step_scope = settings.choice("step_scope", step_scope, ("bucket", "model"))
         self._residuals: Dict[str, torch.Tensor] = {}
+        self._mean_square: Dict[str, float] = {}        # m_{t-1} per group ("model" scope)
+        self._sums: Dict[str, Tuple[float, int]] = {}   # this step's sum ||p_b||^2, count
+        self._sums_step: Optional[int] = None
 
     @property
     def M(self) -> int:
@@ -157,7 +199,7 @@ class UniformEF(Residuals, Compressor):
         if not finite(p):                        # p = g + e overflows: residual unchanged
             return self._nonfinite(grad, key)
         n = p.numel()
-        delta = dithered.variance_steps(p, self.bits, self.bucket_size, self.variance_target)
+        delta = self._steps(p, key)
         d = dithered.per_coordinate(delta, self.bucket_size, n)
         safe = torch.where(d > 0, d, torch.ones_like(d))
         q = torch.floor(p / safe + 0.5).clamp_(-self.M, self.M)
@@ -167,6 +209,65 @@ class UniformEF(Residuals, Compressor):
         codes, flag = write_codes(packed, n, self.bits, self.entropy)
         return self._new_message(grad, key,
                                  (delta.cpu().numpy().astype("<f4").view(np.uint8), codes), flag)
+
+    def _steps(self, p: torch.Tensor, key: TensorKey) -> torch.Tensor:
+        """The bucket steps of finite flat float32 ``p`` (module docstring)."""
+        if self.step_scope == "bucket":
+            return dithered.variance_steps(p, self.bits, self.bucket_size, self.variance_target)
+        if key.step != self._sums_step:                     # a new step: m from the last one
+            self._close_step()
+            self._sums_step = key.step
+        norms = bucket_norms(p, self.bucket_size, "l2").cpu().numpy().astype(np.float64)
+        if np.all(np.isfinite(norms)):           # a norm beyond float32 does not count
+            self._sums[key.name] = (float(np.sum(norms * norms)), p.numel())
+        m = self._mean_square.get(_group(key.name))
+        if not m:                                # before a first step, or all of it zero
+            return dithered.variance_steps(p, self.bits, self.bucket_size, self.variance_target)
+        return dithered.floor_steps(p, self.bits, self.bucket_size,
+                                    float(np.float32(math.sqrt(12.0 * self.variance_target
+                                                               * m))))
+
+    def _close_step(self) -> None:
+        """m_{t-1} per group from the sums of the step just ended (tensors in name order)."""
+        for group in GROUPS:
+            names = sorted(k for k in self._sums if _group(k) == group)
+            count = sum(self._sums[k][1] for k in names)
+            if count:
+                self._mean_square[group] = math.fsum(self._sums[k][0] for k in names) / count
+        self._sums = {}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``{"residuals": {name: float32 CPU tensor}}`` (copies); with step_scope "model"
+        also ``"mean_square"``: ``{group: m}``, the m the next step's step is set from."""
+        state = super().state_dict()
+        if self.step_scope == "model":
+            saved = dict(self._sums), dict(self._mean_square)
+            self._close_step()                   # the step just ended counts
+            state["mean_square"] = dict(self._mean_square)
+            self._sums, self._mean_square = saved
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Replace the residuals (and with step_scope "model" the mean square) with those of
+        ``state``.  ValueError, and nothing changed, for unknown keys, a residual that is not a
+        finite float32 tensor or whose shape differs from the one held, a mean square that is
+        not a dict of finite floats >= 0 keyed by "gradients" / "averages", or a
+        "mean_square" given to the "bucket" scope."""
+        if not isinstance(state, dict):
+            raise ValueError(f"{self.name}: state must be a dict, got {type(state).__name__}")
+        rest = dict(state)
+        m = rest.pop("mean_square", {})
+        if "mean_square" in state and self.step_scope != "model":
+            raise ValueError(f"{self.name}: a 'mean_square' in the state of step_scope "
+                             f"{self.step_scope!r} (it belongs to step_scope 'model')")
+        if not isinstance(m, dict) or set(m) - set(GROUPS) or any(
+                isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+                or x < 0 for x in m.values()):
+            raise ValueError(f"{self.name}: mean_square must map 'gradients' / 'averages' to "
+                             f"finite floats >= 0, got {m!r}")
+        super().load_state_dict(rest)
+        self._mean_square = {k: float(x) for k, x in m.items()}
+        self._sums, self._sums_step = {}, None
 
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:
         n = msg.numel

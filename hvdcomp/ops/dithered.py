@@ -53,6 +53,7 @@ NotImplemented (the reference runs) for an accumulator that is not a contiguous 
 """
 from __future__ import annotations
 
+import math
 from typing import Tuple
 
 import numpy as np
@@ -66,7 +67,7 @@ from . import divide, op, padded_buckets
 
 __all__ = ["CHECK_OFFSET", "max_step", "dither", "check_weights", "dqsg_quantize",
            "dqsg_reconstruct", "bucket_checksums", "nested_resolve", "bucket_steps",
-           "variance_steps", "per_coordinate",
+           "variance_steps", "floor_steps", "per_coordinate",
            "dqsg_encode", "nested_encode", "validate_codes", "dqsg_decode_add",
            "nested_decode_add"]
 
@@ -276,6 +277,23 @@ def variance_steps(x: torch.Tensor, bits: int, bucket_size: int,
     scale = torch.from_numpy(np.sqrt(12.0 * float(target) / counts).astype(np.float32))
     star = bucket_norms(x, bs, "l2") * scale.to(x.device)
     delta = torch.maximum(star, by_max).clamp_(max=max_step(bits))
+    return torch.where(by_max > 0, delta, torch.zeros_like(delta))
+
+
+def floor_steps(x: torch.Tensor, bits: int, bucket_size: int, step: float) -> torch.Tensor:
+    """Steps from one step for every bucket (set elsewhere, e.g. model-wide from a mean
+    square) instead of from each bucket's own norm: float32 (nb,) for a flat finite float32
+    x (n,), nb = ceil(n / bucket_size),
+
+        Delta_b = min(max(float32(step), bucket_steps_b), max_step(bits))   (0 for a zero bucket)
+
+    ``step`` >= 0 and finite (ValueError otherwise); as in :func:`variance_steps`, a bucket
+    whose maximum lies beyond (M + 1/2) step gets the larger step max |x_b| / M so that its
+    codes fit in [-M, M].  The same bits on the CPU and on CUDA (a maximum of float32s)."""
+    if not (math.isfinite(step) and step >= 0):
+        raise ValueError(f"step must be finite and >= 0, got {step}")
+    by_max = bucket_steps(x, bits, bucket_size)
+    delta = torch.clamp(by_max, min=float(np.float32(step))).clamp_(max=max_step(bits))
     return torch.where(by_max > 0, delta, torch.zeros_like(delta))
 
 

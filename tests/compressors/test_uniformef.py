@@ -61,12 +61,12 @@ def gradient(shape, seed):
 def test_settings_and_registry():
     c = hvdcomp.get("uniformef")
     assert c.settings() == {"bits": 6, "bucket_size": 65536, "variance_target": 0.03,
-                            "entropy": True}
+                            "entropy": True, "step_scope": "bucket"}
     assert c.codec == CODECS["uniformef"] == 27 and c.biased and c.keeps_state
     assert hvdcomp.get(c.spec()).settings() == c.settings()
     for kw in (dict(bits=1), dict(bits=9), dict(bucket_size=0), dict(variance_target=0.0),
                dict(variance_target=-1.0), dict(variance_target=float("inf")),
-               dict(entropy="maybe")):
+               dict(entropy="maybe"), dict(step_scope="layer"), dict(step_scope=None)):
         with pytest.raises(ValueError):
             REGISTRY["uniformef"](**kw)
         with pytest.raises(ConfigError):
@@ -231,3 +231,167 @@ def test_one_bucket_per_tensor_allocates_per_coordinate():
     k = key()
     out = decode(comp, trip(comp, x, k), k, x.numel())
     assert torch.equal(comp.residual("w").reshape(-1), x.reshape(-1) - out)
+
+
+# --- step_scope "model": one step for every tensor from the previous step's mean square ---
+
+def model_reference(ps, bits, bs, v, m):
+    """The steps, codes and decoded values of every tensor of one step with step_scope
+    "model", by hand: ``m`` None (no previous step): each tensor's "bucket" steps
+    (reference_step); else s = float32(sqrt(12 v m)) and each bucket's step max(s,
+    float32(max|p_b| / M)) (0 for a zero bucket).  Also returns this step's m: the float64
+    sum over buckets of float32 norms squared, tensors in name order, / the coordinates."""
+    M = 2 ** (bits - 1) - 1
+    out, sq, count = {}, [], 0
+    for name in sorted(ps):
+        p32 = ps[name]
+        if m is None:
+            out[name] = reference_step(p32, bits, bs, v)
+        else:
+            s = F32(np.sqrt(12.0 * v * m))
+            steps = []
+            for lo in range(0, p32.size, bs):
+                by_max = F32(np.max(np.abs(p32[lo:lo + bs])) / F32(M))
+                steps.append(F32(0) if by_max == 0 else max(s, by_max))
+            steps = np.array(steps, dtype=F32)
+            d = np.repeat(steps, bs)[:p32.size]
+            safe = np.where(d > 0, d, F32(1)).astype(F32)
+            q = np.clip(np.floor(((p32 / safe).astype(F32) + F32(0.5)).astype(F32)), -M, M)
+            out[name] = steps, q.astype(np.int64), (q.astype(F32) * d).astype(F32)
+        norms = [F32(np.sqrt(np.sum(p32[lo:lo + bs].astype(np.float64) ** 2)))
+                 for lo in range(0, p32.size, bs)]
+        sq.append(float(np.sum(np.array(norms, dtype=np.float64) ** 2)))
+        count += p32.size
+    import math
+    return out, math.fsum(sq) / count
+
+
+@pytest.mark.parametrize("bits,bs,entropy", [(6, 50, True), (4, 64, False)])
+def test_model_scope_bit_exact_over_steps(bits, bs, entropy):
+    """Three tensors whose scales differ 100x, encoded out of name order over four steps of
+    error feedback: step 0 has the "bucket" steps; every later step one step for all the
+    tensors, sqrt(12 v m) of the previous step's mean square (the NumPy reference), and the
+    steps, decoded values and residuals are those of the reference, bit for bit."""
+    v = 0.05
+    spec = f"uniformef:bits={bits},bucket_size={bs},variance_target={v},entropy={entropy}"
+    comp = hvdcomp.get(spec + ",step_scope=model")
+    shapes = {"c": (7, 13), "a": (120,), "b": (3, 5, 11)}
+    scales = {"a": 1.0, "b": 0.01, "c": 0.1}
+    e = {n: np.zeros(int(np.prod(sh)), dtype=F32) for n, sh in shapes.items()}
+    m = None
+    for step in range(4):
+        gs = {n: gradient(sh, 10 * step + i) * scales[n] for i, (n, sh) in
+              enumerate(shapes.items())}
+        ps = {n: (gs[n].numpy().reshape(-1) + e[n]).astype(F32) for n in shapes}
+        ref, m_next = model_reference(ps, bits, bs, v, m)
+        for n in shapes:                                  # c, a, b: not the name order
+            k = key(step, n)
+            msg = trip(comp, gs[n], k)
+            steps, _, x_hat = ref[n]
+            assert np.array_equal(np.frombuffer(bytes(msg.sections[0]), "<f4"), steps)
+            out = decode(hvdcomp.get(spec), msg, k, ps[n].size)
+            assert np.array_equal(out.numpy(), x_hat)
+            assert np.array_equal(comp.residual(n).numpy().reshape(-1), ps[n] - x_hat)
+            e[n] = ps[n] - x_hat
+        if step:                             # one step for every bucket below M steps
+            s = F32(np.sqrt(12.0 * v * m))
+            assert all((ref[n][0] == s).any() for n in shapes)
+        m = m_next
+        assert comp.state_dict()["mean_square"] == {"gradients": m}
+
+
+def test_model_scope_equals_bucket_scope_at_the_first_step():
+    x = gradient((40, 30), 1)
+    a = hvdcomp.get("uniformef:bucket_size=100,variance_target=0.02")
+    b = hvdcomp.get("uniformef:bucket_size=100,variance_target=0.02,step_scope=model")
+    assert a.encode(x, key()).to_bytes() == b.encode(x, key()).to_bytes()
+
+
+def test_model_scope_spends_bits_where_the_energy_is():
+    """Two tensors whose root mean squares differ 30x, from the second step on: the model's
+    step is one for both (an equal error per coordinate), and at the same bytes on the wire
+    the total error is lower than with each bucket's own step (equal distortion per
+    coordinate minimizes the total at a given entropy: Gish & Pierce 1968)."""
+    g = {"big": gradient((64, 64), 7), "small": gradient((64, 64), 8) / 30}
+
+    def run(scope, v):
+        comp = hvdcomp.get(f"uniformef:bucket_size=4096,variance_target={v},step_scope={scope}")
+        err = nbytes = 0.0
+        for step in range(2):
+            for n in sorted(g):
+                e = comp.residual(n)
+                p = g[n].reshape(-1) + (0 if e is None else e.reshape(-1))
+                msg = comp.encode(g[n], key(step, n))
+                out = decode(comp, msg, key(step, n), p.numel())
+                if step == 1:
+                    err += float((out.double() - p.double()).pow(2).sum())
+                    nbytes += len(msg.to_bytes())
+        return err, nbytes
+
+    e_model, b_model = run("model", 0.05)
+    # the bucket scope's smallest variance target (finest steps) that sends no more bytes
+    for v in (0.05 * 1.1 ** i for i in range(60)):
+        e_bucket, b_bucket = run("bucket", v)
+        if b_bucket <= b_model:
+            break
+    assert b_bucket <= b_model and e_model < 0.5 * e_bucket
+
+
+def test_model_scope_nonfinite_and_averages_keep_apart():
+    """A NaN gradient does not count in the mean square; the reduce-scatter's averages
+    (names ending "/avg") keep a mean square of their own."""
+    comp = hvdcomp.get("uniformef:bucket_size=8,variance_target=0.1,step_scope=model")
+    x = torch.arange(16, dtype=torch.float32)
+    comp.encode(x, key(0, "w"))
+    bad = x.clone()
+    bad[3] = float("nan")
+    assert comp.encode(bad, key(0, "v")).flags & FLAG_NONFINITE
+    comp.encode(x / 10, key(0, "w[0:16]/avg"))
+    ms = comp.state_dict()["mean_square"]
+    assert ms == pytest.approx({"gradients": float((x.double() ** 2).mean()),
+                                "averages": float(((x / 10).double() ** 2).mean())},
+                               rel=1e-6)
+    # the next step's steps: from each group's own m
+    s_w = np.frombuffer(bytes(comp.encode(x, key(1, "w")).sections[0]), "<f4")
+    s_avg = np.frombuffer(bytes(comp.encode(x, key(1, "w[0:16]/avg")).sections[0]), "<f4")
+    assert s_w[1] == F32(np.sqrt(12 * 0.1 * ms["gradients"]))
+    assert s_avg[1] == max(F32(np.sqrt(12 * 0.1 * ms["averages"])), F32(F32(15) / F32(31)))
+
+
+def test_model_scope_state_round_trip_and_refusals():
+    spec = "uniformef:bucket_size=32,variance_target=0.04,step_scope=model"
+    a = hvdcomp.get(spec)
+    for step in range(2):
+        for n, seed in (("u", 1), ("w", 2)):
+            a.encode(gradient((9, 11), seed + 10 * step), key(step, n))
+    state = a.state_dict()
+    assert set(state) == {"residuals", "mean_square"} and set(state["mean_square"]) == {
+        "gradients"}
+    b = hvdcomp.get(spec)
+    b.load_state_dict(state)
+    for n, seed in (("u", 5), ("w", 6)):       # the step after the checkpoint: the same bytes
+        g = gradient((9, 11), seed)
+        assert a.encode(g, key(2, n)).to_bytes() == b.encode(g, key(2, n)).to_bytes()
+    before = b.state_dict()
+    for ms in ({"gradients": -1.0}, {"gradients": float("nan")}, {"gradients": True},
+               {"layers": 1.0}, 3.0):
+        with pytest.raises(ValueError, match="mean_square"):
+            b.load_state_dict(dict(state, mean_square=ms))
+        after = b.state_dict()                          # nothing changed
+        assert after["mean_square"] == before["mean_square"]
+        assert all(torch.equal(after["residuals"][k], before["residuals"][k])
+                   for k in before["residuals"])
+    with pytest.raises(ValueError, match="mean_square"):
+        hvdcomp.get("uniformef").load_state_dict(state)
+    assert "mean_square" not in hvdcomp.get("uniformef").state_dict()
+
+
+def test_floor_steps():
+    from hvdcomp.ops.dithered import floor_steps, max_step
+    x = torch.tensor([0.0, 0.0, 1.0, -62.0, 0.5, 0.25])
+    # bits 6 (M = 31), buckets of 2: [0, 0] -> 0; [1, -62] -> max(0.5, 2) = 2; [.5, .25] -> .5
+    assert floor_steps(x, 6, 2, 0.5).tolist() == [0.0, 2.0, 0.5]
+    assert floor_steps(x, 6, 2, 1e38).tolist() == [0.0, max_step(6), max_step(6)]
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            floor_steps(x, 6, 2, bad)

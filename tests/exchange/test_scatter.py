@@ -29,6 +29,7 @@ SCATTERED = ["qsgd:bits=4,bucket_size=512", "qsgdinf:bits=3,bucket_size=100",
              "psq:bits=4", "bhq:bits=4,block_size=4", "dqsg:bits=4,bucket_size=512",
              "dqsg:bits=6,bucket_size=256,entropy=True,variance_target=0.03",
              "uniformef:bits=6,bucket_size=256,variance_target=0.03",
+             "uniformef:bits=6,bucket_size=256,variance_target=0.03,step_scope=model",
              "topk:density=0.05", "randk:density=0.1", "dgc:density=0.05,clip_norm=5",
              "none", "fp16", "bf16"]
 

@@ -259,6 +259,35 @@ def test_compressor_kernels_equal_reference(monkeypatch, host, spec, name, make)
     assert got[2] == want[2]
 
 
+def _model_scope_run(monkeypatch, mode, device):
+    """uniformef with step_scope "model" over three steps of two tensors (the steps after
+    the first come from the previous step's mean square): every message's bytes, and the
+    residuals at the end."""
+    _use(monkeypatch, mode)
+    c = hvdcomp.get("uniformef:bits=6,bucket_size=256,variance_target=0.03,step_scope=model")
+    wire = []
+    for step in range(3):
+        for i, (name, n) in enumerate((("a", 5000), ("b", 3001))):
+            g = gradient(n, 256, 10 * step + i).to(device) * (1.0 if i else 0.05)
+            wire.append(c.encode(g, TensorKey(name, i, step, 0, 2, 11)).to_bytes())
+    return wire, [c.residual(n).cpu() for n in ("a", "b")]
+
+
+def test_uniformef_model_scope_kernels_equal_reference(monkeypatch, host):
+    want = _model_scope_run(monkeypatch, "reference", "cpu")
+    got = _model_scope_run(monkeypatch, "kernels", "cpu")
+    assert got[0] == want[0]
+    assert all(same_bits(a, b) for a, b in zip(got[1], want[1]))
+
+
+@pytest.mark.requires_cuda
+def test_uniformef_model_scope_on_gpu(monkeypatch, cuda_backend):
+    want = _model_scope_run(monkeypatch, "reference", "cpu")
+    got = _model_scope_run(monkeypatch, "kernels", "cuda")
+    assert got[0] == want[0]
+    assert all(same_bits(a, b) for a, b in zip(got[1], want[1]))
+
+
 @pytest.mark.parametrize("spec", ["ndqsg:bits=4,nested_bits=2,bucket_size=64",
                                   "ndqsg:bits=3,nested_bits=1,bucket_size=5,dqsg_ranks=2"])
 @pytest.mark.parametrize("spread", (0.3, 5.0))

@@ -57,3 +57,22 @@ def test_maxmin_variance_hand_worked():
 def test_maxmin_bits_are_cgx_4_06():
     assert B.maxmin_bits(2048, 4, 1024) == 4.0625
     assert B.maxmin_bits(1025, 4, 1024) == pytest.approx(4 + 128 / 1025)
+
+
+def test_steady_state_verdict_reads_the_steady_states_bits():
+    """A method under 2 bits at its first step but over 2 in the steady state counts under
+    2 bits only at the first step; its fewest bits at the reference error are the steady
+    state's (hand-made rows)."""
+    base = dict(model="FC-300-100", step=100, biased=True, entropy=True, numel=10,
+                zero_fraction=0.0, nerr_sem=0.0, bytes=0)
+    rows = [dict(base, method="cgx-maxmin", setting="bits=4,bucket_size=1024", nerr=0.05,
+                 bits=4.06, biased=False),
+            dict(base, method="qsgd", setting="qsgd:bits=4,bucket_size=1024", nerr=1.0,
+                 bits=4.04, biased=False, entropy=False),
+            dict(base, method="uniformef", setting="uniformef:variance_target=0.01", nerr=0.01,
+                 bits=1.5, nerr_ef=0.02, bits_ef=2.5)]
+    v = B.verdict(rows)[0]["methods"]["uniformef"]
+    assert v["best_under_2bits"]["nerr"]["bits"] == 1.5
+    assert "nerr_ef" not in v["best_under_2bits"]
+    assert B.bits_of(v["fewest_bits"]["cgx_ef"], "nerr_ef") == 2.5
+    assert B.bits_of(rows[1], "nerr_ef") == 4.04             # no steady state: its bits
