@@ -28,7 +28,8 @@ levels fitted to the gradient as the refit during training does) at 2-5 bits, al
 target (``variance_target`` 0.01-0.1 in steps of 0.0025, bits 6, 7 and 8); uniformef
 (nearest steps set by a variance target, 0.01-0.44, rANS, error feedback; each bucket's
 step from its norm, and ``step_scope=model``: one step for every tensor from the previous
-step's mean square, which at a first step falls back to the buckets' own); TernGrad;
+step's mean square, which at a first step falls back to the buckets' own; and, as an
+oracle that streaming cannot have, with m taken from the step being sent); TernGrad;
 EF-SignSGD's scaled sign; top-k and DGC at densities 0.1 %-40 % with fp32, fp16, int8 and
 int4 values (``values=int8/int4``: a float32 scale per 256 values, rounded to nearest;
 indices Golomb-Rice coded: the only index coding hvdcomp has); top-k whose values are
@@ -211,6 +212,20 @@ def ef_error(make, history, grads):
     return {"nerr_ef": err / sq, "bits_ef": 8 * nbytes / numel}
 
 
+def same_step_model_scope(spec, grads):
+    """``uniformef:...,step_scope=model`` with an empty residual whose mean square m is that
+    of ``grads`` themselves (the compressor's own statistic, taken by encoding them once in a
+    throw-away copy): one step for the whole model at a first step, which a streaming
+    exchange cannot have (the first tensor leaves before the last gradient exists).  An
+    oracle: it shows what the allocation alone would give at step 0."""
+    probe = hvdcomp.get(spec)
+    for i, n in enumerate(sorted(grads)):
+        probe.encode(grads[n], hvdcomp.TensorKey(n, i, 0, 0, 4, 1))
+    comp = hvdcomp.get(spec)
+    comp.load_state_dict({"residuals": {}, "mean_square": probe.state_dict()["mean_square"]})
+    return comp
+
+
 def topk_quantized(p, density, vq, vbits, entropy, name, i, step, fitted):
     """Top-k (hvdcomp, fp32 values, no residual of its own) of tensor ``p`` whose values
     section is replaced by a second hvdcomp message quantizing the m selected values (a
@@ -367,6 +382,11 @@ def gradient_rows(model, step, grads, history, draws):
         add("uniformef model", spec, dict(measure(lambda: hvdcomp.get(spec), grads, 1, sq),
                                           **ef_error(lambda: hvdcomp.get(spec), history, grads)),
             True, True)
+    for v in UNIFORMEF_TARGETS:     # the same, m from the step being sent: an oracle (below)
+        spec = (f"uniformef:bits=6,bucket_size={DQSG_BUCKET},variance_target={v},"
+                f"step_scope=model")
+        add("uniformef model (oracle m)", spec,
+            measure(lambda: same_step_model_scope(spec, grads), grads, 1, sq), True, True)
     for bucket in (0, BUCKET):
         for entropy in (False, True):
             spec = f"terngrad:bucket_size={bucket},entropy={entropy}"
@@ -475,6 +495,8 @@ PLOT_SERIES = [   # (label, which rows, error kind)
     ("uniformef", _is("uniformef"), "nerr"),
     ("uniformef, EF steady state", _is("uniformef"), "nerr_ef"),
     ("uniformef step_scope=model, EF steady state", _is("uniformef model"), "nerr_ef"),
+    ("uniformef step_scope=model, m of the same step (oracle)",
+     _is("uniformef model (oracle m)"), "nerr"),
     ("EF-sign", _is("signef"), "nerr"),
     ("top-k fp32", _is("topk", has="fp32"), "nerr"),
     ("top-k fp16", _is("topk", has="fp16"), "nerr"),
@@ -536,7 +558,7 @@ def label(r):
     """A short name for a row's setting."""
     if r["method"] in ("topk+quantized values", "powersgd", "cgx-maxmin"):
         return r["setting"].replace(",bucket_size=1024", "")
-    if r["method"] in ("uniformef", "uniformef model"):
+    if r["method"].startswith("uniformef"):
         return "v=" + r["setting"].split("variance_target=")[1].replace(",step_scope=", " ")
     if r["method"] == "dqsg variance":
         return (f"{r['setting'].split('bits=')[1].split(',')[0]} bits v="
@@ -624,9 +646,9 @@ def _short(r) -> str:
         return "terngrad" + (" rANS" if "entropy=True" in st else "")
     if m == "powersgd":
         return st.replace(",", " ")
-    if m in ("uniformef", "uniformef model"):
+    if m.startswith("uniformef"):
         return ("uniformef v=" + st.split("variance_target=")[1].split(",")[0]
-                + (" model" if m == "uniformef model" else ""))
+                + m[len("uniformef"):])
     if m == "dqsg variance":
         return (f"dqsg {st.split('bits=')[1].split(',')[0]}b v="
                 + st.split("variance_target=")[1])

@@ -99,6 +99,8 @@ ROWS = {
     "top-k 1% int4": "topk:density=0.01,values=int4",
     # #22 (c): nearest steps set by a variance target, rANS-coded, with error feedback
     "uniformef v=0.1": "uniformef:variance_target=0.1",
+    # one step for the whole model, from the previous step's mean square
+    "uniformef model v=0.1": "uniformef:variance_target=0.1,step_scope=model",
     "PSQ 4b": "psq:bits=4",
     "BHQ 4b": "bhq:bits=4",
     "DQSG 4b": "dqsg:bits=4",

@@ -383,6 +383,11 @@ def test_model_scope_state_round_trip_and_refusals():
                    for k in before["residuals"])
     with pytest.raises(ValueError, match="mean_square"):
         hvdcomp.get("uniformef").load_state_dict(state)
+    # a mean square whose step would overflow float32: the largest step, no error
+    from hvdcomp.ops.dithered import max_step
+    b.load_state_dict(dict(state, mean_square={"gradients": 1e300}))
+    steps = np.frombuffer(bytes(b.encode(gradient((9, 11), 7), key(3, "u")).sections[0]), "<f4")
+    assert steps.tolist() == [max_step(6)] * len(steps)
     assert "mean_square" not in hvdcomp.get("uniformef").state_dict()
 
 
