@@ -57,7 +57,9 @@ def fewest_bits(grads, ref, theta, centroid):
 
 def main():
     torch.set_num_threads(1)
-    print(__doc__.split("\n\n")[0] + "\n\nCommand: `.venv/bin/python bench/entropy_floor.py`\n")
+    print("# " + " ".join(__doc__.split("\n\n")[0].split()) + "\n\nCommand: "
+          "`.venv/bin/python bench/entropy_floor.py > bench/results/entropy_floor.md` "
+          "(what is measured: the docstring of bench/entropy_floor.py)\n")
     print("| gradient (step 0) | coordinates | CGX 4b error | offset theta | centroid "
           "| fewest bits at <= CGX (error) |\n|---|---|---|---|---|---|")
     for model, grads in (
