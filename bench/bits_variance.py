@@ -18,8 +18,7 @@ method and setting, one operating point per gradient:
   the next step rather than averages away.  Each method's first step (empty residual), and
   for those with error feedback also its steady state: the error on g_t + e_t after Alg. 2
   ran over the 10 preceding real gradients, with the bits of that step's messages
-  (``bits_ef``; the first step's bits where the bench composes a method itself and for
-  PowerSGD, whose floats per step do not change).
+  (``bits_ef``; PowerSGD's floats per step do not change, so its first step's bits).
 
 Methods: hvdcomp's QSGD (2-8 bits), QSGDinf, NUQSGD, ALQ and AMQ (L2 and L-inf bucket norms;
 levels fitted to the gradient as the refit during training does) at 2-5 bits, all with bucket
@@ -185,7 +184,8 @@ def measure(make, grads, draws, sq):
 
 
 def ef_error(make, history, grads):
-    """Error feedback in its steady state: a compressor ``make()`` (top-k, DGC, scaled sign)
+    """Error feedback in its steady state: a compressor ``make()`` (top-k, DGC, scaled sign,
+    uniformef)
     runs Alg. 1 of Stich et al. / Karimireddy et al. over the preceding real gradients
     ``history`` (oldest first), then compresses g_t; returns ||C(p) - p||^2 / ||p||^2 for
     p = g_t + e_t, the vector it actually compresses at step t (what the residual carries).
@@ -254,7 +254,7 @@ def sparse_quantized(grads, history, setting, draws, sq):
     """topk_quantized on every tensor: the error on g_t (first step, over ``draws``; levels
     fitted to g_t's values) and, with the residual kept as top-k's error feedback
     (e <- p - decoded) over ``history``, the error on p = g_t + e_t (one draw; levels fitted
-    at the first step of the history)."""
+    at the first step of the history) and the bits of that step's messages (``bits_ef``)."""
     errs, nbytes, numel = [], 0, 0
     names = sorted(grads)
     fitted = {}
@@ -427,6 +427,13 @@ def reference(g, which):
     return next(r for r in g if r["method"] == "cgx-maxmin" and r["setting"].startswith("bits=4,"))
 
 
+def has(r, kind):
+    """Whether a row has an error of ``kind``: every row a first step's; a biased row a
+    steady state's only where measured (not the oracle rows), an unbiased one always (its
+    error does not depend on the step)."""
+    return kind == "nerr" or "nerr_ef" in r or not r["biased"]
+
+
 def err(r, kind):
     """A row's error of kind "nerr" (first step, empty residual) or "nerr_ef" (error feedback
     in its steady state: on g_t + e_t); unbiased methods have no residual, so both are nerr."""
@@ -458,11 +465,15 @@ def verdict(rows):
                 continue
             m = per.setdefault(r["method"], {"best_under_2bits": {}, "fewest_bits": {}})
             for kind in ("nerr", "nerr_ef"):
+                if not has(r, kind):
+                    continue
                 b = m["best_under_2bits"].get(kind)
                 if bits_of(r, kind) <= TARGET_BITS and (b is None
                                                         or err(r, kind) < err(b, kind)):
                     m["best_under_2bits"][kind] = r
             for w, (ref, kind) in READINGS.items():
+                if not has(r, kind):
+                    continue
                 f = m["fewest_bits"].get(w)
                 if err(r, kind) <= refs[ref]["nerr"] and (
                         f is None or bits_of(r, kind) < bits_of(f, kind)):

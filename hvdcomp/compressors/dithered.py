@@ -133,7 +133,7 @@ class DQSG(Compressor):
             (v = 0.04).  At the variance of CGX's 4-bit quantizer (4.06 bits) it sent 0.83-2.0
             bits per coordinate on the real gradients after step 0 of training of
             bench/results/bits_variance.md (2.0-2.7 at step 0).
-            A bucket whose maximum exceeds (M + 1/2) Delta_b gets the step max / M instead,
+            A bucket whose maximum exceeds M Delta_b gets the step max / M instead,
             and more variance than v (more bits make that rarer, and cost 2**bits * 2 bytes
             of rANS model per message).  Receivers need nothing of it: the steps travel in
             the message.

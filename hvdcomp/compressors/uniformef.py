@@ -32,15 +32,22 @@ Per tensor, with ``g`` the gradient's float32 values and ``e`` the residual of t
               with a finite p and norms: ||p_b|| the float32 bucket norms of variance_steps,
               squared and summed in float64, tensors in name order.  The reduce-scatter's
               re-encoded averages (names ending "/avg", hvdcomp.exchange.shards) keep an m
-              of their own.  Before a first such step (and after a step whose every p was
-              zero) the "bucket" steps are used.
+              of their own, over the pieces this rank owns (a slice of the model, so closer
+              to a per-shard step).  Each rank's m is its own (its p).  Before a first such
+              step (and after a step whose every p was zero, or was not finite) the
+              "bucket" steps are used.
     With one step for the whole model each coordinate errs by about the same amount, which
     minimizes the model's total squared error at a given entropy of the codes (for
     entropy-coded uniform steps, equal distortion per coordinate is the optimal allocation:
     Gish & Pierce 1968); per-bucket steps give each bucket the same relative error instead,
     which spends bits on the layers of small gradients.  Streaming needs a step before the
     model's last gradient exists, hence the previous step's mean square (gradients' scale
-    moves slowly; a bucket whose maximum outgrows the step still gets max / M).
+    moves slowly; a bucket whose maximum outgrows the step still gets max / M).  Under
+    dynamic loss scaling the scale jumps: the step after the scale halves uses a step twice
+    too coarse (m four times too large), once; error feedback keeps what it did not send.
+    With Auto per layer (hvdcomp.exchange.layer_plan) a candidate is measured at a first
+    step, i.e. with the "bucket" steps, and in training its m covers the tensors planned
+    to it only.
     q_i     = clamp(floor(float32(p_i / Delta_b) + 1/2), -M, M)    (0 where Delta_b = 0)
     x_hat_i = float32(Delta_b * q_i)            what receivers add
     e_i    <- float32(p_i - x_hat_i)
@@ -59,7 +66,8 @@ mass is lost, only delayed.
 State: one residual per parameter name (``TensorKey.name``), float32 of the gradient's shape,
 on its device; ``state_dict()`` is ``{"residuals": {name: float32 CPU tensor}}``, and with
 step_scope "model" also ``"mean_square"``: the m that the next step's s is set from,
-``{"gradients": m, "averages": m}`` (each a float >= 0; absent before a first step).  ``encode`` updates the residual: call it once per tensor
+``{"gradients": m, "averages": m}`` (each a float >= 0; absent before a first step).  The
+"bucket" scope loads a state that has one and ignores it (the residuals are the same).  ``encode`` updates the residual: call it once per tensor
 per step.
 
 NaN policy: a gradient holding NaN/Inf (or ``p`` overflowing float32) is sent as a
@@ -102,6 +110,19 @@ GROUPS = ("gradients", "averages")
 
 def _group(name: str) -> str:
     return "averages" if name.endswith("/avg") else "gradients"
+
+
+def _closed(sums: Dict[str, Tuple[float, int]], before: Dict[str, float]) -> Dict[str, float]:
+    """The mean squares after a step whose per-tensor ``sums`` (name: (sum ||p_b||^2,
+    coordinates)) are given: per group, the fsum over names in sorted order / the count, a
+    group without coordinates keeping its m of ``before``.  A new dict."""
+    out = dict(before)
+    for group in GROUPS:
+        names = sorted(k for k in sums if _group(k) == group)
+        count = sum(sums[k][1] for k in names)
+        if count:
+            out[group] = math.fsum(sums[k][0] for k in names) / count
+    return out
 
 
 @register("uniformef", codec=27)
@@ -170,7 +191,8 @@ class UniformEF(Residuals, Compressor):
         return {"bits": self.bits, "bucket_size": self.bucket_size, "level_version": 0}
 
     def shard_unit(self, shape) -> int:
-        """A bucket (its step is the bucket's own, hvdcomp.exchange.shards)."""
+        """A bucket (its step is the bucket's own, or the one model-wide step: either way
+        whole buckets keep their step when cut, hvdcomp.exchange.shards)."""
         return self.bucket_size
 
     def message_bytes(self, shape) -> Optional[int]:
@@ -215,9 +237,12 @@ class UniformEF(Residuals, Compressor):
         """The bucket steps of finite flat float32 ``p`` (module docstring)."""
         if self.step_scope == "bucket":
             return dithered.variance_steps(p, self.bits, self.bucket_size, self.variance_target)
+        # The exchange encodes a step's tensors before the next step's first one (both
+        # doors' pipelines finish a step, second stage included, before the next begins),
+        # so a new TensorKey.step closes the last step exactly once.
         if key.step != self._sums_step:                     # a new step: m from the last one
-            self._close_step()
-            self._sums_step = key.step
+            self._mean_square = _closed(self._sums, self._mean_square)
+            self._sums, self._sums_step = {}, key.step
         norms = bucket_norms(p, self.bucket_size, "l2").cpu().numpy().astype(np.float64)
         if np.all(np.isfinite(norms)):           # a norm beyond float32 does not count
             self._sums[key.name] = (float(np.sum(norms * norms)), p.numel())
@@ -227,46 +252,32 @@ class UniformEF(Residuals, Compressor):
         s = min(math.sqrt(12.0 * self.variance_target * m), dithered.max_step(self.bits))
         return dithered.floor_steps(p, self.bits, self.bucket_size, float(np.float32(s)))
 
-    def _close_step(self) -> None:
-        """m_{t-1} per group from the sums of the step just ended (tensors in name order)."""
-        for group in GROUPS:
-            names = sorted(k for k in self._sums if _group(k) == group)
-            count = sum(self._sums[k][1] for k in names)
-            if count:
-                self._mean_square[group] = math.fsum(self._sums[k][0] for k in names) / count
-        self._sums = {}
-
     def state_dict(self) -> Dict[str, Any]:
         """``{"residuals": {name: float32 CPU tensor}}`` (copies); with step_scope "model"
         also ``"mean_square"``: ``{group: m}``, the m the next step's step is set from."""
         state = super().state_dict()
-        if self.step_scope == "model":
-            saved = dict(self._sums), dict(self._mean_square)
-            self._close_step()                   # the step just ended counts
-            state["mean_square"] = dict(self._mean_square)
-            self._sums, self._mean_square = saved
+        if self.step_scope == "model":           # the step just ended counts
+            state["mean_square"] = _closed(self._sums, self._mean_square)
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Replace the residuals (and with step_scope "model" the mean square) with those of
         ``state``.  ValueError, and nothing changed, for unknown keys, a residual that is not a
-        finite float32 tensor or whose shape differs from the one held, a mean square that is
-        not a dict of finite floats >= 0 keyed by "gradients" / "averages", or a
-        "mean_square" given to the "bucket" scope."""
+        finite float32 tensor or whose shape differs from the one held, or a mean square that
+        is not a dict of finite floats >= 0 keyed by "gradients" / "averages".  The "bucket"
+        scope ignores a valid mean square (a checkpoint of step_scope "model")."""
         if not isinstance(state, dict):
             raise ValueError(f"{self.name}: state must be a dict, got {type(state).__name__}")
         rest = dict(state)
         m = rest.pop("mean_square", {})
-        if "mean_square" in state and self.step_scope != "model":
-            raise ValueError(f"{self.name}: a 'mean_square' in the state of step_scope "
-                             f"{self.step_scope!r} (it belongs to step_scope 'model')")
         if not isinstance(m, dict) or set(m) - set(GROUPS) or any(
                 isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
                 or x < 0 for x in m.values()):
             raise ValueError(f"{self.name}: mean_square must map 'gradients' / 'averages' to "
                              f"finite floats >= 0, got {m!r}")
         super().load_state_dict(rest)
-        self._mean_square = {k: float(x) for k, x in m.items()}
+        self._mean_square = ({k: float(x) for k, x in m.items()}
+                             if self.step_scope == "model" else {})
         self._sums, self._sums_step = {}, None
 
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:

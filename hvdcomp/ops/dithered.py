@@ -259,7 +259,7 @@ def variance_steps(x: torch.Tensor, bits: int, bucket_size: int,
 
     gives E||x_hat_b - x_b||^2 = target ||x_b||^2 wherever Delta*_b wins.  ``bucket_steps``
     (max |x| / M) is the smallest step whose codes fit in [-M, M]: a bucket whose maximum lies
-    beyond (M + 1/2) Delta*_b gets that larger step, and more variance than the target.  With
+    beyond M Delta*_b gets that larger step, and more variance than the target.  With
     entropy-coded codes the rate then follows the gradient's distribution (uniform steps with
     entropy coding: Gish & Pierce, IEEE Trans. Inf. Theory 14(5), 1968; with a subtractive
     dither: Zamir & Feder, IEEE Trans. Inf. Theory 38(2), 1992).  ||x_b||_2 is
@@ -288,12 +288,13 @@ def floor_steps(x: torch.Tensor, bits: int, bucket_size: int, step: float) -> to
         Delta_b = min(max(float32(step), bucket_steps_b), max_step(bits))   (0 for a zero bucket)
 
     ``step`` >= 0 and finite (ValueError otherwise); as in :func:`variance_steps`, a bucket
-    whose maximum lies beyond (M + 1/2) step gets the larger step max |x_b| / M so that its
-    codes fit in [-M, M].  The same bits on the CPU and on CUDA (a maximum of float32s)."""
+    whose maximum lies beyond M steps gets the larger step max |x_b| / M so that its codes
+    fit in [-M, M].  The same bits on the CPU and on CUDA (a maximum of float32s)."""
     if not (math.isfinite(step) and step >= 0):
         raise ValueError(f"step must be finite and >= 0, got {step}")
     by_max = bucket_steps(x, bits, bucket_size)
-    delta = torch.clamp(by_max, min=float(np.float32(step))).clamp_(max=max_step(bits))
+    floor = float(np.float32(min(step, max_step(bits))))
+    delta = torch.clamp(by_max, min=floor).clamp_(max=max_step(bits))
     return torch.where(by_max > 0, delta, torch.zeros_like(delta))
 
 

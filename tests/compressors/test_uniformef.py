@@ -381,8 +381,12 @@ def test_model_scope_state_round_trip_and_refusals():
         assert after["mean_square"] == before["mean_square"]
         assert all(torch.equal(after["residuals"][k], before["residuals"][k])
                    for k in before["residuals"])
-    with pytest.raises(ValueError, match="mean_square"):
-        hvdcomp.get("uniformef").load_state_dict(state)
+    # the bucket scope loads such a checkpoint (its residuals) and ignores the mean square
+    c = hvdcomp.get("uniformef:bucket_size=32,variance_target=0.04")
+    c.load_state_dict(state)
+    assert "mean_square" not in c.state_dict()
+    assert all(torch.equal(c.state_dict()["residuals"][k], state["residuals"][k])
+               for k in state["residuals"])
     # a mean square whose step would overflow float32: the largest step, no error
     from hvdcomp.ops.dithered import max_step
     b.load_state_dict(dict(state, mean_square={"gradients": 1e300}))
@@ -400,3 +404,28 @@ def test_floor_steps():
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             floor_steps(x, 6, 2, bad)
+
+
+def test_model_scope_steps_without_a_usable_mean_square():
+    """After a step whose every p was zero (m = 0) the next step has the "bucket" steps; a
+    step whose every gradient was NaN leaves m as it was; a tensor whose bucket norm
+    overflows float32 does not count in m."""
+    spec = "uniformef:bucket_size=16,variance_target=0.05"
+    model = hvdcomp.get(spec + ",step_scope=model")
+    x = gradient((8, 8), 3)
+    model.encode(torch.zeros(8, 8), key(0, "w"))
+    assert model.state_dict()["mean_square"] == {"gradients": 0.0}
+    assert model.encode(x, key(1, "v")).to_bytes() == hvdcomp.get(spec).encode(
+        x, key(1, "v")).to_bytes()
+    m1 = model.state_dict()["mean_square"]
+    nan = x.clone()
+    nan[0, 0] = float("nan")
+    for n in ("v", "w"):
+        assert model.encode(nan, key(2, n)).flags & FLAG_NONFINITE
+    assert model.state_dict()["mean_square"] == m1
+    huge = torch.full((4, 8), 3e38)                    # finite, ||p_b|| > float32's maximum
+    model.encode(huge, key(3, "h"))
+    p = x + model.residual("v")                         # p = g + e, what m is taken of
+    model.encode(x, key(3, "v"))
+    want = float((p.double() ** 2).mean())
+    assert model.state_dict()["mean_square"]["gradients"] == pytest.approx(want, rel=1e-6)

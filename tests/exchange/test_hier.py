@@ -188,3 +188,52 @@ def sum_local(g, h, L, name, p):
     for j in range(L):
         s.add_(g[h * L + j][name].reshape(-1).to(torch.float32)[p.lo:p.hi])
     return (s / L).view(p.shape)
+
+
+def test_model_scope_step_through_the_hierarchy(monkeypatch):
+    """uniformef with step_scope "model" (one step for every tensor, from the previous step's
+    mean square over all the tensors a compressor encoded): the reference of
+    test_average_equals_reference with one compressor per host shared by the tensors (as
+    the exchange has), over three steps so that the model's step is used."""
+    monkeypatch.setenv("HVDCOMP_TEST_HOSTS", "0,0,1,1")
+    spec = "uniformef:bits=6,bucket_size=256,variance_target=0.03,step_scope=model"
+
+    def body(rank, tp):
+        ex = build(tp, spec, hierarchy="host")
+        hier = sorted(x for x, e in ex.entries.items() if e.hier)
+        ref = HierReference(spec, 2, 2, 5, {x: SHAPES[x] for x in hier},
+                            {x: ex.entries[x].tensor_id for x in hier}, len(ex.entries))
+        # in the exchange, the rank of local rank l on host h encodes the pieces l of every
+        # tensor with its one compressor: so does the reference here
+        owner = {label: l for x in hier for l, *_, label in ref.pieces(x)}
+        comps = {(h, l): hvdcomp.get(spec) for h in range(2) for l in range(2)}
+
+        class PerOwner:
+            def __init__(self, h):
+                self.h = h
+
+            def encode(self, x, key):
+                return comps[self.h, owner[key.name]].encode(x, key)
+
+            def __getattr__(self, attr):        # decode, finalize, shard_unit: stateless
+                return getattr(comps[self.h, 0], attr)
+
+        for h in range(2):
+            ref.comps[h] = {x: PerOwner(h) for x in hier}
+        shared = comps[0, 0]
+        used = []
+        for k in (0, 1, 2):
+            res, _ = step(ex, rank, k)
+            want = ref.step([{x: grad(x, r, k) for x in SHAPES} for r in range(4)], k)
+            for x in hier:
+                assert torch.equal(res[x], want[x]), (x, k)
+            used.append(shared.state_dict().get("mean_square"))
+        ex.close()
+        assert used[0] and used[1] != used[0]          # the statistic moved with the steps
+        return res
+
+    out = run_ranks(4, body)
+    for r in out:
+        assert isinstance(r, dict), r
+    for x in SHAPES:
+        assert all(torch.equal(out[0][x], o[x]) for o in out)

@@ -76,3 +76,8 @@ def test_steady_state_verdict_reads_the_steady_states_bits():
     assert "nerr_ef" not in v["best_under_2bits"]
     assert B.bits_of(v["fewest_bits"]["cgx_ef"], "nerr_ef") == 2.5
     assert B.bits_of(rows[1], "nerr_ef") == 4.04             # no steady state: its bits
+    # a biased row measured at a first step only (the oracle rows) has no steady state
+    rows.append(dict(base, method="oracle", setting="uniformef:step_scope=model", nerr=0.001,
+                     bits=0.5))
+    o = B.verdict(rows)[0]["methods"]["oracle"]
+    assert set(o["best_under_2bits"]) == {"nerr"} and set(o["fewest_bits"]) == {"qsgd", "cgx"}
