@@ -270,14 +270,12 @@ class UniformEF(Residuals, Compressor):
             raise ValueError(f"{self.name}: state must be a dict, got {type(state).__name__}")
         rest = dict(state)
         m = rest.pop("mean_square", {})
-        if not isinstance(m, dict) or set(m) - set(GROUPS) or any(
-                isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
-                or x < 0 for x in m.values()):
+        if not isinstance(m, dict) or set(m) - set(GROUPS):
             raise ValueError(f"{self.name}: mean_square must map 'gradients' / 'averages' to "
                              f"finite floats >= 0, got {m!r}")
+        m = {k: settings.real(f"{self.name}: mean_square[{k!r}]", x, 0.0) for k, x in m.items()}
         super().load_state_dict(rest)
-        self._mean_square = ({k: float(x) for k, x in m.items()}
-                             if self.step_scope == "model" else {})
+        self._mean_square = m if self.step_scope == "model" else {}
         self._sums, self._sums_step = {}, None
 
     def _decode(self, msg: Message, key: TensorKey, out: torch.Tensor) -> None:

@@ -275,7 +275,12 @@ def variance_steps(x: torch.Tensor, bits: int, bucket_size: int,
     if nb:
         counts[-1] = x.numel() - (nb - 1) * bs
     scale = torch.from_numpy(np.sqrt(12.0 * float(target) / counts).astype(np.float32))
-    star = bucket_norms(x, bs, "l2") * scale.to(x.device)
+    return _at_least(bucket_norms(x, bs, "l2") * scale.to(x.device), by_max, bits)
+
+
+def _at_least(star: torch.Tensor, by_max: torch.Tensor, bits: int) -> torch.Tensor:
+    """min(max(star, by_max), max_step(bits)), 0 where by_max is 0 (a zero bucket): the
+    steps of :func:`variance_steps` and :func:`floor_steps` from their wanted ``star``."""
     delta = torch.maximum(star, by_max).clamp_(max=max_step(bits))
     return torch.where(by_max > 0, delta, torch.zeros_like(delta))
 
@@ -293,9 +298,8 @@ def floor_steps(x: torch.Tensor, bits: int, bucket_size: int, step: float) -> to
     if not (math.isfinite(step) and step >= 0):
         raise ValueError(f"step must be finite and >= 0, got {step}")
     by_max = bucket_steps(x, bits, bucket_size)
-    floor = float(np.float32(min(step, max_step(bits))))
-    delta = torch.clamp(by_max, min=floor).clamp_(max=max_step(bits))
-    return torch.where(by_max > 0, delta, torch.zeros_like(delta))
+    return _at_least(torch.full_like(by_max, float(np.float32(min(step, max_step(bits))))),
+                     by_max, bits)
 
 
 @op

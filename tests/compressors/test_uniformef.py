@@ -4,6 +4,8 @@ Checked against an independent NumPy reference of the module docstring (steps, c
 values and residuals, bit for bit, over several steps of error feedback), the telescoping sum
 of error feedback, the error bounds, the wire format's validation, the NaN policy and the
 state's round trip."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -33,7 +35,13 @@ def reference_step(p32, bits, bs, v):
         star = F32(norm * F32(np.sqrt(12.0 * v / b.size)))
         by_max = F32(np.max(np.abs(b)) / F32(M))
         steps.append(F32(0) if by_max == 0 else max(star, by_max))
-    steps = np.array(steps, dtype=F32)
+    return reference_codes(p32, np.array(steps, dtype=F32), bits, bs)
+
+
+def reference_codes(p32, steps, bits, bs):
+    """(steps, q int64 (n,), x_hat float32 (n,)) of ``p32`` with its bucket ``steps``:
+    q = clamp(floor(float32(p / step) + 1/2), -M, M), 0 where the step is 0."""
+    M = 2 ** (bits - 1) - 1
     d = np.repeat(steps, bs)[:p32.size]
     safe = np.where(d > 0, d, F32(1)).astype(F32)
     q = np.clip(np.floor(((p32 / safe).astype(F32) + F32(0.5)).astype(F32)), -M, M)
@@ -253,16 +261,11 @@ def model_reference(ps, bits, bs, v, m):
             for lo in range(0, p32.size, bs):
                 by_max = F32(np.max(np.abs(p32[lo:lo + bs])) / F32(M))
                 steps.append(F32(0) if by_max == 0 else max(s, by_max))
-            steps = np.array(steps, dtype=F32)
-            d = np.repeat(steps, bs)[:p32.size]
-            safe = np.where(d > 0, d, F32(1)).astype(F32)
-            q = np.clip(np.floor(((p32 / safe).astype(F32) + F32(0.5)).astype(F32)), -M, M)
-            out[name] = steps, q.astype(np.int64), (q.astype(F32) * d).astype(F32)
+            out[name] = reference_codes(p32, np.array(steps, dtype=F32), bits, bs)
         norms = [F32(np.sqrt(np.sum(p32[lo:lo + bs].astype(np.float64) ** 2)))
                  for lo in range(0, p32.size, bs)]
         sq.append(float(np.sum(np.array(norms, dtype=np.float64) ** 2)))
         count += p32.size
-    import math
     return out, math.fsum(sq) / count
 
 
