@@ -211,6 +211,9 @@ def worker(args):
                        buckets=len(ex.buckets))
             if ex.auto is not None and ex.auto.model is not None:
                 row["cost_model"] = ex.auto.model.as_dict()
+            if ex.layer is not None:          # a per-layer plan's trial: seconds of each
+                row["trial"] = ex.layer.trial
+                row["planned"] = sorted({c.spec for c in ex.layer.planned.values()})
             rows.append(row)
             print(json.dumps(summarize(row)), flush=True)
         ex.close()

@@ -130,6 +130,7 @@ def merge_collective(given: Optional[str], from_spec: Optional[str]) -> Optional
 CHOICES = ("none", "fp16", "allgather", "reduce_scatter")
 CALIBRATE_SMALL = 4096      # elements of the small calibration tensor (per-tensor costs)
 SAMPLE = 1024               # coordinates per tensor of a per-layer Auto's error estimate
+TRIAL = 2                   # timed exchanges per contender of a per-layer plan's trial
 LINK_SMALL = 1 << 16        # bytes per rank of the small calibration collectives
 LINK_LARGE_MIN, LINK_LARGE_MAX = 1 << 20, 8 << 20   # ... and the bounds of the large ones
 
@@ -262,6 +263,10 @@ class Auto:
       spec: CodecCost} given instead of measured; ``max_nodes``: the exact search's limit;
       ``sample``: coordinates per tensor (an integer >= 1) the squared error of the ranks'
       average is estimated from (all of a tensor with at most that many elements).
+      ``trial``: after planning, time the plan against ``compressor`` on every planned tensor,
+      end to end on the first step's gradients (this many timed exchanges each, interleaved,
+      after one untimed; :mod:`hvdcomp.exchange.plan_trial`) and keep the faster; 0: trust
+      the cost model; None (default): 2, or 0 when ``link`` is given (costs fixed by hand).
 
     Used through ``hvdcomp.torch.DistributedOptimizer(..., compression=Auto(...))``; the
     optimizer's ``compression`` is then the inner compressor, ``plan`` the compressor per
@@ -274,7 +279,7 @@ class Auto:
                  calibrate_numel: int = 2**22, per_layer: bool = False, budget: float = 1.0,
                  bits: Sequence[int] = (2, 3, 4, 5), densities: Sequence[float] = (0.01, 0.001),
                  ranks: Sequence[int] = (1, 2, 4), codecs: Optional[Dict[str, CodecCost]] = None,
-                 max_nodes: int = 200_000, sample: int = SAMPLE):
+                 max_nodes: int = 200_000, sample: int = SAMPLE, trial: Optional[int] = None):
         self.compressor: Compressor = (get(compressor) if isinstance(compressor, str)
                                        else compressor)
         if not isinstance(self.compressor, Compressor):
@@ -301,10 +306,15 @@ class Auto:
         if isinstance(sample, bool) or not isinstance(sample, (int, np.integer)) or sample < 1:
             raise ValueError(f"sample must be an integer >= 1, got {sample!r}")
         self.sample = int(sample)
+        if trial is None:
+            trial = 0 if link is not None else TRIAL
+        if isinstance(trial, bool) or not isinstance(trial, (int, np.integer)) or trial < 0:
+            raise ValueError(f"trial must be an integer >= 0, got {trial!r}")
+        self.trial = int(trial)
 
     def spec(self) -> str:
         layer = (f"; per_layer budget={self.budget!r} bits={self.bits} densities="
-                 f"{self.densities} ranks={self.ranks} sample={self.sample}"
+                 f"{self.densities} ranks={self.ranks} sample={self.sample} trial={self.trial}"
                  if self.per_layer else "")
         return f"auto({self.compressor.spec()}; fallbacks={','.join(self.fallbacks)}{layer})"
 

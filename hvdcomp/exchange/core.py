@@ -23,7 +23,7 @@ from ..log import logger
 from ..transport import Allreduce, Transport
 from ..transport.mpi import cuda_aware
 from .averaging import Averaging
-from . import shutdown
+from . import plan_trial, shutdown
 from .buckets import agree_settings, check_replicas, fuse, handshake
 from .collective import Allgather
 from .hier import Hierarchical, plan_hierarchy
@@ -184,8 +184,7 @@ class Exchange(LoopProtocols):
         return self.plan.auto.model if self.plan.auto is not None else None
 
     def second_stages(self) -> list:
-        """The reduce-scatter's second-stage compressors that keep state apart from the
-        compression (DGC's top-k with residuals of the averaged shards), else []."""
+        """The reduce-scatter's second-stage compressors with state of their own, else []."""
         c = self.collective
         return c.second_stages() if isinstance(c, (ReduceScatter, Hierarchical)) else []
 
@@ -212,9 +211,8 @@ class Exchange(LoopProtocols):
         self.pipeline.begin(step, sync)
 
     def set_joined(self, joined: bool) -> None:
-        """For :meth:`call` (between steps): whether this rank has joined and takes part in
-        the others' calls from now on with no gradients (DDP's Join; ``begin`` sets it for
-        begin / ready / finish)."""
+        """For :meth:`call` (between steps; ``begin`` sets it for a step): whether this rank
+        has joined and takes part in the others' calls with no gradients (DDP's Join)."""
         self.averaging.joined = bool(joined)
 
     def ready(self, name: str) -> None:
@@ -236,16 +234,18 @@ class Exchange(LoopProtocols):
         if self.layer is not None and self.layer.pending:
             self.layer.record(None if self.averaging.joined else
                               {n: self.entries[n].param.grad for n in self.layer.shapes})
-            self.settle_plan()
+            if self.layer.auto.trial:      # (a trial reuses the buffers)
+                results = {n: t.clone() for n, t in results.items()}
+            self.settle_plan(stats.step)
         return results, stats
 
-    def settle_plan(self) -> None:
-        """A per-layer Auto's plan, while pending: decided from the first step's gradients
-        and adopted (:meth:`~.layer_plan.LayerPlanner.settle`; collective, between steps),
-        then the collective matched to it (:func:`rebuild_flat`)."""
+    def settle_plan(self, step: int) -> None:
+        """A per-layer Auto's plan, while pending: decided from step ``step``'s gradients,
+        adopted (:func:`rebuild_flat`), then tried (:mod:`.plan_trial`; collective)."""
         if self.layer is not None and self.layer.pending:
-            self.layer.settle(self.plan, self.transport)
+            grads = self.layer.settle(self.plan, self.transport)
             rebuild_flat(self)
+            plan_trial.run(self, grads, step, rebuild_flat)
 
     def check_replicas_once(self) -> None:
         """The first time only, if built with ``check_replicas``: compare the parameters'

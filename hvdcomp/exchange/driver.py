@@ -319,7 +319,8 @@ class Driver(Checkpoints):
         :attr:`step_stats` collects the calls' statistics (:meth:`call_done`)."""
         ex = self.exchange
         if self.step > 0:
-            ex.settle_plan()         # a per-layer Auto's plan, from the first step's calls
+            # a per-layer Auto's plan, from the first step's calls
+            ex.settle_plan(self.step - 1)
         self.step_stats = StepStats(step=self.step)
         ex.set_joined(joined)
         self.momentum.set_momentum()

@@ -86,7 +86,10 @@ exchange approximates the average with factors the ranks share.
 Timeline: the exchange is built with the qualifying tensors in fp32 (exact); the first
 step's gradients are recorded, and before the second step (the drop-in optimizer: at the
 end of the first step's ``finish``; the DDP hook: when the second step begins) the errors
-are measured and the plan is applied, on every rank together.  The plan, the budget and
+are measured and the plan is applied, on every rank together; then, unless
+``Auto(..., trial=0)``, the plan is timed against the user's compressor on every tensor on
+those gradients and the faster is kept (:mod:`.plan_trial`: the cost model's prediction
+checked by measurement).  The plan, the budget and
 every candidate's state are part of the exchange's checkpoint (:meth:`LayerPlanner.state_dict`):
 a restart keeps the same plan.
 
@@ -128,7 +131,7 @@ from .rounds import simulate
 from .shards import refusal, second_stage as stage_two
 
 __all__ = ["Choice", "LayerPlanner", "MIN_DELTA", "SAMPLE", "candidates", "effective_error",
-           "fitted_levels", "measure_errors", "measure_key", "planner", "residual", "sample_index",
+           "fitted_levels", "measure_candidates", "measure_errors", "measure_key", "planner", "residual", "sample_index",
            "scatterable", "second_stage_errors", "solve", "stage2_buckets"]
 
 #: Relative slack of the budget test (sums of the same errors in another order may differ
@@ -694,8 +697,10 @@ class LayerPlanner:
     default one bucket).  Construction measures the link (with
     ``scatter``, its all-to-all too) and every candidate's codec costs (and second stage's)
     (collective: every rank together, the slowest rank's values).  ``pending`` until
-    :meth:`decide`; ``choices``: {name: :class:`Choice`}; ``budget``: the absolute budget
-    (sum of squared errors of the ranks' average) once decided.
+    :meth:`decide`; ``choices``: {name: :class:`Choice`} (``planned``: the solver's, the
+    same unless a trial kept the user's compressor; ``trial``: its seconds, else {});
+    ``budget``: the absolute budget (sum of squared errors of the ranks' average) once
+    decided.
     """
 
     def __init__(self, auto: Auto, shapes: Dict[str, Tuple[int, ...]], transport,
@@ -721,6 +726,10 @@ class LayerPlanner:
         self.pending = True
         self.first: Dict[str, Optional[torch.Tensor]] = {}    # this rank's first gradients
         self.choices: Dict[str, Choice] = {}
+        # the solver's choices and the trial's rival (decide); the trial's seconds
+        self.planned: Dict[str, Choice] = {}
+        self.uniform: Optional[Dict[str, Choice]] = None
+        self.trial: Dict[str, float] = {}
         self.budget: Optional[float] = None
         self.reference: Optional[float] = None       # the user's compressor's total error
         self.proven = True
@@ -728,34 +737,10 @@ class LayerPlanner:
         link = auto.link or measure_link(transport, allreduce, device=device, large=min(
             max(4 * sum(int(np.prod(s)) for s in shapes.values()), 1 << 20), 8 << 20),
             alltoall=bool(self.scattered))
-        self.codecs: Dict[str, CodecCost] = dict(auto.codecs or {})
-        rounds = [c for c in self.cands
-                  if isinstance(c, SummedRounds) and c.spec() not in self.codecs]
-        if rounds:               # untimed: a process's first large allocations page-fault
-            _measure_rounds(rounds[0], transport, numel)
-        for c in self.cands:
-            if c.spec() in self.codecs or c.spec() in ("none", "fp16"):
-                continue
-            if isinstance(c, SummedRounds):
-                self.codecs[c.spec()] = _measure_rounds(c, transport, numel, CALIBRATE_REPS)
-            else:
-                self.codecs[c.spec()] = measure_codec(c, transport, numel, device=device,
-                                                      reps=CALIBRATE_REPS)
-        monotone_in_rank(rounds, self.codecs)
-        for spec in sorted(self.scattered):
-            if STAGE2 + spec not in self.codecs:
-                self.codecs[STAGE2 + spec] = measure_codec(
-                    self.by_spec[spec], transport, numel, device=device, second_stage=stage_two)
-        if "fp16" not in self.codecs:
-            some = next((v for k, v in self.codecs.items() if v.fp16_per_elem > 0), None)
-            self.codecs["fp16"] = some or CodecCost(0, 0, 0, 0, 0, 2, 0.0)
+        self.codecs = measure_candidates(self.cands, auto.codecs or {}, self.scattered,
+                                         transport, numel, device)
         self.model = CostModel(link, self.codecs["fp16"], self.size, allreduce is not None)
         auto.model = self.model
-        for spec, c in sorted(self.codecs.items()):
-            logger.debug("Auto per layer: candidate %s: encode %.3g s + %.3g ns/element, "
-                         "decode %.3g s + %.3g ns/element, %.4g bytes/element", spec,
-                         c.encode_fixed, 1e9 * c.encode_per_elem, c.decode_fixed,
-                         1e9 * c.decode_per_elem, c.bytes_per_elem)
 
     # --- prediction --------------------------------------------------------------------
     def path(self, comp: Compressor) -> str:
@@ -826,15 +811,19 @@ class LayerPlanner:
                                         [self.bucket_of.get(n, 0) for n in known],
                                         self.auto.max_nodes)
         chosen = dict(zip(known, pick))
-        self.choices = {}
-        for n in names:
-            j = chosen.get(n, user)
+
+        def choice(n: str, j: int) -> Choice:
             k, path = self.options[j]
-            c = self.cands[k]
             e = float(errs[n][j])
-            self.choices[n] = Choice(c.spec(), path, float(pred[n][j][1]),
-                                     float(pred[n][j][0]), math.nan if math.isnan(e) else e)
-            self.auto.plan[n] = ("rs+" if path == "reduce_scatter" else "") + c.name
+            return Choice(self.cands[k].spec(), path, float(pred[n][j][1]),
+                          float(pred[n][j][0]), math.nan if math.isnan(e) else e)
+
+        self.planned = {n: choice(n, chosen.get(n, user)) for n in names}
+        self.choose(self.planned)
+        # the user's compressor on every tensor: the plan's rival in a trial, where the
+        # budget allows it (plan_trial.rivals)
+        self.uniform = ({n: choice(n, user) for n in names}
+                        if self.reference <= self.budget * (1 + SLACK) else None)
         self.pending = False
         # every rank computed it from the same numbers; the digest guards that promise
         agree(transport, json.dumps({n: asdict(c) for n, c in self.choices.items()},
@@ -843,29 +832,43 @@ class LayerPlanner:
             self.log()
         return self.choices
 
+    def choose(self, choices: Dict[str, Choice]) -> None:
+        """Make ``choices`` the plan (then :meth:`adopt` it), recorded in the Auto's
+        ``plan`` ({name: compressor name, "rs+" in front over the reduce-scatter})."""
+        self.choices = dict(choices)
+        for n, c in self.choices.items():
+            self.auto.plan[n] = (("rs+" if c.path == "reduce_scatter" else "")
+                                 + self.by_spec[c.spec].name)
+
     def record(self, grads: Optional[Dict[str, Optional[torch.Tensor]]],
                copy: bool = False) -> None:
-        """Keep this rank's gradients of the planned tensors among ``grads`` ({name:
-        tensor or None}; None: this rank has none, e.g. joined) for :meth:`settle`;
-        ``copy``: clone them (the caller reuses its buffers)."""
+        """Keep this rank's gradients of the planned tensors among ``grads`` ({name: tensor
+        or None}; None: none, e.g. joined) for :meth:`settle`; ``copy``: clone them."""
         for n, g in (grads or {}).items():      # (a sparse gradient is not measured)
             if n in self.shapes and g is not None and not g.is_sparse:
                 self.first[n] = g.detach().clone() if copy else g.detach()
 
-    def settle(self, plan, transport) -> None:
+    def settle(self, plan, transport) -> Dict[str, torch.Tensor]:
         """While pending: :meth:`decide` on the recorded gradients, then :meth:`adopt`
-        (collective, between steps: every rank together); nothing afterwards."""
-        if self.pending:
-            got, self.first = self.first, {}
-            self.decide(got, transport)
-            self.adopt(plan)
+        (collective, between steps: every rank together); returns the recorded gradients
+        ({} afterwards: nothing is done)."""
+        if not self.pending:
+            return {}
+        got, self.first = self.first, {}
+        self.decide(got, transport)
+        self.adopt(plan)
+        return got
 
-    def adopt(self, plan) -> None:
+    def adopt(self, plan, choices: Optional[Dict[str, Choice]] = None,
+              instances: Optional[Dict[str, Compressor]] = None) -> None:
         """Send every planned tensor of ``plan`` (:class:`~.plan.Plan`) with its choice (the
         exchange then matches its collective to the tensors marked for the reduce-scatter:
-        :func:`hvdcomp.exchange.core.rebuild_flat`)."""
-        for name, c in self.choices.items():
-            plan.assign(name, self.compressor(name), scatter=c.path == "reduce_scatter")
+        :func:`hvdcomp.exchange.core.rebuild_flat`).  ``choices`` / ``instances`` ({spec:
+        compressor}): other choices, with other compressor instances (a trial's); default:
+        the plan's, with the planner's own instances."""
+        for name, c in (self.choices if choices is None else choices).items():
+            comp = self.compressor(name) if instances is None else instances[c.spec]
+            plan.assign(name, comp, scatter=c.path == "reduce_scatter")
 
     def compressor(self, name: str) -> Compressor:
         """The compressor instance ``name`` travels with (one instance per candidate)."""
@@ -929,6 +932,41 @@ class LayerPlanner:
                          f"buckets: the drop-in optimizer, not the DDP hook); they travel over "
                          f"the allgather with the same compressors")
         self.pending = not plan
+
+
+def measure_candidates(cands: Sequence[Compressor], given: Dict[str, CodecCost],
+                       scattered, transport, numel: int, device=None) -> Dict[str, CodecCost]:
+    """{spec: CodecCost} of every candidate among ``cands`` not in ``given`` (and, prefixed
+    :data:`STAGE2`, the second stage of each spec in ``scattered``), measured on every rank
+    together on ``numel`` elements (the slowest rank's; :data:`CALIBRATE_REPS` timed
+    repetitions, the least kept), with ``given`` and "fp16"; each logged at DEBUG."""
+    codecs = dict(given)
+    by_spec = {c.spec(): c for c in cands}
+    rounds = [c for c in cands if isinstance(c, SummedRounds) and c.spec() not in codecs]
+    if rounds:               # untimed: a process's first large allocations page-fault
+        _measure_rounds(rounds[0], transport, numel)
+    for c in cands:
+        if c.spec() in codecs or c.spec() in ("none", "fp16"):
+            continue
+        if isinstance(c, SummedRounds):
+            codecs[c.spec()] = _measure_rounds(c, transport, numel, CALIBRATE_REPS)
+        else:
+            codecs[c.spec()] = measure_codec(c, transport, numel, device=device,
+                                             reps=CALIBRATE_REPS)
+    monotone_in_rank(rounds, codecs)
+    for spec in sorted(scattered):
+        if STAGE2 + spec not in codecs:
+            codecs[STAGE2 + spec] = measure_codec(by_spec[spec], transport, numel,
+                                                  device=device, second_stage=stage_two)
+    if "fp16" not in codecs:
+        some = next((v for k, v in codecs.items() if v.fp16_per_elem > 0), None)
+        codecs["fp16"] = some or CodecCost(0, 0, 0, 0, 0, 2, 0.0)
+    for spec, c in sorted(codecs.items()):
+        logger.debug("Auto per layer: candidate %s: encode %.3g s + %.3g ns/element, "
+                     "decode %.3g s + %.3g ns/element, %.4g bytes/element", spec,
+                     c.encode_fixed, 1e9 * c.encode_per_elem, c.decode_fixed,
+                     1e9 * c.decode_per_elem, c.bytes_per_elem)
+    return codecs
 
 
 def monotone_in_rank(cands: Sequence[Compressor], codecs: Dict[str, CodecCost]) -> None:

@@ -37,6 +37,7 @@ import golden
 import hvdcomp
 import hvdcomp.ddp
 import worker_resume
+from hvdcomp.exchange import plan_trial
 from hvdcomp.transport import Outgoing
 from hvdcomp.transport.torch_dist import TorchDistTransport, private_group
 
@@ -262,12 +263,19 @@ def check_auto_per_layer(rank, size):
     """Auto per layer (hvdcomp.exchange.layer_plan) through the hook: step 0 in fp32 (the
     average of every rank's gradient), then the plan made from step 0's gradients when step
     1 begins, the same on every rank, with averages identical across ranks; the plan is in
-    the hook's checkpoint."""
+    the hook's checkpoint.  With a trial (hvdcomp.exchange.plan_trial: the hook's call of
+    the recorded gradients): every rank measured the same seconds and kept the faster
+    rival."""
+    for trial in (0, 2):
+        auto_per_layer(rank, size, trial)
+
+
+def auto_per_layer(rank, size, trial):
     from hvdcomp.auto import LinkCost
     model = small(width=64)
     ddp = DDP(model)
     auto = hvdcomp.Auto(QSGD, per_layer=True, link=LinkCost(1e-4, 1e-7, 1e-4, 1e-7),
-                        calibrate_numel=1 << 14)
+                        calibrate_numel=1 << 14, trial=trial)
     state = hvdcomp.ddp.HookState(ddp, auto, seed=SEED, min_compress_numel=16)
     ddp.register_comm_hook(state, hvdcomp.ddp.hook)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -293,6 +301,16 @@ def check_auto_per_layer(rank, size):
     assert state.state_dict()["layer_plan"]["plan"] == plan
     assert {n: c["spec"].split(":")[0] for n, c in plan.items()} == {
         n: state.plan[n] for n in plan}
+    rivals = plan_trial.rivals(layer)
+    if trial and rivals:
+        assert set(layer.trial) == {"plan", "uniform"}, layer.trial
+        kept = min(layer.trial, key=layer.trial.get)
+        assert layer.choices == rivals[kept]
+        seen = [None] * size
+        dist.all_gather_object(seen, layer.trial)
+        assert all(t == layer.trial for t in seen), seen
+    else:
+        assert layer.trial == {} and layer.choices == layer.planned
     state.close()
 
 

@@ -7,6 +7,7 @@ import math
 import os
 import random
 import sys
+import time
 
 import pytest
 import torch
@@ -853,3 +854,103 @@ def test_ranks_that_disagree_before_the_planner_are_refused_not_hung(setting):
 
     got = run_ranks(2, body)
     assert all(isinstance(e, hvdcomp.errors.Mismatch) and setting in str(e) for e in got), got
+
+
+# --- the trial (hvdcomp.exchange.plan_trial) ------------------------------------------
+ALQ3 = "alq:bits=3"
+
+
+def _alq_only(**kw):
+    """The user's compressor (ALQ 3 bits) as the only candidate: its plan is the trial's
+    "uniform" rival, with no trial (nothing to compare)."""
+    return hvdcomp.Auto(ALQ3, per_layer=True, fallbacks=(), bits=(), densities=(), ranks=(),
+                        link=SLOW, codecs=_codecs(ALQ3, bits=(), densities=(), ranks=()), **kw)
+
+
+def _slowed(monkeypatch, cls, method, seconds=0.05):
+    """``cls.method`` made ``seconds`` slower per call (every rank: they are threads)."""
+    inner = getattr(cls, method)
+
+    def slow(self, *a, **kw):
+        time.sleep(seconds)
+        return inner(self, *a, **kw)
+    monkeypatch.setattr(cls, method, slow)
+
+
+@pytest.mark.parametrize("slow", ["plan", "uniform"])
+def test_trial_keeps_the_faster_as_measured_and_leaves_no_state(monkeypatch, slow):
+    """The cost model (hand-made costs) plans PowerSGD rank 1 and top-k; the trial times that
+    plan against ALQ 3 bits on every tensor on the first step's gradients and keeps the
+    faster: with PowerSGD made 0.05 s slower per tensor, ALQ everywhere; with ALQ made
+    slower, the plan.  Either way the first step's averages are what the caller was given
+    (exact fp32), and the next steps' equal, bit for bit, those of an exchange that planned
+    the kept choice with no trial: the trial's compressors leave no state behind."""
+    from hvdcomp.compressors.powersgd import PowerSGD
+    if slow == "plan":
+        _slowed(monkeypatch, PowerSGD, "first_round")
+    else:
+        _slowed(monkeypatch, type(hvdcomp.get(ALQ3)), "encode")
+
+    def body(rank, tp):
+        named = list(_model().named_parameters())
+        auto = hvdcomp.Auto(ALQ3, per_layer=True, link=SLOW, codecs=_codecs(ALQ3), trial=2)
+        ex = Exchange(named, auto, tp, min_compress_numel=16)
+        out = [_step(ex, named, rank, s) for s in range(3)]
+        ref_auto = (_alq_only() if slow == "plan" else
+                    hvdcomp.Auto(ALQ3, per_layer=True, link=SLOW, codecs=_codecs(ALQ3), trial=0))
+        ref = Exchange(named, ref_auto, tp, min_compress_numel=16, ident=1)
+        want = [_step(ref, named, rank, s) for s in range(3)]
+        for e in (ex, ref):
+            e.close()
+        return ex.layer, ex.plan.compressor_specs(), dict(auto.plan), ref.layer, out, want
+
+    got = run_ranks(2, body)
+    for layer, specs, auto_plan, ref_layer, out, want in got:
+        assert not isinstance(layer, BaseException), layer
+        t = layer.trial
+        assert set(t) == {"plan", "uniform"}
+        kept = min(t, key=t.get)
+        assert kept == ("uniform" if slow == "plan" else "plan"), t
+        assert abs(t["plan"] - t["uniform"]) > 0.05, t        # 0.05 s per call at least
+        assert layer.choices == (layer.uniform if kept == "uniform" else ref_layer.choices)
+        assert ref_layer.trial == {} and ref_layer.choices == layer.choices
+        for n, c in layer.choices.items():
+            assert specs[n] == c.spec
+            assert auto_plan[n] == hvdcomp.get(c.spec).name
+        assert {c.spec.split(":")[0] for c in layer.choices.values()} == (
+            {"alq"} if kept == "uniform" else {"powersgd", "topk"})
+        for s in range(3):
+            assert out[s].keys() == want[s].keys()
+            assert all(torch.equal(out[s][n], want[s][n]) for n in out[s]), s
+    g = [_grads(list(_model().named_parameters()), r, 0) for r in range(2)]
+    for n, v in got[0][4][0].items():                     # step 0: the exact fp32 average
+        assert torch.equal(v.view(-1), ((g[0][n] + g[1][n]) / 2).view(-1)), n
+    assert got[0][0].trial == got[1][0].trial           # every rank decided on the same numbers
+
+
+def test_trial_between_the_reduce_scatter_and_the_allgather():
+    """A plan over the reduce-scatter tried against the user's compressor over the
+    allgather: the exchange rebuilds its collective for each rival and for the one kept
+    (whichever this machine measured faster), whose averages then equal, bit for bit, those
+    of an exchange built with that compressor over that collective."""
+    def body(rank, tp):
+        named = list(_model().named_parameters())
+        ex = Exchange(named, _qsgd_only(trial=1), tp, min_compress_numel=16)
+        out = [_step(ex, named, rank, s) for s in range(3)]
+        kept = {c.path for c in ex.layer.choices.values()}
+        fixed = Exchange(named, hvdcomp.get("qsgd:bits=3"), tp, min_compress_numel=16,
+                         collective=kept.pop(), ident=1)
+        ref = [_step(fixed, named, rank, s) for s in range(3)]
+        for e in (ex, fixed):
+            e.close()
+        return ex.layer, type(ex.collective), type(fixed.collective), out, ref
+
+    got = run_ranks(2, body)
+    for layer, kind, fixed_kind, out, ref in got:
+        assert not isinstance(layer, BaseException), layer
+        assert set(layer.trial) == {"plan", "uniform"} and kind is fixed_kind
+        assert {c.path for c in layer.planned.values()} == {"reduce_scatter"}
+        assert {c.path for c in layer.uniform.values()} == {"allgather"}
+        for s in (1, 2):
+            assert all(torch.equal(out[s][n], ref[s][n]) for n in out[s]), s
+    assert got[0][0].choices == got[1][0].choices
