@@ -264,7 +264,7 @@ class Auto:
       ``sample``: coordinates per tensor (an integer >= 1) the squared error of the ranks'
       average is estimated from (all of a tensor with at most that many elements).
       ``trial``: after planning, time the plan against ``compressor`` on every planned tensor,
-      end to end on the first step's gradients (this many timed exchanges each, interleaved,
+      end to end on the first step's gradients (this many timed exchanges each,
       after one untimed; :mod:`hvdcomp.exchange.plan_trial`) and keep the faster; 0: trust
       the cost model; None (default): 2, or 0 when ``link`` is given (costs fixed by hand).
 

@@ -520,6 +520,12 @@ def test_spec_strings_and_bad_settings():
     assert from_spec("auto+layer+ag+qsgd:bits=4")[1] == "allgather"
     with pytest.raises(ValueError, match="budget"):
         hvdcomp.Auto("alq:bits=3", per_layer=True, budget=-1)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="trial"):
+            hvdcomp.Auto("alq:bits=3", per_layer=True, trial=bad)
+    # the trial by default, none where the link's costs are given; ranks agree on it (spec)
+    assert auto.trial == 2 and hvdcomp.Auto("qsgd", per_layer=True, link=SLOW).trial == 0
+    assert "trial=3" in hvdcomp.Auto("qsgd", per_layer=True, trial=3).spec()
 
     def body(rank, tp):
         named = list(_model().named_parameters())
