@@ -71,9 +71,12 @@ def run(ex, grads: Dict[str, torch.Tensor], step: int,
     for lab in labels:
         fresh = {s: steady(get(s)) for s in sorted({c.spec for c in tried[lab].values()})}
         layer.adopt(ex.plan, tried[lab], fresh)
-        rebuild(ex)
-        mine[lab] = [exchange_once(ex, grads, step) for _ in range(reps + 1)][1:]
-        layer.adopt(ex.plan)                # the rival's compressors and their state freed
+        try:
+            rebuild(ex)
+            mine[lab] = [exchange_once(ex, grads, step) for _ in range(reps + 1)][1:]
+        finally:                  # (also after an error: the plan's own compressors back)
+            layer.adopt(ex.plan)          # the rival's compressors and their state freed
+            rebuild(ex)
         del fresh
         gc.collect()
     slow = _slowest(ex.transport, [t for lab in labels for t in mine[lab]])
