@@ -271,7 +271,7 @@ class Auto:
     Used through ``hvdcomp.torch.DistributedOptimizer(..., compression=Auto(...))``; the
     optimizer's ``compression`` is then the inner compressor, ``plan`` the compressor per
     tensor and ``paths`` the collective per tensor.  Raises ValueError for an unknown
-    fallback or budget, ConfigError for a bad spec.
+    fallback, budget, sample or trial, ConfigError for a bad spec.
     """
 
     def __init__(self, compressor="alq:bits=3", fallbacks: Sequence[str] = ("none", "fp16"),

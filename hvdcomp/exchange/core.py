@@ -229,23 +229,23 @@ class Exchange(LoopProtocols):
         compressors that keep per-rank state).  The averaged gradients of compressed
         tensors live in buffers that the next step reuses: copy what you keep.  Re-raises
         the step's first error (e.g. WireFormatError, or a RuntimeError naming a rank that
-        failed to encode) on the calling thread."""
+        failed to encode) on the calling thread, and those of :meth:`settle_plan`."""
         results, stats = self.pipeline.finish()
         if self.layer is not None and self.layer.pending:
             self.layer.record(None if self.averaging.joined else
                               {n: self.entries[n].param.grad for n in self.layer.shapes})
-            if self.layer.auto.trial:      # (a trial reuses the buffers)
-                results = {n: t.clone() for n, t in results.items()}
-            self.settle_plan(stats.step)
+            results = self.settle_plan(stats.step, results)
         return results, stats
 
-    def settle_plan(self, step: int) -> None:
-        """A per-layer Auto's plan, while pending: decided from step ``step``'s gradients,
-        adopted (:func:`rebuild_flat`), then tried (:mod:`.plan_trial`; collective)."""
+    def settle_plan(self, step: int, results: Optional[dict] = None) -> Optional[dict]:
+        """A per-layer Auto's plan, while pending: decided from the first step's gradients
+        (``step``: its number), adopted, then tried (:mod:`.plan_trial`; collective);
+        returns ``results`` (that step's averages), copied if a trial reuses their buffers."""
         if self.layer is not None and self.layer.pending:
             grads = self.layer.settle(self.plan, self.transport)
             rebuild_flat(self)
-            plan_trial.run(self, grads, step, rebuild_flat)
+            results = plan_trial.run(self, grads, step, rebuild_flat, results)
+        return results
 
     def check_replicas_once(self) -> None:
         """The first time only, if built with ``check_replicas``: compare the parameters'

@@ -131,7 +131,8 @@ from .rounds import simulate
 from .shards import refusal, second_stage as stage_two
 
 __all__ = ["Choice", "LayerPlanner", "MIN_DELTA", "SAMPLE", "candidates", "effective_error",
-           "fitted_levels", "measure_candidates", "measure_errors", "measure_key", "planner", "residual", "sample_index",
+           "fitted_levels", "measure_candidates", "measure_errors", "measure_key", "planner",
+           "residual", "sample_index",
            "scatterable", "second_stage_errors", "solve", "stage2_buckets"]
 
 #: Relative slack of the budget test (sums of the same errors in another order may differ
@@ -919,12 +920,12 @@ class LayerPlanner:
         for s, st in state["states"].items():
             self.by_spec[s].load_state_dict(st)
         self.budget, self.reference = state["budget"], state["reference"]
-        self.choices = {n: Choice(**c) for n, c in plan.items()}
-        moved = sorted(n for n, c in self.choices.items()
+        got = {n: Choice(**c) for n, c in plan.items()}
+        moved = sorted(n for n, c in got.items()
                        if c.path == "reduce_scatter" and c.spec not in self.scattered)
-        for n in moved:
-            c = self.choices[n]
-            self.choices[n] = replace(c, path=self.path(self.by_spec[c.spec]))
+        self.choose({n: replace(c, path=self.path(self.by_spec[c.spec])) if n in moved else c
+                     for n, c in got.items()})
+        self.planned = self.choices              # (the checkpoint keeps the plan adopted)
         if moved:
             warn_limited(f"hvdcomp: the per-layer plan loaded sends {moved} over the "
                          f"reduce-scatter, which this exchange does not offer (it needs 2 or "

@@ -263,9 +263,8 @@ def check_auto_per_layer(rank, size):
     """Auto per layer (hvdcomp.exchange.layer_plan) through the hook: step 0 in fp32 (the
     average of every rank's gradient), then the plan made from step 0's gradients when step
     1 begins, the same on every rank, with averages identical across ranks; the plan is in
-    the hook's checkpoint.  With a trial (hvdcomp.exchange.plan_trial: the hook's call of
-    the recorded gradients): every rank measured the same seconds and kept the faster
-    rival."""
+    the hook's checkpoint.  With a trial (hvdcomp.exchange.plan_trial) where there are
+    rivals: every rank measured the same seconds and kept the faster rival."""
     for trial in (0, 2):
         auto_per_layer(rank, size, trial)
 
@@ -312,6 +311,60 @@ def auto_per_layer(rank, size, trial):
     else:
         assert layer.trial == {} and layer.choices == layer.planned
     state.close()
+
+
+def check_auto_per_layer_trial(rank, size):
+    """The per-layer plan's trial through the hook (hvdcomp.exchange.plan_trial: one call of
+    the recorded gradients into scratch buffers).  On a link priced as free the plan sends
+    both weights in fp32 and its rival is QSGD on both; with QSGD's encode made 0.1 s
+    slower the trial keeps the plan on every rank, from the same seconds; the averages of
+    steps 1 and 2 equal, bit for bit, those of a hook that planned the same with no trial,
+    and the trial leaves no buffers behind."""
+    from hvdcomp.auto import LinkCost
+    from hvdcomp.compressors.quantizers import QSGD as Quantizer
+    free = LinkCost(1e-9, 1e-15, 1e-9, 1e-15)
+    inner = Quantizer.encode
+
+    def slow(self, *a, **kw):
+        time.sleep(0.1)
+        return inner(self, *a, **kw)
+    Quantizer.encode = slow
+    try:
+        runs = [per_layer_run(rank, size, hvdcomp.Auto(QSGD, per_layer=True, link=free,
+                                                       calibrate_numel=1 << 14, trial=t))
+                for t in (2, 0)]
+    finally:
+        Quantizer.encode = inner
+    (tried, layer, accs), (untried, ref, ref_accs) = runs
+    assert plan_trial.rivals(layer) and ref.trial == {}
+    assert {c.spec for c in layer.planned.values()} == {"none"}, layer.planned
+    assert layer.trial["uniform"] > layer.trial["plan"] + 0.1, layer.trial
+    assert layer.choices == layer.planned == ref.choices
+    seen = [None] * size
+    dist.all_gather_object(seen, layer.trial)
+    assert all(t == layer.trial for t in seen), seen
+    for step in (1, 2):
+        assert all(same(tried[step][n], untried[step][n]) for n in tried[step]), step
+    assert accs == ref_accs, (accs, ref_accs)
+
+
+def per_layer_run(rank, size, auto):
+    """3 steps of the small model through the hook with ``auto``: ({step: {name: averaged
+    gradient}}, the per-layer planner, the names of the exchange's own average buffers)."""
+    model = small(width=64)
+    ddp = DDP(model)
+    state = hvdcomp.ddp.HookState(ddp, auto, seed=SEED, min_compress_numel=16)
+    ddp.register_comm_hook(state, hvdcomp.ddp.hook)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = {}
+    for step in range(3):
+        opt.zero_grad()
+        ce(ddp, rank, step).backward()
+        out[step] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    layer, accs = state.exchange.layer, sorted(state.exchange.averaging._accs)
+    state.close()
+    return out, layer, accs
 
 
 def raises_everywhere(rank, fn, here, elsewhere):
@@ -966,6 +1019,7 @@ def check_dgc_groups(rank, size):
 
 CHECKS = ["check_transport", "check_stateless", "check_summable", "check_static_graph",
           "check_unused_and_frozen", "check_no_sync", "check_auto", "check_auto_per_layer",
+          "check_auto_per_layer_trial",
           "check_errors",
           "check_loops", "check_gan", "check_sparse",
           "check_join", "check_casts", "check_dgc_groups"]
