@@ -56,9 +56,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-METHODS = ["none", "fp16", "ag+alq:bits=3", "rs+alq:bits=3", "ag+dgc:density=0.001",
-           "rs+dgc:density=0.001", "auto+alq:bits=3", "powersgd:rank=1", "powersgd:rank=2",
-           "powersgd:rank=4", "auto+layer+alq:bits=3", "auto+layer+powersgd:rank=1"]
+# (each Auto per layer row right after the fixed row whose error is its budget: rows timed
+# minutes apart differed by up to 23 % with the same exchange, after a heavy row, while
+# adjacent ones by 2-4 %: bench/results/scaling_diagnostics_20261204.md, section 7)
+METHODS = ["none", "fp16", "ag+alq:bits=3", "rs+alq:bits=3", "auto+layer+alq:bits=3",
+           "ag+dgc:density=0.001", "rs+dgc:density=0.001", "auto+alq:bits=3",
+           "powersgd:rank=1", "auto+layer+powersgd:rank=1", "powersgd:rank=2",
+           "powersgd:rank=4"]
 # PyTorch's powerSGD_hook, timed under DDP over Gloo between the same hosts (--ddp-methods)
 DDP_METHODS = ["torch-powersgd:rank=1", "torch-powersgd:rank=2", "torch-powersgd:rank=4"]
 from scaling_model import LABELS  # noqa: E402  (the rows' names, one table for the bench)
