@@ -21,8 +21,8 @@ ABSENT_REFUSE = "refuse"    # a clear error: every rank's message is needed (NDQ
 class Declarations:
     """The declarations the exchange core reads (defaults here; the families override):
     ``absent_rank``, ``wire_dtype``, ``sends_values``, ``shard_unit`` / ``shard_shape``,
-    ``second_stage``, ``for_dtype``, ``shared_state`` and ``biased``; and one for the
-    compressor's users and tests, not the core: ``device_identical``.  Only
+    ``second_stage``, ``for_dtype``, ``steady_state``, ``shared_state`` and ``biased``; and
+    one for the compressor's users and tests, not the core: ``device_identical``.  Only
     :class:`~hvdcomp.compressors.base.Compressor` inherits it; ``name`` is the compressor's
     registered name."""
     name: ClassVar[str] = "?"
@@ -65,6 +65,13 @@ class Declarations:
         """The compressor a tensor of ``dtype`` travels with in place of this one: this one,
         except a cast whose wire dtype cannot hold ``dtype``'s range (fp16 for bfloat16:
         bf16)."""
+        return self
+
+    def steady_state(self) -> "Compressor":
+        """The compressor that compresses, from its first step, as this one does once its
+        warm-up schedule has ended (Auto per layer's trial times what the steps after the
+        first cost: hvdcomp.exchange.plan_trial): this one by default; a new instance
+        without the schedule where there is one (PowerSGD's ``start_iter``, DGC's warm-up)."""
         return self
 
     # The keys of ``state_dict()`` that hold the same values on every rank and keep their

@@ -33,7 +33,7 @@ import torch
 from .. import philox
 from ..ops import divide_
 from . import settings
-from .base import Compressor, TensorKey, numel_of, register
+from .base import Compressor, TensorKey, get, numel_of, register
 from .protocols import SummedRounds
 from .state import finite, load_tensors
 
@@ -168,6 +168,10 @@ class PowerSGD(SummedRounds, Compressor):
         if (n + m) * r * self.min_compression_rate >= numel:
             return None
         return n, m, r
+
+    def steady_state(self) -> "PowerSGD":
+        """Without ``start_iter`` (a new instance; this one where it is 0)."""
+        return get(self.spec(), start_iter=0) if self.start_iter else self
 
     def message_bytes(self, shape) -> int:
         """Bytes this rank sends for a tensor of ``shape`` once compression has started:

@@ -544,6 +544,11 @@ class DGC(MomentumCorrection, _Sparse):
         return get(self.spec(), momentum_correction=False, masking=False, momentum=0.0,
                    clip_norm=0.0)
 
+    def steady_state(self) -> Compressor:
+        """Without the warm-up (a new instance at ``density`` from its first step; this one
+        where ``warmup_epochs`` is 0)."""
+        return get(self.spec(), warmup_epochs=0) if self.warmup_epochs else self
+
     # --- schedule and momentum --------------------------------------------------------
     def density_at(self, step: int) -> float:
         """The density used at optimizer step ``step`` (warm-up, Sec. 3.3)."""

@@ -18,9 +18,8 @@ compressor on every tensor fits the error budget and differs from the plan.
 How:
 
 * each rival gets fresh instances of its compressors, thrown away afterwards: the
-  training's compressors start with no state, as without a trial; they are set to their
-  steady state where a setting says otherwise at the first step (:func:`steady`:
-  PowerSGD's ``start_iter``, DGC's warm-up);
+  training's compressors start with no state, as without a trial; each as in its steady
+  state (``Compressor.steady_state``: without PowerSGD's ``start_iter`` or DGC's warm-up);
 * the exchange runs the first step's gradients with it, numbered as the first step: the
   drop-in optimizer over its fusion buckets (``begin`` / ``ready`` / ``finish``, every
   tensor, its ``param.grad`` still the first step's), the DDP hook as one call of the
@@ -61,7 +60,7 @@ from ..compressors import get
 from ..errors import Mismatch, OutOfStep
 from ..log import logger, warn_limited
 
-__all__ = ["rivals", "run", "steady"]
+__all__ = ["rivals", "run"]
 
 
 def rivals(layer) -> Dict[str, Dict[str, object]]:
@@ -98,7 +97,8 @@ def run(ex, grads: Dict[str, torch.Tensor], step: int, rebuild: Callable[[object
     mine: Dict[str, list] = {}
     errors: Dict[str, BaseException] = {}
     for lab in labels:
-        fresh = {s: steady(get(s)) for s in sorted({c.spec for c in tried[lab].values()})}
+        specs = sorted({c.spec for c in tried[lab].values()})
+        fresh = {s: get(s).steady_state() for s in specs}
         layer.adopt(ex.plan, tried[lab], fresh)
         try:
             rebuild(ex)
@@ -130,16 +130,6 @@ def run(ex, grads: Dict[str, torch.Tensor], step: int, rebuild: Callable[[object
                     layer.auto.compressor.spec(), seconds["uniform"],
                     "plan" if winner == "plan" else "user's compressor on every tensor")
     return results
-
-
-def steady(comp):
-    """``comp`` set to compress as in its steady state from its first step (the trial times
-    what the steps after the first cost): PowerSGD's ``start_iter`` and DGC's warm-up
-    (``warmup_epochs``) set to 0 on this instance."""
-    for setting in ("start_iter", "warmup_epochs"):
-        if getattr(comp, setting, 0):
-            setattr(comp, setting, 0)
-    return comp
 
 
 def scratch(ex, grads: Dict[str, torch.Tensor]):

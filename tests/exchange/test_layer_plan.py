@@ -990,21 +990,21 @@ def test_trial_between_the_reduce_scatter_and_the_allgather(monkeypatch, slow):
 
 
 def _failing_trial(monkeypatch, which):
-    """The trial's fresh compressors (plan_trial.steady) of the kinds in ``which`` raise
+    """The trial's fresh compressors (``get`` in plan_trial) of the kinds in ``which`` raise
     when they encode (top-k, ALQ) or start their rounds (PowerSGD): the planner's own
     instances, used to decide and to train, do not."""
     from hvdcomp.exchange import plan_trial
-    inner = plan_trial.steady
+    inner = plan_trial.get
 
     def boom(*a, **kw):
         raise RuntimeError("boom in the trial")
 
-    def steady(comp):
-        comp = inner(comp)
+    def get(spec):
+        comp = inner(spec)
         if comp.name in which:
             comp.encode = comp.first_round = boom
         return comp
-    monkeypatch.setattr(plan_trial, "steady", steady)
+    monkeypatch.setattr(plan_trial, "get", get)
 
 
 @pytest.mark.parametrize("which", [("powersgd", "topk"), ("powersgd", "topk", "alq")])
@@ -1050,3 +1050,20 @@ def test_a_rival_that_raises_in_the_trial(monkeypatch, caplog, which):
     if not both:
         assert any("the plan rival raised RuntimeError: boom in the trial" in r.getMessage()
                    for r in caplog.records), caplog.records
+
+
+def test_steady_state_declaration():
+    """What the trial times in place of a compressor (Compressor.steady_state): itself where
+    there is no warm-up; a new instance without PowerSGD's start_iter or DGC's warm-up (its
+    density from step 0), its other settings the same."""
+    plain = hvdcomp.get(ALQ3)
+    assert plain.steady_state() is plain
+    for spec, setting in (("powersgd:rank=2,start_iter=10", "start_iter"),
+                          ("dgc:density=0.001,warmup_epochs=4,warmup_steps=100",
+                           "warmup_epochs")):
+        c = hvdcomp.get(spec)
+        s = c.steady_state()
+        assert s is not c and getattr(s, setting) == 0 and getattr(c, setting) > 0
+        assert s.settings() == dict(c.settings(), **{setting: 0})
+    dgc = hvdcomp.get("dgc:density=0.001,warmup_epochs=4,warmup_steps=100")
+    assert dgc.density_at(0) > 0.001 and dgc.steady_state().density_at(0) == 0.001
