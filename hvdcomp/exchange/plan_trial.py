@@ -136,18 +136,19 @@ def scratch(ex, grads: Dict[str, torch.Tensor]):
     """For the DDP hook's call (``ex`` without fusion buckets): ({name: gradient}, {name:
     scratch float32 buffer for its average}, None) of the planned tensors, zeros where this
     rank has no gradient; or ({}, {}, the exception) if making them raised on this rank (the
-    call then carries it to every rank).  The drop-in optimizer: ({}, {}, None)."""
+    call then carries it to every rank); in the exchange's tensor order.  The drop-in
+    optimizer: ({}, {}, None)."""
     if ex.fused:
         return {}, {}, None
+    names = sorted(ex.layer.shapes, key=lambda n: ex.entries[n].tensor_id)
     try:
-        names = sorted(ex.layer.shapes, key=lambda n: ex.entries[n].tensor_id)
         given = {n: grads[n] if grads.get(n) is not None
                  else torch.zeros_like(ex.entries[n].param) for n in names}
         out = {n: torch.empty(ex.entries[n].param.numel(), dtype=torch.float32,
                               device=ex.entries[n].param.device) for n in names}
         return given, out, None
     except Exception as e:        # noqa: BLE001 - handed to the call (every rank raises)
-        return {n: torch.zeros(0) for n in ex.layer.shapes}, None, e
+        return {n: torch.zeros(0) for n in names}, None, e
 
 
 def exchange_once(ex, given: Dict[str, torch.Tensor], out, step: int,
@@ -163,7 +164,7 @@ def exchange_once(ex, given: Dict[str, torch.Tensor], out, step: int,
                 p.ready(n)
         p.finish()
     else:
-        names = sorted(given, key=lambda n: ex.entries[n].tensor_id)
+        names = list(given)                 # (in tensor order: scratch)
         over = threading.Event()
         failed = []
 
