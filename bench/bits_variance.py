@@ -34,8 +34,10 @@ int4 values (``values=int8/int4``: a float32 scale per 256 values, rounded to ne
 indices Golomb-Rice coded: the only index coding hvdcomp has); top-k whose values are
 re-quantized by a second hvdcomp message (a composition made in this bench, with ALQ-inf or
 QSGDinf levels and rANS); PowerSGD
-(Vogels et al., NeurIPS 2019, Alg. 1) at ranks 1, 2, 4, 8, 16 from the plain PyTorch reference
-below, P and Q in fp32 (PyTorch's hook) or fp16; and CGX's quantizer (stochastic max-min,
+(Vogels et al., NeurIPS 2019, Alg. 1 and 2) at ranks 1-64: hvdcomp's ``powersgd`` itself
+(float32 sums, as PyTorch's hook; tensors where it does not pay sent uncompressed), and the
+plain PyTorch reference below with P and Q rounded to fp16 (a variant hvdcomp does not
+send; every matrix compressed); and CGX's quantizer (stochastic max-min,
 Markov et al. 2022; its README: "basic stochastic max-min uniform quantization") whose exact
 variance is computed in closed form.
 
@@ -64,13 +66,14 @@ from common import FC300100, SmallCNN, training_gradients  # noqa: E402
 from quantizers import fit_to  # noqa: E402  (ALQ/AMQ levels fitted as bench/quantizers.py does)
 
 import hvdcomp  # noqa: E402
+from hvdcomp import TensorKey  # noqa: E402
 
 BUCKET = 1024
 STEPS = (0, 100, 400)
 WARM = 10                    # PowerSGD: Alg. 1 run on this many preceding steps to warm Q
 TARGET_BITS = 2.0
 DENSITIES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.25, 0.3, 0.4)
-RANKS = (1, 2, 4, 8, 16)
+RANKS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MODELS = (("FC-300-100", FC300100, 32), ("SmallCNN", SmallCNN, 32),
           ("FC-300-100 batch 256", FC300100, 256), ("Fashion-MNIST CNN", None, 64))
 
@@ -286,6 +289,55 @@ def sparse_quantized(grads, history, setting, draws, sq):
                 bits_ef=8 * ef_bytes / numel)
 
 
+def powersgd_rounds(comp, grads, step):
+    """One step of an hvdcomp PowerSGD instance ``comp`` on world size 1: the exchange
+    core's rounds (:class:`hvdcomp.compressors.protocols.SummedRounds`) with each round's
+    sum over one rank being its own buffer.  Returns ({name: average}, float32 elements
+    summed: what the allreduces carry, per rank)."""
+    est, floats = {}, 0
+    for i, (n, g) in enumerate(sorted(grads.items())):
+        key = TensorKey(n, i, step, 0, 1, shape=tuple(g.shape), dtype=g.dtype)
+        sizes = comp.round_sizes(key.shape, step)
+        floats += sum(sizes)
+        out = torch.zeros(sizes[0])
+        comp.first_round(g, key, out)
+        for j in range(1, len(sizes)):
+            nxt = torch.zeros(sizes[j])
+            comp.next_round(j, out, key, nxt)
+            out = nxt
+        acc = torch.empty(g.numel())
+        comp.last_round(out, key, acc)
+        est[n] = comp.finalize(acc, key).view_as(g)
+    return est, floats
+
+
+def hvdcomp_powersgd_points(history, grads, rank, step):
+    """hvdcomp's ``powersgd:rank=<rank>`` itself (float32 sums, its rule for which tensors
+    are compressed, Philox initial Q) on gradient ``grads`` at ``step``, after it ran
+    (Alg. 2, error feedback) on the preceding real gradients ``history`` (oldest first).
+    First step: a new instance with the warm Q and no residual, error on g_t; steady state:
+    the running instance, error on p = g_t + e_t relative to ||p||^2.  Bits: 32 x the
+    float32 elements its allreduces carry per rank (no header) / coordinates."""
+    spec = f"powersgd:rank={rank}"
+    comp = hvdcomp.get(spec)
+    for s, gd in enumerate(history):
+        powersgd_rounds(comp, {n: gd[n] for n in grads}, step - len(history) + s)
+    state = comp.state_dict()
+    first = hvdcomp.get(spec)
+    first.load_state_dict({"q": state["q"], "residual": {}})
+    est, floats = powersgd_rounds(first, grads, step)
+    e_g = sum(float((est[n].double() - g.double()).pow(2).sum()) for n, g in grads.items())
+    p = {n: g.double() + state["residual"][n].double().view_as(g)
+         if n in state["residual"] else g.double() for n, g in grads.items()}
+    est_ef, _ = powersgd_rounds(comp, grads, step)
+    e_ef = sum(float((est_ef[n].double() - p[n]).pow(2).sum()) for n in grads)
+    sq = sum(float(g.double().pow(2).sum()) for g in grads.values())
+    sq_ef = sum(float(v.pow(2).sum()) for v in p.values())
+    numel = sum(g.numel() for g in grads.values())
+    return dict(nerr=e_g / sq, nerr_sem=0.0, nerr_ef=e_ef / sq_ef, bits=32 * floats / numel,
+                bytes=4 * floats)
+
+
 def powersgd_points(history, grads, rank, fp16, seed=0):
     """PowerSGD rank ``rank`` on gradient ``grads`` (step t): Q starts i.i.d. N(0, 1) and is
     warm-started through Alg. 1 with error feedback on the preceding real gradients
@@ -412,9 +464,10 @@ def gradient_rows(model, step, grads, history, draws):
             add("topk+quantized values",
                 f"topk:density={d} + {vq}:bits={vbits},entropy={entropy}", r, True, entropy)
     for rank in RANKS:
-        for fp16 in (False, True):
-            r = powersgd_points(history, grads, rank, fp16)
-            add("powersgd", f"rank={rank},{'fp16' if fp16 else 'fp32'}", r, True)
+        add("powersgd", f"powersgd:rank={rank}",
+            hvdcomp_powersgd_points(history, grads, rank, step), True)
+        add("powersgd fp16", f"rank={rank},fp16",
+            powersgd_points(history, grads, rank, True), True)
     return rows
 
 
@@ -518,9 +571,10 @@ PLOT_SERIES = [   # (label, which rows, error kind)
      "nerr"),
     ("top-k + ALQ-inf 5b rANS values (bench)",
      _is("topk+quantized values", has="alq-inf:bits=5"), "nerr"),
-    ("PowerSGD fp32", _is("powersgd", has="fp32"), "nerr"),
-    ("PowerSGD fp16", _is("powersgd", has="fp16"), "nerr"),
-    ("PowerSGD fp16, EF steady state", _is("powersgd", has="fp16"), "nerr_ef"),
+    ("hvdcomp PowerSGD (fp32)", _is("powersgd"), "nerr"),
+    ("hvdcomp PowerSGD (fp32), EF steady state", _is("powersgd"), "nerr_ef"),
+    ("PowerSGD, P and Q in fp16 (bench)", _is("powersgd fp16"), "nerr"),
+    ("PowerSGD, P and Q in fp16 (bench), EF steady state", _is("powersgd fp16"), "nerr_ef"),
 ]
 
 
@@ -567,7 +621,9 @@ def plot(rows, path):
 
 def label(r):
     """A short name for a row's setting."""
-    if r["method"] in ("topk+quantized values", "powersgd", "cgx-maxmin"):
+    if r["method"] == "powersgd":
+        return r["setting"].split(":", 1)[1]
+    if r["method"] in ("topk+quantized values", "powersgd fp16", "cgx-maxmin"):
         return r["setting"].replace(",bucket_size=1024", "")
     if r["method"].startswith("uniformef"):
         return "v=" + r["setting"].split("variance_target=")[1].replace(",step_scope=", " ")
@@ -633,7 +689,7 @@ def report_md(res) -> str:
 
 
 #: The verdict's column groups: (heading, methods).  Top-k's values=int8 / int4 are
-#: hvdcomp settings; "topk+quantized values" and "powersgd" are this bench's compositions.
+#: hvdcomp settings; "topk+quantized values" and "powersgd fp16" are this bench's compositions.
 GROUPS = (("hvdcomp quantizers", ("qsgd", "qsgdinf", "nuqsgd", "alq", "alq-inf", "amq",
                                   "amq-inf", "terngrad")),
           ("hvdcomp DQSG rANS (paper's step / variance target)", ("dqsg", "dqsg variance")),
@@ -642,7 +698,8 @@ GROUPS = (("hvdcomp quantizers", ("qsgd", "qsgdinf", "nuqsgd", "alq", "alq-inf",
           ("hvdcomp top-k (fp32/fp16/int8/int4 values) / DGC / EF-sign",
            ("topk", "dgc", "signef")),
           ("top-k + quantized values (bench)", ("topk+quantized values",)),
-          ("PowerSGD (bench)", ("powersgd",)))
+          ("hvdcomp PowerSGD (fp32 sums)", ("powersgd",)),
+          ("PowerSGD, P and Q in fp16 (bench)", ("powersgd fp16",)))
 
 
 def _short(r) -> str:
@@ -656,7 +713,9 @@ def _short(r) -> str:
     if m == "terngrad":
         return "terngrad" + (" rANS" if "entropy=True" in st else "")
     if m == "powersgd":
-        return st.replace(",", " ")
+        return "PowerSGD " + st.split(":", 1)[1].replace("=", " ")
+    if m == "powersgd fp16":
+        return "PowerSGD " + st.replace("=", " ").replace(",", " ")
     if m.startswith("uniformef"):
         return ("uniformef v=" + st.split("variance_target=")[1].split(",")[0]
                 + m[len("uniformef"):])

@@ -376,8 +376,10 @@ class Auto:
 
 # --- measuring ---------------------------------------------------------------------------
 
-def _slowest(transport, values: List[float]) -> List[float]:
-    """Each value's maximum over ranks (every rank gets the same list)."""
+def slowest_over_ranks(transport, values: List[float]) -> List[float]:
+    """Each value's maximum over ranks (every rank gets the same list): ``values`` a list of
+    floats (seconds, as measured on this rank), one allgather of float64 over ``transport``
+    (collective: every rank calls it with a list of the same length)."""
     got = transport.allgather(np.asarray(values, dtype=np.float64).view(np.uint8))
     return np.max(np.stack([g.view(np.float64) for g in got]), axis=0).tolist()
 
@@ -420,7 +422,7 @@ def measure_link(transport, allreduce=None, large: int = LINK_LARGE_MIN, reps: i
             vals.append(_best_of(lambda: transport.alltoall(parts), reps))
         else:
             vals.append(0.0)
-    ar1, ag1, aa1, ar2, ag2, aa2 = _slowest(transport, vals)
+    ar1, ag1, aa1, ar2, ag2, aa2 = slowest_over_ranks(transport, vals)
     (s1, g1), (s2, g2) = sizes
     a_ar, b_ar = fit_line(s1, ar1, s2, ar2)
     a_ag, b_ag = fit_line(g1, ag1, g2, ag2)
@@ -473,7 +475,7 @@ def measure_codec(compressor: Compressor, transport, numel: int = 2**22,
                 t_enc, t_dec, t16 = min(t_enc, t1 - t0), min(t_dec, t2 - t1), min(t16, t3 - t2)
             nbytes = len(msg.to_bytes())
         vals += [t_enc, t_dec, float(nbytes), t16]
-    e1, d1, m1, c1, e2, d2, m2, c2 = _slowest(transport, vals)
+    e1, d1, m1, c1, e2, d2, m2, c2 = slowest_over_ranks(transport, vals)
     n1, n2 = CALIBRATE_SMALL, numel
     # a noisy machine can make the small tensor look as slow as the large one: the per-
     # element cost is never taken below half the large tensor's average

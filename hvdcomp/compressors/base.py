@@ -24,7 +24,8 @@ from .declarations import ABSENT_LAST, ABSENT_REFUSE, ABSENT_ZEROS, Declarations
 from .state import finite
 
 __all__ = ["Compressor", "TensorKey", "register", "get", "parse_spec", "available",
-           "registry", "examples", "REGISTRY", "ABSENT_ZEROS", "ABSENT_LAST", "ABSENT_REFUSE"]
+           "registry", "examples", "REGISTRY", "ABSENT_ZEROS", "ABSENT_LAST", "ABSENT_REFUSE",
+           "AVERAGE_SUFFIX"]
 
 REGISTRY: Dict[str, type] = {}
 
@@ -64,6 +65,12 @@ def examples() -> Dict[str, str]:
     name: the list that the tests, the DDP golden run, the device tests, bench/codec_speed.py
     and the selftest run."""
     return {n: cls.example or n for n, cls in registry().items()}
+
+
+#: What ends the name of a reduce-scatter's second-stage key (the owner's re-encoded average
+#: of a piece, :meth:`hvdcomp.exchange.shards.Piece.key2`), so that a compressor that keeps
+#: statistics per kind of tensor tells averages from gradients.
+AVERAGE_SUFFIX = "/avg"
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ from ..ops.quantize import bucket_norms
 from ..ops.bitpack import pack_bits, packed_size, unpack_bits
 from ..wire import Message
 from . import settings
-from .base import Compressor, TensorKey, numel_of, register
+from .base import AVERAGE_SUFFIX, Compressor, TensorKey, numel_of, register
 from .dithered import parse_steps_and_codes
 from .state import Residuals, finite
 
@@ -104,12 +104,13 @@ __all__ = ["UniformEF"]
 
 
 #: The groups that keep a mean square of their own with step_scope "model": the gradients,
-#: and the reduce-scatter's re-encoded averages (names ending "/avg": hvdcomp.exchange.shards).
+#: and the reduce-scatter's re-encoded averages (names ending AVERAGE_SUFFIX, "/avg":
+#: hvdcomp.exchange.shards).
 GROUPS = ("gradients", "averages")
 
 
 def _group(name: str) -> str:
-    return "averages" if name.endswith("/avg") else "gradients"
+    return "averages" if name.endswith(AVERAGE_SUFFIX) else "gradients"
 
 
 def _closed(sums: Dict[str, Tuple[float, int]], before: Dict[str, float]) -> Dict[str, float]:

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..auto import (CHOICES, LINK_LARGE_MAX, LINK_LARGE_MIN, Auto, CodecCost, CostModel,
-                    LinkCost, _slowest, measure_link)
+                    LinkCost, measure_link, slowest_over_ranks)
 from ..compressors import get
 from ..log import logger
 from ..transport import Transport
@@ -157,7 +157,7 @@ def decide(sizes: Dict[str, int], model: CostModel, allowed: Sequence[str], host
 
 def _agreed(transport: Transport, link: LinkCost) -> LinkCost:
     """``link`` with each value the maximum over every rank of ``transport``."""
-    return LinkCost(*_slowest(transport, list(asdict(link).values())))
+    return LinkCost(*slowest_over_ranks(transport, list(asdict(link).values())))
 
 
 def measure_hier(transport: Transport, host: Transport, cross: Transport, nbytes: int,

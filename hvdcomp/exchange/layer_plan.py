@@ -119,8 +119,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..auto import (SAMPLE, Auto, CodecCost, CostModel, _slowest, measure_codec,
-                    measure_link)
+from ..auto import (SAMPLE, Auto, CodecCost, CostModel, measure_codec, measure_link,
+                    slowest_over_ranks)
 from ..compressors import Compressor, TensorKey, get
 from ..compressors.protocols import AdaptiveLevels, SummedRounds
 from ..errors import ConfigError
@@ -1015,7 +1015,7 @@ def _measure_rounds(comp: Compressor, transport, numel: int,
         simulate([fresh], [x], [key])
         if rep:
             best = min(best, time.perf_counter() - t0)
-    (t,) = _slowest(transport, [best])
+    (t,) = slowest_over_ranks(transport, [best])
     return CodecCost(0.0, t / (rows * cols), 0.0, 0.0, 0.0, 0.0)
 
 

@@ -55,7 +55,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from ..auto import _slowest
+from ..auto import slowest_over_ranks
 from ..compressors import get
 from ..errors import Mismatch, OutOfStep
 from ..log import logger, warn_limited
@@ -117,7 +117,7 @@ def run(ex, grads: Dict[str, torch.Tensor], step: int, rebuild: Callable[[object
         gc.collect()
     if len(errors) == len(labels):
         raise errors["plan"]
-    slow = _slowest(ex.transport, [t for lab in labels for t in mine[lab]])
+    slow = slowest_over_ranks(ex.transport, [t for lab in labels for t in mine[lab]])
     seconds = {lab: min(slow[i * reps:(i + 1) * reps]) for i, lab in enumerate(labels)}
     winner = min(labels, key=lambda lab: (seconds[lab], labels.index(lab)))
     layer.choose(tried[winner])

@@ -56,6 +56,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..compressors import Compressor, TensorKey, registry
+from ..compressors.base import AVERAGE_SUFFIX
 
 __all__ = ["Piece", "REFUSED", "refusal", "unit", "second_stage", "boundaries", "layout"]
 
@@ -117,7 +118,7 @@ class Piece:
     @property
     def label(self) -> str:
         """``name[lo:hi]``: the name under which compressors keep the piece's state (the
-        second stage's: ``label + "/avg"``)."""
+        second stage's: ``label + AVERAGE_SUFFIX``, "/avg")."""
         return f"{self.name}[{self.lo}:{self.hi}]"
 
     def key(self, step: int, rank: int, size: int, seed: int) -> TensorKey:
@@ -129,7 +130,7 @@ class Piece:
     def key2(self, step: int, seed: int) -> TensorKey:
         """The key of the owner's stage-2 message (the re-encoded average: float32, the
         piece's shape)."""
-        return TensorKey(self.label + "/avg", self.tensor_id + 1, step, self.owner, 1, seed,
+        return TensorKey(self.label + AVERAGE_SUFFIX, self.tensor_id + 1, step, self.owner, 1, seed,
                          shape=tuple(self.shape),
                          dtype=None if self.dtype is None else torch.float32)
 

@@ -44,6 +44,42 @@ def test_powersgd_fp16_rounds_what_travels():
     assert torch.allclose(est.abs(), torch.outer(p, q), atol=0)
 
 
+def test_hvdcomp_powersgd_points_exact_on_low_rank_and_uncompressed_where_it_does_not_pay():
+    """The bench's rows of hvdcomp's PowerSGD itself: one power iteration from any generic
+    Q recovers a rank-2 matrix at rank 2 (P = M Q spans M's columns); a 10 x 12 tensor at
+    rank 4 is sent uncompressed ((10 + 12) 4 x 2 >= 120: PyTorch's rule), exactly, 32 bits
+    a coordinate; the bits are the float32 elements of the two sums, (64 + 100) x 2."""
+    g = torch.Generator().manual_seed(0)
+    low = torch.randn(64, 2, generator=g) @ torch.randn(2, 100, generator=g)
+    small = torch.randn(10, 12, generator=g)
+    r = B.hvdcomp_powersgd_points([], {"a": low}, 2, 0)
+    assert r["nerr"] < 1e-10 and r["nerr_ef"] < 1e-10
+    assert r["bits"] == 32 * (64 + 100) * 2 / 6400 and r["bytes"] == 4 * (64 + 100) * 2
+    r = B.hvdcomp_powersgd_points([], {"b": small}, 4, 0)
+    assert r["nerr"] == 0 and r["bits"] == 32
+
+
+def test_hvdcomp_powersgd_points_steady_state_error_is_on_gradient_plus_residual():
+    """After error feedback on the preceding gradients, the steady-state error is that of
+    compressing p = g + e: checked against a hand-run of Alg. 2 at rank 1 with the same
+    compressor (the first step's rows use its Q without the residual)."""
+    import hvdcomp
+    gen = torch.Generator().manual_seed(1)
+    hist = [{"w": torch.randn(40, 30, generator=gen)} for _ in range(3)]
+    cur = {"w": torch.randn(40, 30, generator=gen)}
+    r = B.hvdcomp_powersgd_points(hist, cur, 1, 3)
+    comp = hvdcomp.get("powersgd:rank=1")
+    res = torch.zeros(40, 30, dtype=torch.float64)
+    for s, gd in enumerate(hist):
+        est, _ = B.powersgd_rounds(comp, gd, s)
+        res = gd["w"].double() + res - est["w"].double()
+    p = cur["w"].double() + res
+    est, floats = B.powersgd_rounds(comp, cur, 3)
+    want = float((est["w"].double() - p).pow(2).sum() / p.pow(2).sum())
+    assert r["nerr_ef"] == pytest.approx(want, rel=1e-9)
+    assert floats == 40 + 30 and 0 < r["nerr"] < 1
+
+
 def test_maxmin_variance_hand_worked():
     x = torch.tensor([0.0, 0.25, 1.0])
     # 1 bit: grid {0, 1}; 0.25 rounds up with p = 1/4: variance 1/4 * 3/4
