@@ -1,7 +1,8 @@
 // dithered.cu: dithered (DQSG) and nested dithered (NDQSG) quantization, per-element work.
 //
 // Specification: hvdcomp/ops/dithered.py (dqsg_quantize, dqsg_reconstruct, bucket_checksums,
-// nested_resolve; NDQSG.resolve / combine in hvdcomp/compressors/dithered.py) with
+// nested_resolve, uniform_encode, uniform_decode_add; NDQSG.resolve / combine in
+// hvdcomp/compressors/dithered.py) with
 // hvdcomp/philox.py (Philox:
 // the dither is the uniform of index i minus 1/2, the check weights the word of index
 // 2**60 + i, or'ed with 1) and hvdcomp/ops/bitpack.py (LSB-first packing).  Every float
@@ -22,6 +23,9 @@
 //   hvd_ndqsg_resolve_add     one block per bucket: coset resolution against the side
 //                             information, the check, out += the value (or the side
 //                             information where the check fails), the failed flag
+//   hvd_uniform_round_pack    one thread per group of 8 coordinates: uniformef's nearest
+//                             rounding (no dither): codes q + M packed, residuals x - Delta q
+//   hvd_uniform_decode_add    one thread per group of 8 codes: out += Delta q
 //
 // The per-bucket sums (checks) are sums of uint32 modulo 2**32: exact in any order, so any
 // power-of-two block size gives the reference's value.
@@ -332,6 +336,106 @@ __device__ inline void decode_add_loop(const unsigned char* __restrict__ packed,
   }
 }
 
+// uniformef (hvdcomp/ops/dithered.py uniform_encode): q = quantize_q(x, Delta, 0, M), i.e.
+// clamp(floor(float32(x / D) + 0.5), -M, M), the code q + M packed at BITS, and the residual
+// float32(x - float32(float32(q) * Delta)).  One thread per group of 8 coordinates.
+template <int BITS>
+__device__ inline void round_pack_loop(const float* __restrict__ x, i64 n,
+                                       const float* __restrict__ delta, i64 bucket_size, int M,
+                                       float* __restrict__ residual,
+                                       unsigned char* __restrict__ out) {
+  constexpr u32 MASK = (1u << BITS) - 1u;
+  const i64 groups = (n + 7) / 8;
+  const i64 nbytes = (n * BITS + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  // host bulk path (hvdcomp.cuh, section 5): the same operations over runs of one bucket
+  if (host_bulk_groups(groups, [&](auto L, i64 g0, i64 g1) HVD_INLINE {
+        bulk_encode<BITS, decltype(L)::value, false>(
+            n, bucket_size, 0, 0, 0, 0, out, g0, g1,
+            [&](i64 s, int len, i64 b, const u32* __restrict__, u32* __restrict__ cs)
+                HVD_INLINE {
+                  const float* __restrict__ xs = x + s;
+                  float* __restrict__ rs = residual + s;
+                  const float d = delta[b];
+                  const int m = M;
+                  for (int i = 0; i < len; ++i) {
+                    const int q = quantize_q(xs[i], d, 0.0f, m);
+                    rs[i] = xs[i] - (float)q * d;
+                    cs[i] = (u32)(q + m) & MASK;
+                  }
+                });
+      }))
+    return;
+#endif
+  for (i64 g = global_thread(); g < groups; g += grid_threads()) {
+    const i64 i0 = 8 * g;
+    i64 b = i0 / bucket_size;
+    i64 bucket_end = (b + 1) * bucket_size;
+    u64 word = 0;
+    HVD_UNROLL8
+    for (int k = 0; k < 8; ++k) {
+      const i64 i = i0 + k;
+      if (i >= n) break;
+      while (i >= bucket_end) {
+        ++b;
+        bucket_end += bucket_size;
+      }
+      const float d = delta[b];
+      const float v = x[i];
+      const int q = quantize_q(v, d, 0.0f, M);
+      const float x_hat = (float)q * d;
+      residual[i] = v - x_hat;
+      word |= (u64)((u32)(q + M) & MASK) << (k * BITS);
+    }
+    store_group<BITS>(out, g, nbytes, word);
+  }
+}
+
+// out[i] = float32(out[i] + float32(float32(q_i) * Delta_b)), q = code - M (uniform_decode_add).
+template <int BITS>
+__device__ inline void round_decode_add_loop(const unsigned char* __restrict__ packed, i64 n,
+                                             const float* __restrict__ delta, i64 bucket_size,
+                                             float* __restrict__ out) {
+  constexpr u32 MASK = (1u << BITS) - 1u;
+  constexpr int M = (1 << (BITS - 1)) - 1;
+  const i64 groups = (n + 7) / 8;
+  const i64 nbytes = (n * BITS + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  if (host_bulk_groups(groups, [&](auto L, i64 g0, i64 g1) HVD_INLINE {
+        bulk_decode<BITS, decltype(L)::value, false>(
+            packed, n, bucket_size, 0, 0, 0, 0, g0, g1,
+            [&](i64 s, int len, i64 b, const u32* __restrict__ cs, const u32* __restrict__)
+                HVD_INLINE {
+                  float* __restrict__ os = out + s;
+                  const float d = delta[b];
+                  for (int i = 0; i < len; ++i) {
+                    const float v = (float)((int)cs[i] - M) * d;
+                    os[i] = os[i] + v;
+                  }
+                });
+      }))
+    return;
+#endif
+  for (i64 g = global_thread(); g < groups; g += grid_threads()) {
+    const u64 word = load_group<BITS>(packed, g, nbytes);
+    const i64 i0 = 8 * g;
+    i64 b = i0 / bucket_size;
+    i64 bucket_end = (b + 1) * bucket_size;
+    HVD_UNROLL8
+    for (int k = 0; k < 8; ++k) {
+      const i64 i = i0 + k;
+      if (i >= n) break;
+      while (i >= bucket_end) {
+        ++b;
+        bucket_end += bucket_size;
+      }
+      const int q = (int)((u32)(word >> (k * BITS)) & MASK) - M;
+      const float v = (float)q * delta[b];
+      out[i] = out[i] + v;
+    }
+  }
+}
+
 }  // namespace dith
 }  // namespace hvd
 
@@ -468,6 +572,44 @@ extern "C" __global__ void hvd_ndqsg_resolve_add(const unsigned char* __restrict
     HVD_CASE(1) HVD_CASE(2) HVD_CASE(3) HVD_CASE(4) HVD_CASE(5) HVD_CASE(6) HVD_CASE(7)
     default:
       break;
+  }
+#undef HVD_CASE
+}
+
+// (packed, residual) = uniform_encode(x, delta, bits, bucket_size): the codes q + M packed at
+// bits (uint8, ceil(n bits / 8)) and the residuals x - Delta q (float32 (n,); not x itself).
+extern "C" __global__ void hvd_uniform_round_pack(const float* __restrict__ x, long long n,
+                                                  const float* __restrict__ delta,
+                                                  long long bucket_size, int bits,
+                                                  float* __restrict__ residual,
+                                                  unsigned char* __restrict__ out) {
+  const int M = (1 << (bits - 1)) - 1;
+#define HVD_CASE(B)                                                                        \
+  case B:                                                                                  \
+    hvd::dith::round_pack_loop<B>(x, n, delta, bucket_size, M, residual, out);             \
+    break;
+  switch (bits) {
+    HVD_CASE(2) HVD_CASE(3) HVD_CASE(4) HVD_CASE(5) HVD_CASE(6) HVD_CASE(7) HVD_CASE(8)
+    default:
+      hvd::bad_launch("hvd_uniform_round_pack: bits must be in 2..8");
+  }
+#undef HVD_CASE
+}
+
+// out[i] += uniform_decode_add's value: float32(q) * delta[b], q = the code - M (codes
+// validated before, as for hvd_dqsg_decode_add).
+extern "C" __global__ void hvd_uniform_decode_add(const unsigned char* __restrict__ packed,
+                                                  long long n, const float* __restrict__ delta,
+                                                  long long bucket_size, int bits,
+                                                  float* __restrict__ out) {
+#define HVD_CASE(B)                                                                        \
+  case B:                                                                                  \
+    hvd::dith::round_decode_add_loop<B>(packed, n, delta, bucket_size, out);               \
+    break;
+  switch (bits) {
+    HVD_CASE(2) HVD_CASE(3) HVD_CASE(4) HVD_CASE(5) HVD_CASE(6) HVD_CASE(7) HVD_CASE(8)
+    default:
+      hvd::bad_launch("hvd_uniform_decode_add: bits must be in 2..8");
   }
 #undef HVD_CASE
 }

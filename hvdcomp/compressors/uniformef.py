@@ -93,7 +93,7 @@ import torch
 from ..codecs.sections import write_codes
 from ..ops import dithered
 from ..ops.quantize import bucket_norms
-from ..ops.bitpack import pack_bits, packed_size, unpack_bits
+from ..ops.bitpack import packed_size
 from ..wire import Message
 from . import settings
 from .base import AVERAGE_SUFFIX, Compressor, TensorKey, numel_of, register
@@ -224,12 +224,9 @@ class UniformEF(Residuals, Compressor):
             return self._nonfinite(grad, key)
         n = p.numel()
         delta = self._steps(p, key)
-        d = dithered.per_coordinate(delta, self.bucket_size, n)
-        safe = torch.where(d > 0, d, torch.ones_like(d))
-        q = torch.floor(p / safe + 0.5).clamp_(-self.M, self.M)
-        x_hat = q * d
-        self._residuals[key.name] = (p - x_hat).view(grad.shape)
-        packed = pack_bits(q.to(torch.int64) + self.M, self.bits)
+        # q = clamp(floor(p / Delta + 1/2), -M, M), e = p - Delta q (module docstring)
+        packed, residual = dithered.uniform_encode(p, delta, self.bits, self.bucket_size)
+        self._residuals[key.name] = residual.view(grad.shape)
         codes, flag = write_codes(packed, n, self.bits, self.entropy)
         return self._new_message(grad, key,
                                  (delta.cpu().numpy().astype("<f4").view(np.uint8), codes), flag)
@@ -283,6 +280,4 @@ class UniformEF(Residuals, Compressor):
         n = msg.numel
         delta, packed = parse_steps_and_codes(self.name, msg, self.bits, self.bucket_size,
                                               out.device)
-        codes = unpack_bits(packed, n, self.bits)
-        out.add_((codes - self.M).to(torch.float32)
-                 * dithered.per_coordinate(delta, self.bucket_size, n))
+        dithered.uniform_decode_add(packed, n, delta, self.bits, self.bucket_size, out)

@@ -55,8 +55,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..compressors import Compressor, TensorKey, registry
-from ..compressors.base import AVERAGE_SUFFIX
+from ..compressors import AVERAGE_SUFFIX, Compressor, TensorKey, registry
 
 __all__ = ["Piece", "REFUSED", "refusal", "unit", "second_stage", "boundaries", "layout"]
 

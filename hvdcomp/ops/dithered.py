@@ -44,7 +44,9 @@ messages; this module is the arithmetic.  Everything is float32 unless stated.
 
 Ops (each a reference, the specification, and a kernel implementation, kernels/dithered.cu):
 :func:`bucket_steps`, :func:`dqsg_encode`, :func:`nested_encode`, :func:`validate_codes`,
-:func:`dqsg_decode_add`, :func:`nested_decode_add`.  ``key`` arguments are any object with
+:func:`dqsg_decode_add`, :func:`nested_decode_add`; and uniformef's rounding on the same
+steps without a dither (hvdcomp.compressors.uniformef), :func:`uniform_encode` and
+:func:`uniform_decode_add`.  ``key`` arguments are any object with
 integer fields ``seed``, ``step``, ``rank`` and ``tensor_id`` (a hvdcomp.TensorKey).  Packed
 codes are uint8 tensors as hvdcomp.ops.bitpack.pack_bits makes them.  The kernel
 implementations raise TypeError / ValueError (hvdcomp.backends._common.check_tensor /
@@ -69,7 +71,7 @@ __all__ = ["CHECK_OFFSET", "max_step", "dither", "check_weights", "dqsg_quantize
            "dqsg_reconstruct", "bucket_checksums", "nested_resolve", "bucket_steps",
            "variance_steps", "floor_steps", "per_coordinate",
            "dqsg_encode", "nested_encode", "validate_codes", "dqsg_decode_add",
-           "nested_decode_add"]
+           "nested_decode_add", "uniform_encode", "uniform_decode_add"]
 
 #: Philox index offset of the check weights (the dither uses indices 0 .. numel-1).
 CHECK_OFFSET = 1 << 60
@@ -455,3 +457,65 @@ def _(be, packed, n, delta, check, side_sum, group, bits, nested_bits, bucket_si
                   (packed, n, delta, check, side_sum, g, bs, b, nbits, *_key(key), out,
                    failed))
     return failed.bool()
+
+
+# --- uniformef: nearest rounding on the steps, no dither --------------------------------------
+
+@op
+def uniform_encode(x: torch.Tensor, delta: torch.Tensor, bits: int,
+                   bucket_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """uniformef's quantizer (hvdcomp.compressors.uniformef, module docstring): for x flat
+    finite float32 (n,) and its steps delta float32 (nb,), per coordinate i of bucket b,
+    D_b = Delta_b (1 where Delta_b = 0), M = 2**(bits-1) - 1,
+
+        q_i = clamp(floor(float32(x_i / D_b) + 0.5), -M, M)
+        e_i = float32(x_i - float32(q_i * Delta_b))
+
+    Returns (codes q + M packed at ``bits``: uint8 (ceil(n * bits / 8),), the residuals e:
+    float32 (n,), a new tensor).  The same bits from the kernel on either device."""
+    n = x.numel()
+    d = per_coordinate(delta, bucket_size, n)
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.floor(x / safe + 0.5).clamp_(-_levels(bits), _levels(bits))
+    residual = x - q * d
+    return pack_bits(q.to(torch.int64) + _levels(bits), bits), residual
+
+
+@uniform_encode.kernel
+def _(be, x, delta, bits, bucket_size):
+    b, x, delta, bs = _encode_args(be, x, delta, bits, bucket_size)
+    n = x.numel()
+    packed = torch.empty(packed_size(n, b), dtype=torch.uint8, device=x.device)
+    residual = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n:
+        be.launch("hvd_uniform_round_pack", grid_for((n + 7) // 8), BLOCK,
+                  (x, n, delta, bs, b, residual, packed))
+    return packed, residual
+
+
+@op
+def uniform_decode_add(packed: torch.Tensor, n: int, delta: torch.Tensor, bits: int,
+                       bucket_size: int, out: torch.Tensor) -> torch.Tensor:
+    """``out += x_hat`` of a uniformef message: n codes q + M packed at ``bits`` (validated
+    before: :func:`validate_codes`), its steps delta float32 (nb,); x_hat_i =
+    float32(float32(q_i) * Delta_b); out float32 (n,) on the codes' device, updated in place
+    and returned."""
+    q = unpack_bits(packed, n, bits) - _levels(bits)
+    return out.add_(q.to(torch.float32) * per_coordinate(delta, bucket_size, n))
+
+
+@uniform_decode_add.kernel
+def _(be, packed, n, delta, bits, bucket_size, out):
+    if not _serves(out):
+        return NotImplemented
+    b = check_int(bits, "bits", 2, 8)
+    n = check_int(n, "n", 0, 2**62)
+    bs = _bucket(bucket_size)
+    out = check_tensor(be, out, "out", torch.float32, n, output=True)
+    dev = out.device
+    packed = check_tensor(be, packed, "packed", torch.uint8, packed_size(n, b), device=dev)
+    delta = check_tensor(be, delta, "delta", torch.float32, _nb(n, bs), device=dev)
+    if n:
+        be.launch("hvd_uniform_decode_add", grid_for((n + 7) // 8), BLOCK,
+                  (packed, n, delta, bs, b, out))
+    return out

@@ -3,7 +3,8 @@ hvdcomp/ops/dithered.py) against their PyTorch references, bit for bit: the host
 CUDA backend on a GPU (tests marked requires_cuda), and end to end through the compressors
 (kernel path vs HVDCOMP_BACKEND=reference: identical message bytes, decoded sums, events),
 NDQSG's fallback where the side information is too far off included; uniformef, whose steps
-are those ops' too (variance_steps), end to end.
+are those ops' too (variance_steps) and whose rounding is uniform_encode / uniform_decode_add,
+against the references and end to end.
 """
 import dataclasses
 
@@ -13,7 +14,7 @@ import torch
 
 import hvdcomp
 import hvdcomp.backends as B
-from hvdcomp.ops.bitpack import pack_bits
+from hvdcomp.ops.bitpack import pack_bits, unpack_bits
 from hvdcomp.compressors.base import TensorKey
 from hvdcomp.ops import dithered
 from hvdcomp.ops.dithered import (bucket_checksums, check_weights, dither, dqsg_quantize,
@@ -79,6 +80,58 @@ def test_quantize_pack_and_decode(host, bits):
             want = out + dqsg_reconstruct(delta_r, q, dither(n, KEY), bs)
             dithered.dqsg_decode_add.kernels(be, packed_r, n, delta_r, bits, bs, out, KEY)
             assert same_bits(out, want), (n, bs)
+
+
+def test_uniform_encode_hand_worked():
+    """uniformef's rounding (reference) on a hand-worked bucket: bits 3 (M = 3), Delta 0.5,
+    q = clamp(floor(x / 0.5 + 1/2), -3, 3), codes q + 3, residual x - 0.5 q; a bucket with
+    step 0 sends 0 and keeps x whole."""
+    x = torch.tensor([0.26, -0.74, 1.24, -0.0, 5.0, 1e-44, -2e-44], dtype=torch.float32)
+    delta = torch.tensor([0.5, 0.0])
+    packed, residual = dithered.uniform_encode.reference(x, delta, 3, 5)
+    assert unpack_bits(packed, 7, 3).tolist() == [4, 2, 5, 3, 6, 3, 3]
+    want = torch.tensor([0.26 - 0.5, -0.74 + 0.5, 1.24 - 1.0, 0.0, 5.0 - 1.5, 1e-44, -2e-44],
+                        dtype=torch.float32)
+    assert torch.allclose(residual, want, rtol=1e-6, atol=0)
+    out = torch.full((7,), 10.0)
+    dithered.uniform_decode_add.reference(packed, 7, delta, 3, 5, out)
+    assert out.tolist() == [10.5, 9.5, 11.0, 10.0, 11.5, 10.0, 10.0]
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_uniform_kernels_equal_reference(host, bits):
+    """hvd_uniform_round_pack / hvd_uniform_decode_add against uniform_encode /
+    uniform_decode_add, bit for bit, on steps set by a variance target and by one step for
+    every bucket (zero buckets, steps that underflow, values near the float32 maximum)."""
+    be = host.backend
+    for n in SIZES:
+        for bs in BUCKETS:
+            x = gradient(n, bs, seed=bits * 100 + n + bs)
+            for delta in (dithered.variance_steps(x, bits, bs, 0.05),
+                          dithered.floor_steps(x, bits, bs, 0.3)):
+                packed, residual = dithered.uniform_encode.reference(x, delta, bits, bs)
+                got_p, got_r = dithered.uniform_encode.kernels(be, x, delta, bits, bs)
+                assert torch.equal(got_p, packed), (n, bs)
+                assert same_bits(got_r, residual), (n, bs)
+                out = torch.randn(n)
+                want = dithered.uniform_decode_add.reference(packed, n, delta, bits, bs,
+                                                             out.clone())
+                got = dithered.uniform_decode_add.kernels(be, packed, n, delta, bits, bs, out)
+                assert same_bits(got, want), (n, bs)
+
+
+def test_uniform_kernel_arguments(host):
+    be = host.backend
+    x, d = torch.randn(10), torch.ones(1)
+    with pytest.raises(ValueError):
+        dithered.uniform_encode.kernels(be, x, d, 1, 10)
+    with pytest.raises(ValueError):
+        dithered.uniform_encode.kernels(be, x, torch.ones(2), 4, 10)
+    out64 = torch.zeros(10, dtype=torch.float64)
+    assert dithered.uniform_decode_add.kernels(be, torch.zeros(5, dtype=torch.uint8), 10, d, 4,
+                                               10, out64) is NotImplemented
+    packed, residual = dithered.uniform_encode.kernels(be, torch.zeros(0), torch.zeros(0), 4, 10)
+    assert packed.numel() == 0 and residual.numel() == 0
 
 
 @pytest.mark.parametrize("bits", (2, 4, 8))
@@ -440,6 +493,24 @@ def test_dqsg_kernels_on_gpu(cuda_backend, maybe_host, bits):
             exp = out + dqsg_reconstruct(delta_r, q, dither(n, KEY, device="cuda"), bs)
             dithered.dqsg_decode_add.kernels(be, packed, n, delta, bits, bs, out, KEY)
             assert same_bits(out.cpu(), exp.cpu())
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("bits", (2, 6, 8))
+def test_uniform_kernels_on_gpu(cuda_backend, maybe_host, bits):
+    be = cuda_backend.backend
+    for n in SIZES + (1_000_003,):
+        for bs in BUCKETS:
+            x = gradient(n, bs, seed=bits + n + bs)
+            delta = dithered.variance_steps(x, bits, bs, 0.05)
+            packed, residual = dithered.uniform_encode.reference(x, delta, bits, bs)
+            got_p, got_r = dithered.uniform_encode.kernels(be, x.cuda(), delta.cuda(), bits, bs)
+            assert torch.equal(got_p.cpu(), packed) and same_bits(got_r.cpu(), residual)
+            out = torch.randn(n)
+            want = dithered.uniform_decode_add.reference(packed, n, delta, bits, bs, out.clone())
+            got = dithered.uniform_decode_add.kernels(be, packed.cuda(), n, delta.cuda(), bits,
+                                                      bs, out.cuda())
+            assert same_bits(got.cpu(), want)
 
 
 @pytest.mark.requires_cuda

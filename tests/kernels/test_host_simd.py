@@ -169,6 +169,24 @@ def test_dithered(host, level, threads, bits):
             assert same_bits(got, want), (n, bs)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 6, 8])
+def test_uniform_rounding(host, level, threads, bits):
+    # uniformef's nearest rounding (no dither): codes and residuals, and the decode
+    be = host.backend
+    for n in SIZES:
+        for bs in BUCKETS:
+            x = gradient(n, bs, seed=n + 5 * bs + bits)
+            delta = Dith.variance_steps(x, bits, bs, 0.04)
+            packed, residual = Dith.uniform_encode.reference(x, delta, bits, bs)
+            got_p, got_r = Dith.uniform_encode.kernels(be, x, delta, bits, bs)
+            assert torch.equal(got_p, packed), (n, bs)
+            assert same_bits(got_r, residual), (n, bs)
+            out = torch.randn(n)
+            want = Dith.uniform_decode_add.reference(packed, n, delta, bits, bs, out.clone())
+            got = Dith.uniform_decode_add.kernels(be, packed, n, delta, bits, bs, out.clone())
+            assert same_bits(got, want), (n, bs)
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 def test_psq(host, level, threads, bits):
     be = host.backend

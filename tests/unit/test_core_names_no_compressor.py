@@ -1,7 +1,8 @@
 """The exchange core and the doors know compressors only through the contract: no module under
 hvdcomp/exchange, hvdcomp/auto.py, hvdcomp/ddp/ or hvdcomp/torch/ imports a concrete
 compressor class (issue 20, item 2).  What they may take from hvdcomp.compressors: the base
-contract (Compressor, TensorKey, the ABSENT_* values of ``Compressor.absent_rank``), the
+contract (Compressor, TensorKey and its AVERAGE_SUFFIX, the ABSENT_* values of
+``Compressor.absent_rank``), the
 registry functions (get, available, parse_spec, register, registry, examples), and the
 helper modules that hold no compressor (protocols, state, settings, prefixes).  Everything
 else a core module needs is a declared property of the compressor (hvdcomp/compressors/base.py).
@@ -17,7 +18,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG = "hvdcomp.compressors"
 CONTRACT = {"Compressor", "TensorKey", "get", "available", "parse_spec", "register",
-            "registry", "examples", "ABSENT_ZEROS", "ABSENT_LAST", "ABSENT_REFUSE"}
+            "registry", "examples", "ABSENT_ZEROS", "ABSENT_LAST", "ABSENT_REFUSE",
+            "AVERAGE_SUFFIX"}
 # {module: names allowed from it (None: any)}
 ALLOWED = {PKG: CONTRACT, PKG + ".base": CONTRACT, PKG + ".protocols": None,
            PKG + ".state": None, PKG + ".settings": None, PKG + ".prefixes": None}
