@@ -106,7 +106,8 @@ def powersgd_step(m: torch.Tensor, q: torch.Tensor, fp16: bool = False):
     standard normal at the first step).  fp16: P_hat and Q' rounded to float16 (what travels
     when the allreduce carries half precision).  Orthogonalization: the reduced QR's Q, which
     spans the same columns as Alg. 1's Gram-Schmidt, and ``P_hat P_hat^T`` is the same
-    projection.  Returns (estimate (n, k), Q' (k, r), floats sent = (n + k) r).
+    projection.  Returns (estimate (n, k), Q' (k, r'), floats sent = (n + k) r'), r' = min(r, n)
+    (the reduced QR of an n x r P has min(r, n) columns: what travels).
     On the wire: P and Q are each summed by an allreduce, no header.
     """
     p = m @ q
@@ -114,7 +115,7 @@ def powersgd_step(m: torch.Tensor, q: torch.Tensor, fp16: bool = False):
     q_new = m.t() @ p_hat
     if fp16:
         p_hat, q_new = p_hat.half().to(m.dtype), q_new.half().to(m.dtype)
-    return p_hat @ q_new.t(), q_new, (m.shape[0] + m.shape[1]) * q.shape[1]
+    return p_hat @ q_new.t(), q_new, (m.shape[0] + m.shape[1]) * p_hat.shape[1]
 
 
 def maxmin_variance(x: torch.Tensor, bits: int, bucket: int) -> float:

@@ -386,10 +386,9 @@ def dqsg_decode_add(packed: torch.Tensor, n: int, delta: torch.Tensor, bits: int
     return out.add_(x_hat.to(out.device))
 
 
-@dqsg_decode_add.kernel
-def _(be, packed, n, delta, bits, bucket_size, out, key):
-    if not _serves(out):
-        return NotImplemented
+def _decode_args(be, packed, n, delta, bits, bucket_size, out):
+    """The decode-add kernels' checked arguments: (packed, n, delta, bucket_size, bits,
+    out), codes packed at ``bits`` into a contiguous float32 (n,) ``out``."""
     b = check_int(bits, "bits", 2, 8)
     n = check_int(n, "n", 0, 2**62)
     bs = _bucket(bucket_size)
@@ -397,6 +396,14 @@ def _(be, packed, n, delta, bits, bucket_size, out, key):
     dev = out.device
     packed = check_tensor(be, packed, "packed", torch.uint8, packed_size(n, b), device=dev)
     delta = check_tensor(be, delta, "delta", torch.float32, _nb(n, bs), device=dev)
+    return packed, n, delta, bs, b, out
+
+
+@dqsg_decode_add.kernel
+def _(be, packed, n, delta, bits, bucket_size, out, key):
+    if not _serves(out):
+        return NotImplemented
+    packed, n, delta, bs, b, out = _decode_args(be, packed, n, delta, bits, bucket_size, out)
     if n:
         be.launch("hvd_dqsg_decode_add", grid_for((n + 7) // 8), BLOCK,
                   (packed, n, delta, bs, b, *_key(key), out))
@@ -508,13 +515,7 @@ def uniform_decode_add(packed: torch.Tensor, n: int, delta: torch.Tensor, bits: 
 def _(be, packed, n, delta, bits, bucket_size, out):
     if not _serves(out):
         return NotImplemented
-    b = check_int(bits, "bits", 2, 8)
-    n = check_int(n, "n", 0, 2**62)
-    bs = _bucket(bucket_size)
-    out = check_tensor(be, out, "out", torch.float32, n, output=True)
-    dev = out.device
-    packed = check_tensor(be, packed, "packed", torch.uint8, packed_size(n, b), device=dev)
-    delta = check_tensor(be, delta, "delta", torch.float32, _nb(n, bs), device=dev)
+    packed, n, delta, bs, b, out = _decode_args(be, packed, n, delta, bits, bucket_size, out)
     if n:
         be.launch("hvd_uniform_decode_add", grid_for((n + 7) // 8), BLOCK,
                   (packed, n, delta, bs, b, out))

@@ -82,20 +82,55 @@ def test_quantize_pack_and_decode(host, bits):
             assert same_bits(out, want), (n, bs)
 
 
-def test_uniform_encode_hand_worked():
-    """uniformef's rounding (reference) on a hand-worked bucket: bits 3 (M = 3), Delta 0.5,
-    q = clamp(floor(x / 0.5 + 1/2), -3, 3), codes q + 3, residual x - 0.5 q; a bucket with
-    step 0 sends 0 and keeps x whole."""
+def test_uniform_encode_hand_worked(host):
+    """uniformef's rounding on a hand-worked bucket, the reference and the kernel bit for
+    bit: bits 3 (M = 3), Delta 0.5, q = clamp(floor(x / 0.5 + 1/2), -3, 3), codes q + 3,
+    residual x - 0.5 q (-0.0 stays -0.0); a bucket with step 0 sends 0 and keeps x whole."""
     x = torch.tensor([0.26, -0.74, 1.24, -0.0, 5.0, 1e-44, -2e-44], dtype=torch.float32)
     delta = torch.tensor([0.5, 0.0])
-    packed, residual = dithered.uniform_encode.reference(x, delta, 3, 5)
-    assert unpack_bits(packed, 7, 3).tolist() == [4, 2, 5, 3, 6, 3, 3]
-    want = torch.tensor([0.26 - 0.5, -0.74 + 0.5, 1.24 - 1.0, 0.0, 5.0 - 1.5, 1e-44, -2e-44],
+    want = torch.tensor([0.26 - 0.5, -0.74 + 0.5, 1.24 - 1.0, -0.0, 5.0 - 1.5, 1e-44, -2e-44],
                         dtype=torch.float32)
-    assert torch.allclose(residual, want, rtol=1e-6, atol=0)
-    out = torch.full((7,), 10.0)
-    dithered.uniform_decode_add.reference(packed, 7, delta, 3, 5, out)
-    assert out.tolist() == [10.5, 9.5, 11.0, 10.0, 11.5, 10.0, 10.0]
+    for packed, residual in (dithered.uniform_encode.reference(x, delta, 3, 5),
+                             dithered.uniform_encode.kernels(host.backend, x, delta, 3, 5)):
+        assert unpack_bits(packed, 7, 3).tolist() == [4, 2, 5, 3, 6, 3, 3]
+        assert torch.allclose(residual, want, rtol=1e-6, atol=0)
+        assert same_bits(residual[3:], want[3:])       # exact: -0.0, 3.5, x where Delta = 0
+        for decode in (dithered.uniform_decode_add.reference,
+                       lambda *a: dithered.uniform_decode_add.kernels(host.backend, *a)):
+            out = torch.full((7,), 10.0)
+            decode(packed, 7, delta, 3, 5, out)
+            assert out.tolist() == [10.5, 9.5, 11.0, 10.0, 11.5, 10.0, 10.0]
+
+
+def test_uniform_kernels_on_arbitrary_steps(host):
+    """Steps no step rule makes (zero, denormal, negative, -0.0, huge: the clamp acts) and
+    values on the rounding ties, signed zeros, denormals and the float32 extremes: the
+    kernel gives the reference's bits."""
+    be = host.backend
+    g = torch.Generator().manual_seed(5)
+    choices = torch.tensor([0.0, 1e-45, 1e-40, 1e-30, 0.5, 0.1, 3.0, 1e30, -0.5, -0.0, 3.4e38])
+    for bits in (2, 3, 6, 8):
+        M = (1 << (bits - 1)) - 1
+        for n in (1, 13, 4099):
+            for bs in (1, 7, 8, 1000):
+                nb = (n + bs - 1) // bs
+                x = torch.randn(n, generator=g) * torch.exp(3 * torch.randn(n, generator=g))
+                x[::3] = (torch.randint(-M - 3, M + 3, (x[::3].numel(),), generator=g).float()
+                          + 0.5) * 0.5                               # ties at Delta 0.5
+                x[1::17] = -0.0
+                x[2::19] = 1e-45
+                x[4::23] = 3.4e38
+                x[6::29] = -3.4e38
+                delta = choices[torch.randint(0, len(choices), (nb,), generator=g)]
+                packed, residual = dithered.uniform_encode.reference(x, delta, bits, bs)
+                got_p, got_r = dithered.uniform_encode.kernels(be, x, delta, bits, bs)
+                assert torch.equal(got_p, packed) and same_bits(got_r, residual), (bits, n, bs)
+                out = torch.randn(n, generator=g)
+                out[::5] = -0.0
+                want = dithered.uniform_decode_add.reference(packed, n, delta, bits, bs,
+                                                             out.clone())
+                got = dithered.uniform_decode_add.kernels(be, packed, n, delta, bits, bs, out)
+                assert same_bits(got, want), (bits, n, bs)
 
 
 @pytest.mark.parametrize("bits", range(2, 9))

@@ -61,23 +61,33 @@ def test_hvdcomp_powersgd_points_exact_on_low_rank_and_uncompressed_where_it_doe
 
 def test_hvdcomp_powersgd_points_steady_state_error_is_on_gradient_plus_residual():
     """After error feedback on the preceding gradients, the steady-state error is that of
-    compressing p = g + e: checked against a hand-run of Alg. 2 at rank 1 with the same
-    compressor (the first step's rows use its Q without the residual)."""
+    compressing p = g + e: checked against the exchange's own one-process driver of the
+    rounds (hvdcomp.exchange.rounds.simulate, one rank), the residual e kept by hand as
+    the sum of what the averages did not carry (Alg. 2)."""
     import hvdcomp
+    from hvdcomp.exchange.rounds import simulate
     gen = torch.Generator().manual_seed(1)
-    hist = [{"w": torch.randn(40, 30, generator=gen)} for _ in range(3)]
-    cur = {"w": torch.randn(40, 30, generator=gen)}
-    r = B.hvdcomp_powersgd_points(hist, cur, 1, 3)
+    hist = [torch.randn(40, 30, generator=gen) for _ in range(3)]
+    cur = torch.randn(40, 30, generator=gen)
+    r = B.hvdcomp_powersgd_points([{"w": h} for h in hist], {"w": cur}, 1, 3)
     comp = hvdcomp.get("powersgd:rank=1")
     res = torch.zeros(40, 30, dtype=torch.float64)
-    for s, gd in enumerate(hist):
-        est, _ = B.powersgd_rounds(comp, gd, s)
-        res = gd["w"].double() + res - est["w"].double()
-    p = cur["w"].double() + res
-    est, floats = B.powersgd_rounds(comp, cur, 3)
-    want = float((est["w"].double() - p).pow(2).sum() / p.pow(2).sum())
-    assert r["nerr_ef"] == pytest.approx(want, rel=1e-9)
-    assert floats == 40 + 30 and 0 < r["nerr"] < 1
+    for step, g in enumerate(hist + [cur]):
+        key = hvdcomp.TensorKey("w", 0, step, 0, 1, shape=(40, 30), dtype=torch.float32)
+        (avg,) = simulate([comp], [g], [key])
+        p = g.double() + res
+        res = p - avg.double().view(40, 30)
+    want = float(res.pow(2).sum() / p.pow(2).sum())
+    assert r["nerr_ef"] == pytest.approx(want, rel=1e-6)
+    assert r["bits"] == 32 * (40 + 30) / 1200 and 0 < r["nerr"] < 1
+
+
+def test_fp16_reference_counts_the_columns_that_travel():
+    """At a first step Q has ``rank`` columns, but P's reduced QR has min(rank, n): a 2 x 10
+    matrix at rank 4 sends (2 + 10) x 2 floats, not x 4."""
+    m = torch.randn(2, 10, dtype=torch.float64)
+    _, q_new, floats = B.powersgd_step(m, torch.randn(10, 4, dtype=torch.float64))
+    assert floats == 24 and q_new.shape == (10, 2)
 
 
 def test_maxmin_variance_hand_worked():
