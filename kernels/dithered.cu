@@ -267,15 +267,42 @@ __device__ inline void validate_loop(const unsigned char* __restrict__ packed, i
   constexpr u32 MASK = (1u << WIDTH) - 1u;
   const i64 groups = (n + 7) / 8;
   const i64 nbytes = (n * WIDTH + 7) / 8;
+#if defined(HVD_HOST_BUILD)
+  // host bulk path (hvdcomp.cuh, section 5): the block's groups, their flags or'ed per run
+  // of one bucket (the block owns its groups' flags)
+  if (host_bulk_groups(groups, [&](auto L, i64 g0, i64 g1) HVD_INLINE {
+        for (i64 g = g0; g < g1; ++g) flags[g] = 0;
+        bulk_decode<WIDTH, decltype(L)::value, false>(
+            packed, n, bucket_size, 0, 0, 0, 0, g0, g1,
+            [&](i64 s, int len, i64 b, const u32* __restrict__ cs, const u32* __restrict__)
+                HVD_INLINE {
+                  const bool zero_step = !(delta[b] > 0.0f);
+                  for (int i = 0; i < len; ++i) {
+                    const u32 c = cs[i];
+                    const u32 f = (c > max_code ? 1u : 0u) |
+                                  ((zero_step && c != zero_code) ? 2u : 0u);
+                    flags[(s + i) >> 3] |= (unsigned char)f;
+                  }
+                });
+      }))
+    return;
+#endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
     const u64 word = load_group<WIDTH>(packed, g, nbytes);
+    const i64 i0 = 8 * g;
+    i64 b = i0 / bucket_size;
+    i64 bucket_end = (b + 1) * bucket_size;
     u32 f = 0;
     for (int k = 0; k < 8; ++k) {
-      const i64 i = 8 * g + k;
+      const i64 i = i0 + k;
       if (i >= n) break;
+      while (i >= bucket_end) {
+        ++b;
+        bucket_end += bucket_size;
+      }
       const u32 c = (u32)(word >> (k * WIDTH)) & MASK;
       f |= c > max_code ? 1u : 0u;
-      f |= (c != zero_code && !(delta[i / bucket_size] > 0.0f)) ? 2u : 0u;
+      f |= (c != zero_code && !(delta[b] > 0.0f)) ? 2u : 0u;
     }
     flags[g] = (unsigned char)f;
   }

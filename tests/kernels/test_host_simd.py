@@ -187,6 +187,42 @@ def test_uniform_rounding(host, level, threads, bits):
             assert same_bits(got, want), (n, bs)
 
 
+@pytest.mark.parametrize("width", [1, 2, 3, 6, 8])
+def test_validate_codes(host, level, threads, width):
+    # the received codes' checks (DQSG, NDQSG's residues, uniformef): per code > max_code,
+    # and a code other than zero_code in a bucket of step 0
+    be = host.backend
+    g = torch.Generator().manual_seed(width)
+    top = (1 << width) - 1
+    for n in SIZES:
+        for bs in BUCKETS:
+            nb = (n + bs - 1) // bs
+            delta = torch.rand(nb, generator=g) + 0.1
+            delta[::3] = 0.0
+            zero_code, max_code = top // 2, top - 1
+            codes = torch.randint(0, top, (n,), generator=g)
+            zero = Dith.per_coordinate(delta == 0, bs, n)
+            codes[zero] = zero_code
+            cases = [codes]
+            for at in (0, n // 2, n - 1):
+                bad = codes.clone()
+                bad[at] = top                                 # above max_code
+                cases.append(bad)
+                if zero[at]:
+                    off = codes.clone()
+                    off[at] = (zero_code + 1) % (max_code + 1)    # valid, but in a zero bucket
+                    cases.append(off)
+            for c in cases:
+                packed = pack_bits(c, width)
+                want = Dith.validate_codes.reference(packed, n, delta, bs, width, zero_code,
+                                                     max_code)
+                got = Dith.validate_codes.kernels(be, packed, n, delta, bs, width, zero_code,
+                                                  max_code)
+                assert got == want, (n, bs)
+            assert Dith.validate_codes.kernels(be, pack_bits(cases[1], width), n, delta, bs,
+                                               width, zero_code, max_code)[0]
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 def test_psq(host, level, threads, bits):
     be = host.backend
