@@ -316,25 +316,31 @@ def auto_per_layer(rank, size, trial):
 def check_auto_per_layer_trial(rank, size):
     """The per-layer plan's trial through the hook (hvdcomp.exchange.plan_trial: one call of
     the recorded gradients into scratch buffers).  On a link priced as free the plan sends
-    both weights in fp32 and its rival is QSGD on both; with QSGD's encode made 0.1 s
-    slower the trial keeps the plan on every rank, from the same seconds; the averages of
+    both weights in fp32 and its rival is QSGD on both; with the trial's QSGD encoding
+    0.1 s slower the trial keeps the plan on every rank, from the same seconds; the averages of
     steps 1 and 2 equal, bit for bit, those of a hook that planned the same with no trial,
     and the trial leaves no buffers behind."""
     from hvdcomp.auto import LinkCost
-    from hvdcomp.compressors.quantizers import QSGD as Quantizer
     free = LinkCost(1e-9, 1e-15, 1e-9, 1e-15)
-    inner = Quantizer.encode
+    inner = plan_trial.get
 
-    def slow(self, *a, **kw):
-        time.sleep(0.1)
-        return inner(self, *a, **kw)
-    Quantizer.encode = slow
+    def get(spec):              # the trial's own QSGD instances encode 0.1 s slower
+        comp = inner(spec)
+        if comp.name == "qsgd":
+            encode = comp.encode
+
+            def slow(grad, key):
+                time.sleep(0.1)
+                return encode(grad, key)
+            comp.encode = slow
+        return comp
+    plan_trial.get = get
     try:
         runs = [per_layer_run(rank, size, hvdcomp.Auto(QSGD, per_layer=True, link=free,
                                                        calibrate_numel=1 << 14, trial=t))
                 for t in (2, 0)]
     finally:
-        Quantizer.encode = inner
+        plan_trial.get = inner
     (tried, layer, accs), (untried, ref, ref_accs) = runs
     assert plan_trial.rivals(layer) and ref.trial == {}
     assert {c.spec for c in layer.planned.values()} == {"none"}, layer.planned
