@@ -111,7 +111,7 @@ ITEM4 = ["fp32", "fp16", "fp16 (PyTorch hook)", "PowerSGD r1", "PowerSGD r2", "P
          "ALQ 3b", "ALQ 3b rANS", "ALQ 3b RS", "ALQ 3b rANS RS", "ALQ 2b", "ALQ 2b rANS", "ALQ 2b RS", "DGC 0.1%",
          "SignEF", "Auto(ALQ 3b)", "Auto per layer (ALQ 3b)", "hvdcomp PowerSGD r1",
          "hvdcomp PowerSGD r2", "hvdcomp PowerSGD r4", "top-k 1%", "top-k 1% int8",
-         "top-k 1% int4"]
+         "top-k 1% int4", "uniformef v=0.1", "uniformef model v=0.1"]
 ITEM3 = ["fp32", "ALQ 3b", "AMQ 3b", "QSGD 3b", "QSGDinf 3b", "NUQSGD 3b", "TernGrad",
          "ALQ 2b", "AMQ 2b", "QSGD 2b", "QSGDinf 2b", "NUQSGD 2b", "DGC 0.1%",
          "DGC 0.1% no warm-up", "top-k 0.1%", "SignEF", "PSQ 4b", "BHQ 4b", "DQSG 4b",
