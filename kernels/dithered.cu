@@ -96,18 +96,11 @@ __device__ __forceinline__ u64 quantize_group(const float* __restrict__ x, i64 n
     }
     return word;
   }
-  HVD_UNROLL8
-  for (int k = 0; k < 8; ++k) {
-    const i64 i = i0 + k;
-    if (i >= n) break;
-    while (i >= bucket_end) {
-      ++b;
-      bucket_end += bucket_size;
-    }
+  group_coords(g, n, bucket_size, [&](int k, i64 i, i64 bi) {
     const u32 w = k < 4 ? ra.w[k] : rb.w[k - 4];
-    const int q = quantize_q(x[i], delta[b], dither_of(w), M);
+    const int q = quantize_q(x[i], delta[bi], dither_of(w), M);
     word |= (u64)((u32)(q + offset) & MASK) << (k * WIDTH);
-  }
+  });
   return word;
 }
 
@@ -289,21 +282,12 @@ __device__ inline void validate_loop(const unsigned char* __restrict__ packed, i
 #endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
     const u64 word = load_group<WIDTH>(packed, g, nbytes);
-    const i64 i0 = 8 * g;
-    i64 b = i0 / bucket_size;
-    i64 bucket_end = (b + 1) * bucket_size;
     u32 f = 0;
-    for (int k = 0; k < 8; ++k) {
-      const i64 i = i0 + k;
-      if (i >= n) break;
-      while (i >= bucket_end) {
-        ++b;
-        bucket_end += bucket_size;
-      }
+    group_coords(g, n, bucket_size, [&](int k, i64, i64 b) {
       const u32 c = (u32)(word >> (k * WIDTH)) & MASK;
       f |= c > max_code ? 1u : 0u;
       f |= (c != zero_code && !(delta[b] > 0.0f)) ? 2u : 0u;
-    }
+    });
     flags[g] = (unsigned char)f;
   }
 }
@@ -348,18 +332,11 @@ __device__ inline void decode_add_loop(const unsigned char* __restrict__ packed,
       }
       continue;
     }
-    HVD_UNROLL8
-    for (int k = 0; k < 8; ++k) {
-      const i64 i = i0 + k;
-      if (i >= n) break;
-      while (i >= bucket_end) {
-        ++b;
-        bucket_end += bucket_size;
-      }
+    group_coords(g, n, bucket_size, [&](int k, i64 i, i64 bi) {
       const int q = (int)((u32)(word >> (k * BITS)) & MASK) - M;
       const float s = dither_of(k < 4 ? ra.w[k] : rb.w[k - 4]);
-      out[i] = out[i] + reconstruct(delta[b], q, s);
-    }
+      out[i] = out[i] + reconstruct(delta[bi], q, s);
+    });
   }
 }
 
@@ -395,25 +372,15 @@ __device__ inline void round_pack_loop(const float* __restrict__ x, i64 n,
     return;
 #endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
-    const i64 i0 = 8 * g;
-    i64 b = i0 / bucket_size;
-    i64 bucket_end = (b + 1) * bucket_size;
     u64 word = 0;
-    HVD_UNROLL8
-    for (int k = 0; k < 8; ++k) {
-      const i64 i = i0 + k;
-      if (i >= n) break;
-      while (i >= bucket_end) {
-        ++b;
-        bucket_end += bucket_size;
-      }
+    group_coords(g, n, bucket_size, [&](int k, i64 i, i64 b) {
       const float d = delta[b];
       const float v = x[i];
       const int q = quantize_q(v, d, 0.0f, M);
       const float x_hat = (float)q * d;
       residual[i] = v - x_hat;
       word |= (u64)((u32)(q + M) & MASK) << (k * BITS);
-    }
+    });
     store_group<BITS>(out, g, nbytes, word);
   }
 }
@@ -445,21 +412,11 @@ __device__ inline void round_decode_add_loop(const unsigned char* __restrict__ p
 #endif
   for (i64 g = global_thread(); g < groups; g += grid_threads()) {
     const u64 word = load_group<BITS>(packed, g, nbytes);
-    const i64 i0 = 8 * g;
-    i64 b = i0 / bucket_size;
-    i64 bucket_end = (b + 1) * bucket_size;
-    HVD_UNROLL8
-    for (int k = 0; k < 8; ++k) {
-      const i64 i = i0 + k;
-      if (i >= n) break;
-      while (i >= bucket_end) {
-        ++b;
-        bucket_end += bucket_size;
-      }
+    group_coords(g, n, bucket_size, [&](int k, i64 i, i64 b) {
       const int q = (int)((u32)(word >> (k * BITS)) & MASK) - M;
       const float v = (float)q * delta[b];
       out[i] = out[i] + v;
-    }
+    });
   }
 }
 

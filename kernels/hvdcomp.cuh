@@ -347,6 +347,26 @@ __device__ __forceinline__ u64 load_group(const unsigned char* __restrict__ in, 
   return word;
 }
 
+// Calls f(k, i, b) for the coordinates i = 8g + k (k < 8, i < n) of group g in increasing
+// k, b the bucket (of bucket_size coordinates) of i: the group-at-a-time loop of the
+// element-wise kernels where a group may end the tensor or cross a bucket boundary.
+template <class F>
+__device__ __forceinline__ void group_coords(i64 g, i64 n, i64 bucket_size, F&& f) {
+  const i64 i0 = 8 * g;
+  i64 b = i0 / bucket_size;
+  i64 bucket_end = (b + 1) * bucket_size;
+  HVD_UNROLL8
+  for (int k = 0; k < 8; ++k) {
+    const i64 i = i0 + k;
+    if (i >= n) break;
+    while (i >= bucket_end) {          // buckets smaller than 8 coordinates step more than once
+      ++b;
+      bucket_end += bucket_size;
+    }
+    f(k, i, b);
+  }
+}
+
 // A kernel argument that the launchers never pass (they check first): stop the GPU kernel
 // with an error; on the host, report it to the launcher.
 __device__ inline void bad_launch(const char* what) {

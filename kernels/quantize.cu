@@ -150,18 +150,12 @@ __device__ __forceinline__ u64 quantize_group(const float* __restrict__ x, i64 n
     }
     return word;
   }
-  HVD_UNROLL8
-  for (int k = 0; k < 8; ++k) {        // the tail of the tensor, or a bucket boundary inside
-    const i64 i = i0 + k;
-    if (i >= n) break;
-    while (i >= bucket_end) {          // buckets smaller than 8 coordinates step more than once
-      ++b;
-      bucket_end += bucket_size;
-    }
+  // the tail of the tensor, or a bucket boundary inside the group
+  group_coords(g, n, bucket_size, [&](int k, i64 i, i64 bi) {
     const u32 w = k < 4 ? ra.w[k] : rb.w[k - 4];
-    const u32 code = quantize_one<BITS>(x[i], norms[b], levels, uniform01(w));
+    const u32 code = quantize_one<BITS>(x[i], norms[bi], levels, uniform01(w));
     word |= (u64)code << (k * BITS);
-  }
+  });
   return word;
 }
 
@@ -230,18 +224,11 @@ __device__ __forceinline__ void dequantize_add_group(u64 word, i64 n,
     }
     return;
   }
-  HVD_UNROLL8
-  for (int k = 0; k < 8; ++k) {
-    const i64 i = i0 + k;
-    if (i >= n) break;
-    while (i >= bucket_end) {
-      ++b;
-      bucket_end += bucket_size;
-    }
+  group_coords(g, n, bucket_size, [&](int k, i64 i, i64 bi) {
     const u32 code = (u32)(word >> (k * BITS)) & CODE_MASK;
-    const float v = levels[code & INDEX_MASK] * norms[b];
+    const float v = levels[code & INDEX_MASK] * norms[bi];
     out[i] = out[i] + negate_if(v, code >> (BITS - 1));   // where(neg, -v, v)
-  }
+  });
 }
 
 #if defined(HVD_HOST_BUILD)
