@@ -479,13 +479,11 @@ def uniform_encode(x: torch.Tensor, delta: torch.Tensor, bits: int,
         e_i = float32(x_i - float32(q_i * Delta_b))
 
     Returns (codes q + M packed at ``bits``: uint8 (ceil(n * bits / 8),), the residuals e:
-    float32 (n,), a new tensor).  The same bits from the kernel on either device."""
-    n = x.numel()
-    d = per_coordinate(delta, bucket_size, n)
-    safe = torch.where(d > 0, d, torch.ones_like(d))
-    q = torch.floor(x / safe + 0.5).clamp_(-_levels(bits), _levels(bits))
-    residual = x - q * d
-    return pack_bits(q.to(torch.int64) + _levels(bits), bits), residual
+    float32 (n,), a new tensor): DQSG's quantizer (:func:`dqsg_quantize`) with a zero
+    dither.  The same bits from the kernel on either device."""
+    q = dqsg_quantize(x, delta, bits, bucket_size, torch.zeros_like(x))
+    residual = x - q.to(torch.float32) * per_coordinate(delta, bucket_size, x.numel())
+    return pack_bits(q + _levels(bits), bits), residual
 
 
 @uniform_encode.kernel
