@@ -67,6 +67,7 @@ from quantizers import fit_to  # noqa: E402  (ALQ/AMQ levels fitted as bench/qua
 
 import hvdcomp  # noqa: E402
 from hvdcomp import TensorKey  # noqa: E402
+from hvdcomp.exchange.rounds import simulate  # noqa: E402
 
 BUCKET = 1024
 STEPS = (0, 100, 400)
@@ -291,24 +292,16 @@ def sparse_quantized(grads, history, setting, draws, sq):
 
 
 def powersgd_rounds(comp, grads, step):
-    """One step of an hvdcomp PowerSGD instance ``comp`` on world size 1: the exchange
-    core's rounds (:class:`hvdcomp.compressors.protocols.SummedRounds`) with each round's
-    sum over one rank being its own buffer.  Returns ({name: average}, float32 elements
-    summed: what the allreduces carry, per rank)."""
+    """One step of an hvdcomp PowerSGD instance ``comp`` on world size 1, through the
+    exchange's own one-process driver of the rounds (:func:`hvdcomp.exchange.rounds.simulate`).
+    Returns ({name: average}, float32 elements summed: what the allreduces carry, per
+    rank)."""
     est, floats = {}, 0
     for i, (n, g) in enumerate(sorted(grads.items())):
         key = TensorKey(n, i, step, 0, 1, shape=tuple(g.shape), dtype=g.dtype)
-        sizes = comp.round_sizes(key.shape, step)
-        floats += sum(sizes)
-        out = torch.zeros(sizes[0])
-        comp.first_round(g, key, out)
-        for j in range(1, len(sizes)):
-            nxt = torch.zeros(sizes[j])
-            comp.next_round(j, out, key, nxt)
-            out = nxt
-        acc = torch.empty(g.numel())
-        comp.last_round(out, key, acc)
-        est[n] = comp.finalize(acc, key).view_as(g)
+        floats += sum(comp.round_sizes(key.shape, step))
+        (avg,) = simulate([comp], [g], [key])
+        est[n] = avg.view_as(g)
     return est, floats
 
 
