@@ -889,15 +889,23 @@ def _slowed(monkeypatch, cls, method, seconds=0.3, only=lambda c: True):
     monkeypatch.setattr(cls, method, slow)
 
 
-def _slowed_in_trial(monkeypatch, name, method, seconds=0.3, only=lambda c: True):
-    """The trial's own compressors (``get`` in plan_trial) named ``name`` that ``only``
-    accepts: ``method`` made ``seconds`` slower per call (the planner's and the reference
-    exchanges' instances are not)."""
+def _in_trial(monkeypatch, change):
+    """``change(comp)`` applied to each of the trial's own compressors (``get`` in
+    plan_trial): the planner's and the reference exchanges' instances are left alone."""
     from hvdcomp.exchange import plan_trial
     inner = plan_trial.get
 
     def get(spec):
         comp = inner(spec)
+        change(comp)
+        return comp
+    monkeypatch.setattr(plan_trial, "get", get)
+
+
+def _slowed_in_trial(monkeypatch, name, method, seconds=0.3, only=lambda c: True):
+    """The trial's own compressors named ``name`` that ``only`` accepts: ``method`` made
+    ``seconds`` slower per call."""
+    def change(comp):
         if comp.name == name and only(comp):
             fn = getattr(comp, method)
 
@@ -905,8 +913,7 @@ def _slowed_in_trial(monkeypatch, name, method, seconds=0.3, only=lambda c: True
                 time.sleep(seconds)
                 return fn(*a, **kw)
             setattr(comp, method, slow)
-        return comp
-    monkeypatch.setattr(plan_trial, "get", get)
+    _in_trial(monkeypatch, change)
 
 
 @pytest.mark.parametrize("slow", ["plan", "uniform"])
@@ -1009,21 +1016,16 @@ def test_trial_between_the_reduce_scatter_and_the_allgather(monkeypatch, slow):
 
 
 def _failing_trial(monkeypatch, which):
-    """The trial's fresh compressors (``get`` in plan_trial) of the kinds in ``which`` raise
-    when they encode (top-k, ALQ) or start their rounds (PowerSGD): the planner's own
-    instances, used to decide and to train, do not."""
-    from hvdcomp.exchange import plan_trial
-    inner = plan_trial.get
-
+    """The trial's fresh compressors of the kinds in ``which`` raise when they encode
+    (top-k, ALQ) or start their rounds (PowerSGD): the planner's own instances, used to
+    decide and to train, do not."""
     def boom(*a, **kw):
         raise RuntimeError("boom in the trial")
 
-    def get(spec):
-        comp = inner(spec)
+    def change(comp):
         if comp.name in which:
             comp.encode = comp.first_round = boom
-        return comp
-    monkeypatch.setattr(plan_trial, "get", get)
+    _in_trial(monkeypatch, change)
 
 
 @pytest.mark.parametrize("which", [("powersgd", "topk"), ("powersgd", "topk", "alq")])
